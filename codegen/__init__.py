@@ -1,0 +1,7 @@
+"""The generator: Variant -> Triton source (one template per family) -> cached module."""
+from .cache import load, source_path
+from .render import GENERATOR_VERSION, TEMPLATES, render, template_hash
+from .variant import FAMILIES, Variant
+
+__all__ = ["Variant", "FAMILIES", "render", "load", "source_path", "template_hash",
+           "GENERATOR_VERSION", "TEMPLATES"]

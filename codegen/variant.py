@@ -1,0 +1,134 @@
+"""`Variant`: one kernel the generator can emit -- family + structural choices + tile/launch params."""
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+
+from flashtune._keys import as_json, stable_key
+
+# Each family has one template in codegen/templates/. Structural fields change the rendered text;
+# the rest reach the kernel as constexprs (BLOCK_M, ...) or launch knobs (num_warps, num_stages).
+FAMILIES = ("fwd", "bwd")
+LOADS = ("pointer", "descriptor")
+DQ_SCHEMES = ("none", "separate", "atomic")
+
+# Short spellings used in variant names: fwd-m128-n64-w8-s3
+_ABBREV = {"block_m": "m", "block_n": "n", "num_warps": "w", "num_stages": "s",
+           "block_m2": "mq", "block_n2": "nq", "num_warps2": "wq", "num_stages2": "sq"}
+_FROM_ABBREV = {v: k for k, v in _ABBREV.items()}
+
+
+def _pow2(x: int) -> bool:
+    return x > 0 and (x & (x - 1)) == 0
+
+
+@dataclass(frozen=True)
+class Variant:
+    family: str
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    # structural: split the causal key loop into an unmasked off-diagonal part and a masked
+    # diagonal part (False: one loop that masks every block)
+    causal_split: bool = True
+    # structural: "pointer" (pointer arithmetic + masks) or "descriptor" (tensor descriptors,
+    # which lower to TMA on Hopper and zero-fill out-of-bounds reads)
+    loads: str = "pointer"
+    # bwd only: how dQ is accumulated ("separate": a kernel parallel over query blocks,
+    # deterministic; "atomic": float32 atomic adds from the key-block kernel)
+    dq: str = "none"
+    # bwd only, dq="separate": tiles and launch knobs of the dQ kernel (0 = not used)
+    block_m2: int = 0
+    block_n2: int = 0
+    num_warps2: int = 0
+    num_stages2: int = 0
+
+    def __post_init__(self):
+        if self.family not in FAMILIES:
+            raise ValueError(f"Variant.family must be one of {FAMILIES}, got {self.family!r}")
+        for f in ("block_m", "block_n", "num_warps"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or not _pow2(v):
+                raise ValueError(f"Variant.{f} must be a power of two, got {v!r}")
+        if not isinstance(self.num_stages, int) or not 1 <= self.num_stages <= 8:
+            raise ValueError(f"Variant.num_stages must be an int in 1..8, got {self.num_stages!r}")
+        if self.loads not in LOADS:
+            raise ValueError(f"Variant.loads must be one of {LOADS}, got {self.loads!r}")
+        if self.dq not in DQ_SCHEMES:
+            raise ValueError(f"Variant.dq must be one of {DQ_SCHEMES}, got {self.dq!r}")
+        if (self.family == "bwd") != (self.dq != "none"):
+            raise ValueError(f"Variant.dq={self.dq!r} does not fit family {self.family!r} "
+                             "(bwd needs 'separate' or 'atomic', other families 'none')")
+        for f in ("block_m2", "block_n2", "num_warps2"):
+            v = getattr(self, f)
+            if v and not _pow2(v):
+                raise ValueError(f"Variant.{f} must be 0 or a power of two, got {v!r}")
+
+    # -- stable identity -------------------------------------------------------------------
+    @property
+    def key(self) -> str:
+        return stable_key(self)
+
+    def to_json(self) -> str:
+        return as_json(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Variant":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"unknown Variant field(s) {sorted(unknown)}; known: {sorted(known)}")
+        return cls(**d)
+
+    # -- human names: fwd-m128-n64-w8-s3[-loads=descriptor]... -----------------------------------
+    @property
+    def name(self) -> str:
+        parts = [self.family]
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if f.name == "family" or (f.name not in ("block_m", "block_n", "num_warps", "num_stages")
+                                      and v == f.default):
+                continue
+            if f.name in _ABBREV:
+                parts.append(f"{_ABBREV[f.name]}{v}")
+            else:
+                parts.append(f"{f.name}={str(v).lower() if isinstance(v, bool) else v}")
+        return "-".join(parts)
+
+    @classmethod
+    def parse(cls, text: str) -> "Variant":
+        """Read a variant from its name (fwd-m128-n64-w8-s3) or its JSON."""
+        text = text.strip()
+        if text.startswith("{"):
+            return cls.from_dict(json.loads(text))
+        family, *tokens = text.split("-")
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        values: dict = {"family": family}
+        for tok in tokens:
+            if "=" in tok:
+                k, v = tok.split("=", 1)
+                if k not in fields:
+                    raise ValueError(f"variant name {text!r}: unknown field {k!r}")
+                if fields[k].type in ("bool", bool):
+                    if v not in ("true", "false"):
+                        raise ValueError(f"variant name {text!r}: {k} must be true or false")
+                    values[k] = v == "true"
+                else:
+                    values[k] = v
+                continue
+            head = tok.rstrip("0123456789")
+            digits = tok[len(head):]
+            if head not in _FROM_ABBREV or not digits:
+                raise ValueError(f"variant name {text!r}: cannot read {tok!r} "
+                                 f"(expected one of {sorted(_FROM_ABBREV)} followed by a number)")
+            values[_FROM_ABBREV[head]] = int(digits)
+        missing = [f for f in ("block_m", "block_n", "num_warps", "num_stages") if f not in values]
+        if missing:
+            raise ValueError(f"variant name {text!r} lacks {missing}")
+        return cls(**values)
+
+    def structure(self) -> dict:
+        """The fields that change the rendered text (the template's `#%if` conditions read these)."""
+        return {"causal_split": self.causal_split, "loads": self.loads, "dq": self.dq}

@@ -1,0 +1,18 @@
+"""The `flashtune` command: one click group; each verb group lives in its own cli_*.py module."""
+from __future__ import annotations
+
+import click
+
+from .cli_kernels import kernels
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="flashtune")
+def main():
+    """flashtune: autotuned FlashAttention-2 kernels generated in Triton."""
+
+
+main.add_command(kernels)
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,37 @@
+"""Environment knobs, declared once. Read them through these functions, never os.environ directly."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+KNOBS = {
+    "FLASHTUNE_DB": "SQLAlchemy URL of the user's tuned DB (default: SQLite in the cache folder)",
+    "FLASHTUNE_CACHE_DIR": "folder for generated kernel sources and the default DB (default: ~/.cache/flashtune)",
+    "FLASHTUNE_FORCE_VARIANT": "variant name or JSON that every call uses, for debugging",
+    "FLASHTUNE_GPU": "GPU name to assume instead of detecting one (tables, search)",
+    "TRITON_INTERPRET": "1 runs the kernels on the CPU in Triton's interpreter (tests; slow)",
+}
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("FLASHTUNE_CACHE_DIR")
+    if base:
+        return Path(base).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "flashtune"
+
+
+def db_url() -> str | None:
+    return os.environ.get("FLASHTUNE_DB") or None
+
+
+def forced_variant() -> str | None:
+    return os.environ.get("FLASHTUNE_FORCE_VARIANT") or None
+
+
+def gpu_override() -> str | None:
+    return os.environ.get("FLASHTUNE_GPU") or None
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")

@@ -1,0 +1,41 @@
+"""Float64 reference attention (and a same-dtype PyTorch version to calibrate tolerances)."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def causal_mask(nq: int, nk: int, device=None) -> torch.Tensor:
+    """True where query i may see key j: j <= i + nk - nq (bottom-right aligned, as FA >= 2.1)."""
+    i = torch.arange(nq, device=device)[:, None]
+    j = torch.arange(nk, device=device)[None, :]
+    return j <= i + (nk - nq)
+
+
+def _attention(q, k, v, causal, scale, dtype):
+    b, h, nq, d = q.shape
+    hk, nk = k.shape[1], k.shape[2]
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    q, k, v = (t.to(dtype) for t in (q, k, v))
+    if h != hk:  # GQA/MQA: each k/v head serves h // hk query heads
+        k = k.repeat_interleave(h // hk, dim=1)
+        v = v.repeat_interleave(h // hk, dim=1)
+    s = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if causal:
+        s = s.masked_fill(~causal_mask(nq, nk, q.device), float("-inf"))
+    lse = torch.logsumexp(s.float() if dtype != torch.float64 else s, dim=-1)
+    p = torch.softmax(s, dim=-1)
+    p = torch.nan_to_num(p, nan=0.0)  # rows that see no key: zeros (documented behaviour)
+    return torch.matmul(p, v), lse
+
+
+def reference(q, k, v, *, causal=False, scale=None, return_lse=False):
+    """Attention in float64 with flashtune's semantics; returns float64 (and the row LSE)."""
+    o, lse = _attention(q, k, v, causal, scale, torch.float64)
+    return (o, lse) if return_lse else o
+
+
+def same_dtype_math(q, k, v, *, causal=False, scale=None):
+    """PyTorch's plain math in the inputs' dtype: the error budget DESIGN.md's tolerance uses."""
+    return _attention(q, k, v, causal, scale, q.dtype)[0]

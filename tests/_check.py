@@ -1,0 +1,25 @@
+"""Shared assertion: flashtune's result against the float64 reference, DESIGN.md's tolerance."""
+import torch
+
+import flashtune
+from flashtune.accuracy import compare
+from flashtune.reference import reference, same_dtype_math
+
+
+def qkv(b, h, hk, nq, nk, d, dtype, device, layout="bhnd"):
+    """Fresh random q, k, v; layout "bnhd" makes (B, N, H, D) tensors viewed as (B, H, N, D)."""
+    def make(heads, n):
+        if layout == "bnhd":
+            return torch.randn(b, n, heads, d, dtype=dtype, device=device).transpose(1, 2)
+        return torch.randn(b, heads, n, d, dtype=dtype, device=device)
+    return make(h, nq), make(hk, nk), make(hk, nk)
+
+
+def assert_matches_reference(q, k, v, causal=False, scale=None, out=None):
+    if out is None:
+        out = flashtune.attention(q, k, v, causal=causal, scale=scale)
+    assert out.dtype == q.dtype and out.shape == q.shape
+    ref = reference(q, k, v, causal=causal, scale=scale)
+    report = compare(out, ref, same_dtype_math(q, k, v, causal=causal, scale=scale))
+    assert report.ok, str(report)
+    return out
