@@ -1,0 +1,77 @@
+"""GPU targets: the limits the feasibility model reads, and detection of the GPU present."""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Target:
+    short: str               # what --gpu takes: "H100"
+    name: str                # torch.cuda.get_device_name(): "NVIDIA H100 80GB HBM3"
+    arch: str                # "sm_90"
+    capability: tuple        # (9, 0)
+    sm_count: int
+    smem_per_block: int      # bytes a block may opt into
+    regs_per_sm: int
+    peak_tflops_bf16: float  # dense tensor-core, datasheet
+    mem_bw_gbps: float       # datasheet
+    features: frozenset      # "tma" (tensor descriptors lower to TMA), "wgmma", "warp_specialize"
+
+    @property
+    def slug(self) -> str:
+        return slug_of(self.name)
+
+    def has(self, feature: str) -> bool:
+        return feature in self.features
+
+
+def slug_of(device_name: str) -> str:
+    """"NVIDIA H100 80GB HBM3" -> "nvidia-h100-80gb-hbm3": the shipped table's file name."""
+    return re.sub(r"[^a-z0-9]+", "-", device_name.lower()).strip("-")
+
+
+_HOPPER = frozenset({"tma", "wgmma", "warp_specialize"})
+# Datasheet numbers; smem_per_block is the opt-in maximum (cudaDevAttrMaxSharedMemoryPerBlockOptin).
+TARGETS = {t.short: t for t in (
+    Target("A100", "NVIDIA A100-SXM4-80GB", "sm_80", (8, 0), 108, 166912, 65536, 312.0, 2039.0,
+           frozenset()),
+    Target("H100", "NVIDIA H100 80GB HBM3", "sm_90", (9, 0), 132, 232448, 65536, 989.0, 3350.0,
+           _HOPPER),
+    Target("H200", "NVIDIA H200", "sm_90", (9, 0), 132, 232448, 65536, 989.0, 4800.0, _HOPPER),
+    Target("L40S", "NVIDIA L40S", "sm_89", (8, 9), 142, 101376, 65536, 362.0, 864.0, frozenset()),
+    Target("RTX4090", "NVIDIA GeForce RTX 4090", "sm_89", (8, 9), 128, 101376, 65536, 165.0,
+           1008.0, frozenset()),
+)}
+
+
+def get(short: str) -> Target:
+    key = short.upper().replace(" ", "").replace("-", "")
+    for t in TARGETS.values():
+        if t.short.upper() == key:
+            return t
+    raise KeyError(f"unknown GPU {short!r}; known: {', '.join(TARGETS)} (or 'auto')")
+
+
+def detect(device_index: int | None = None) -> Target | None:
+    """The target of the GPU present (None without one). Unknown GPUs get a target read off the
+    device, with the features its compute capability implies."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    idx = torch.cuda.current_device() if device_index is None else device_index
+    props = torch.cuda.get_device_properties(idx)
+    for t in TARGETS.values():
+        if t.name == props.name or slug_of(t.name) == slug_of(props.name):
+            return t
+    for t in TARGETS.values():  # same chip, other SKU ("H100 PCIe"): closest by short name
+        if t.short.lower() in props.name.lower().replace(" ", ""):
+            return Target(t.short, props.name, t.arch, t.capability, props.multi_processor_count,
+                          t.smem_per_block, t.regs_per_sm, t.peak_tflops_bf16, t.mem_bw_gbps,
+                          t.features)
+    cap = (props.major, props.minor)
+    return Target(slug_of(props.name), props.name, f"sm_{props.major}{props.minor}", cap,
+                  props.multi_processor_count,
+                  getattr(props, "shared_memory_per_block_optin", 49152), 65536, 0.0, 0.0,
+                  _HOPPER if cap >= (9, 0) else frozenset())
