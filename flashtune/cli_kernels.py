@@ -6,7 +6,7 @@ import json
 import click
 
 from .codegen import FAMILIES, TEMPLATES, Variant, render, source_path, template_hash
-from .codegen.render import GENERATOR_VERSION
+from .codegen.render import GENERATOR_VERSION, TEMPLATE_DIR
 
 
 @click.group()
@@ -19,7 +19,7 @@ def kernels():
 def list_(fmt):
     """List the kernel families, their structural choices and tunables."""
     from .search_spaces import describe_family  # the search space says what each family can vary
-    rows = [describe_family(f) for f in FAMILIES if f in TEMPLATES]
+    rows = [describe_family(f) for f in FAMILIES if (TEMPLATE_DIR / TEMPLATES[f]).exists()]
     if fmt == "json":
         click.echo(json.dumps(rows, indent=2, sort_keys=True))
         return

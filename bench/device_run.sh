@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# One device call: install what the GPU machine lacks, then run the steps named in $STEPS.
+#   STEPS="fwdtests fwdbench" bash bench/device_run.sh
+# Everything it prints and writes lands under $OUT (fetched back by the device tool).
+set -uo pipefail
+export PYTHONUNBUFFERED=1 OUT=${OUT:-$PWD/bench_out}
+mkdir -p "$OUT"
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site
+fi
+python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || echo "editable install failed"
+export FLASHTUNE_CACHE_DIR=/tmp/flashtune-cache
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,temperature.gpu --format=csv,noheader
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda)"
+for step in ${STEPS:-fwdtests}; do
+  echo "=== $step $(date +%T)"
+  case $step in
+    fwdtests) timeout 240 python3 -m pytest -q -x tests/test_forward.py tests/test_forward_gpu.py \
+                tests/test_api_errors.py tests/test_codegen.py 2>&1 | tee "$OUT/fwdtests.log" | tail -25 ;;
+    fwdbench) timeout ${FWDBENCH_TIMEOUT:-420} python3 bench/fwd_bench.py ${FWDBENCH_ARGS:---sweep} 2>&1 | tee "$OUT/fwdbench.log" | tail -45 ;;
+    gputests) timeout 300 python3 -m pytest -q -m gpu tests 2>&1 | tee "$OUT/gputests.log" | tail -30 ;;
+    *) echo "unknown step $step" ;;
+  esac
+done
+echo "=== done $(date +%T)"
