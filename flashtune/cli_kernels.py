@@ -19,7 +19,14 @@ def kernels():
 def list_(fmt):
     """List the kernel families, their structural choices and tunables."""
     from .search_spaces import describe_family  # the search space says what each family can vary
-    rows = [describe_family(f) for f in FAMILIES if (TEMPLATE_DIR / TEMPLATES[f]).exists()]
+    rows = []
+    for f in FAMILIES:
+        if not (TEMPLATE_DIR / TEMPLATES[f]).exists():
+            continue
+        try:
+            rows.append(describe_family(f))
+        except KeyError:  # a template without a search space yet: show what the template is
+            rows.append({"family": f, "template": TEMPLATES[f], "choices": {}, "example": "-"})
     if fmt == "json":
         click.echo(json.dumps(rows, indent=2, sort_keys=True))
         return
