@@ -16,7 +16,9 @@ from .render import render
 from .variant import Variant
 
 _lock = threading.Lock()
-_modules: dict[str, ModuleType] = {}
+# keyed by the Variant itself (a frozen dataclass hashes its fields): the hot path must not
+# pay for the sha256 of variant.key on every call
+_modules: dict[Variant, ModuleType] = {}
 
 
 def kernel_dir() -> Path:
@@ -38,13 +40,12 @@ def source_path(variant: Variant) -> Path:
 
 
 def load(variant: Variant) -> ModuleType:
-    """Import the generated module of `variant` (memoized per variant key)."""
-    key = variant.key
-    mod = _modules.get(key)
+    """Import the generated module of `variant` (memoized per variant)."""
+    mod = _modules.get(variant)
     if mod is not None:
         return mod
     with _lock:
-        mod = _modules.get(key)
+        mod = _modules.get(variant)
         if mod is None:
             path = source_path(variant)
             name = f"flashtune_generated.{path.stem}"
@@ -52,5 +53,5 @@ def load(variant: Variant) -> ModuleType:
             mod = importlib.util.module_from_spec(spec)
             sys.modules[name] = mod  # triton reads the source back through inspect/linecache
             spec.loader.exec_module(mod)
-            _modules[key] = mod
+            _modules[variant] = mod
     return mod

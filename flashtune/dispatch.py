@@ -1,18 +1,48 @@
-"""Problem -> Variant: the runtime dispatcher (forced config, then the built-in defaults)."""
+"""Problem -> Variant: the runtime dispatcher, called on every flashtune.attention.
+
+Lookup order (tuned_db/lookup.py has the rules, nearest bucket and the stale-entry policy):
+
+    forced (force() / FLASHTUNE_FORCE_VARIANT)
+    -> user DB (FLASHTUNE_DB, else the SQLite file in the cache folder if it exists)
+    -> shipped table of this GPU -> shipped tables of the same architecture
+    -> built-in default (defaults.py)
+
+The hot path is a thread-local read, an environment read and one dict lookup keyed by the
+Problem: the DB and the tables are read once per process (and again after clear_cache() or a
+write to the tuned DB from this process), the GPU is detected once. Nothing here creates a
+database file. A bad table or DB is logged once and skipped; it never fails a call.
+"""
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import threading
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
 
 from . import env
 from .codegen import Variant
 from .defaults import default_variant
-from .problem import Problem
+from .problem import Bucket, Problem
+from .tuned_db.events import on_write
+from .tuned_db.record import Record
+
+__all__ = ["select", "explain", "force", "clear_cache", "configure", "Explanation"]
+
+log = logging.getLogger("flashtune.dispatch")
 
 _forced = threading.local()
+_MEMO_MAX = 1 << 16           # distinct problems remembered before the memo starts over
+_memo: dict = {}              # Problem -> Variant (the hot path)
+_by_bucket: dict = {}         # Bucket -> Explanation (the slow path's result)
+_state = None                 # _Levels, read once
+_state_lock = threading.Lock()
+_warned: set = set()
 
 
+# -- forcing a config, for debugging ------------------------------------------------------------
 @contextlib.contextmanager
 def force(variant: Variant | str):
     """Run every call inside the block with `variant` (a Variant, its name or JSON): debugging."""
@@ -25,18 +55,43 @@ def force(variant: Variant | str):
         _forced.variant = prev
 
 
-def _forced_variant() -> Variant | None:
+@lru_cache(maxsize=8)
+def _parse_forced(text: str) -> Variant:
+    try:
+        return Variant.parse(text)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"FLASHTUNE_FORCE_VARIANT={text!r} is not a variant: {e}") from None
+
+
+def _forced_variant() -> tuple[Variant | None, str]:
     v = getattr(_forced, "variant", None)
-    if v is None and env.forced_variant():
-        v = Variant.parse(env.forced_variant())
+    if v is not None:
+        return v, "force()"
+    text = env.forced_variant()
+    if text:
+        return _parse_forced(text), "FLASHTUNE_FORCE_VARIANT"
+    return None, ""
+
+
+# -- the hot path -------------------------------------------------------------------------------
+def select(problem: Problem) -> Variant:
+    forced = getattr(_forced, "variant", None)
+    if forced is None and env.forced_variant():
+        forced = _parse_forced(env.forced_variant())
+    if forced is not None and forced.family == problem.family:
+        return forced
+    v = _memo.get(problem)
+    if v is None:
+        v = _select_slow(problem)
     return v
 
 
-def select(problem: Problem) -> Variant:
-    forced = _forced_variant()
-    if forced is not None and forced.family == problem.family:
-        return forced
-    return default_variant(problem.family, problem.head_dim, problem.dtype)
+def _select_slow(problem: Problem) -> Variant:
+    v = _explain_bucket(problem).variant
+    if len(_memo) >= _MEMO_MAX:
+        _memo.clear()  # a stream of distinct shapes: the per-bucket results stay, refill is cheap
+    _memo[problem] = v
+    return v
 
 
 def fit_to_inputs(variant: Variant, descriptors_ok: bool) -> Variant:
@@ -44,3 +99,202 @@ def fit_to_inputs(variant: Variant, descriptors_ok: bool) -> Variant:
     if variant.loads == "descriptor" and not descriptors_ok:
         return dataclasses.replace(variant, loads="pointer")
     return variant
+
+
+# -- explain ------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Explanation:
+    """Which bucket, which record and which level of the lookup order served a problem."""
+    problem: Problem
+    bucket: Bucket
+    variant: Variant
+    level: str                 # "forced" | "user-db" | "gpu-table" | "arch-table" | "default"
+    origin: str                # DB URL, table file, "flashtune/defaults.py", "force()", ...
+    gpu: str | None            # GPU slug the tables were chosen for (None: no GPU)
+    record: Record | None = None
+    distance: float = 0.0      # octaves from the problem's bucket to the record's (0: exact)
+    stale: tuple = ()          # why the record is stale (empty: fresh)
+    notes: tuple = ()          # what each level said: missing tables, errors, skipped records
+
+    def to_dict(self) -> dict:
+        return {
+            "problem": dataclasses.asdict(self.problem),
+            "bucket": dataclasses.asdict(self.bucket),
+            "variant": self.variant.name,
+            "level": self.level,
+            "origin": self.origin,
+            "gpu": self.gpu,
+            "record": None if self.record is None else {
+                "bucket": dataclasses.asdict(self.record.bucket),
+                "median_ms": self.record.median_ms, "throughput": self.record.throughput,
+                "unit": self.record.unit, "source": self.record.provenance.source,
+                "date": self.record.provenance.date},
+            "distance": self.distance,
+            "stale": list(self.stale),
+            "notes": list(self.notes),
+        }
+
+    def __str__(self) -> str:
+        b = self.bucket
+        lines = [f"problem  {_fmt_problem(self.problem)}",
+                 f"bucket   {b.family} {b.dtype} d{b.head_dim} causal={b.causal} gqa={b.gqa} "
+                 f"Nq~{b.seqlen_q} Nk~{b.seqlen_k} BH~{b.batch_heads}",
+                 f"gpu      {self.gpu or '(none detected)'}",
+                 f"level    {self.level}  ({self.origin})",
+                 f"variant  {self.variant.name}"]
+        if self.record is not None:
+            r, rb = self.record, self.record.bucket
+            where = "exact bucket" if self.distance == 0 else (
+                f"nearest bucket Nq~{rb.seqlen_q} Nk~{rb.seqlen_k} BH~{rb.batch_heads} "
+                f"gqa={rb.gqa}, {self.distance:g} octaves away")
+            lines.append(f"record   {where}: {r.median_ms:.4g} ms, {r.throughput:.4g} {r.unit}, "
+                         f"source {r.provenance.source}, {r.provenance.date}")
+        lines += [f"stale    {s}" for s in self.stale]
+        lines += [f"note     {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+def _fmt_problem(p: Problem) -> str:
+    return (f"{p.family} {p.dtype} d{p.head_dim} causal={p.causal} group={p.group} "
+            f"B={p.batch} H={p.heads} Nq={p.seqlen_q} Nk={p.seqlen_k}")
+
+
+def explain(problem, k=None, v=None, *, causal: bool = False, family: str = "fwd") -> Explanation:
+    """Why `problem` runs the variant it runs. Takes a Problem, or the tensors of a call:
+    explain(q, k, v, causal=True) (also flashtune.explain)."""
+    if not isinstance(problem, Problem):
+        from .api import problem_of  # api imports this module: import on use
+        problem = problem_of(family, problem, k, causal)
+    forced, origin = _forced_variant()
+    if forced is not None and forced.family == problem.family:
+        return Explanation(problem, Bucket.of(problem), forced, "forced", origin, _levels().gpu)
+    return dataclasses.replace(_explain_bucket(problem), problem=problem)
+
+
+# -- the slow path: read the levels once, choose per bucket ---------------------------------------
+@dataclass(frozen=True)
+class _Overrides:
+    gpu: str | None = None         # "H100", a device name or a slug; "" means: no GPU
+    db: str | None = None          # a SQLAlchemy URL instead of FLASHTUNE_DB / the default file
+    tables_dir: str | None = None  # instead of the shipped tuned_db/tables
+
+
+_over = _Overrides()
+
+
+def configure(*, gpu: str | None = None, db: str | None = None,
+              tables_dir: str | Path | None = None) -> None:
+    """Point the dispatcher at another GPU, user DB or tables folder (tests, the CLI's --gpu,
+    --db and --tables). configure() with no arguments restores the defaults. Clears the memo."""
+    global _over
+    _over = _Overrides(gpu, db, None if tables_dir is None else str(tables_dir))
+    clear_cache()
+
+
+def clear_cache() -> None:
+    """Forget every lookup: the next call of each problem reads the DB and the tables again."""
+    global _state
+    with _state_lock:
+        _memo.clear()
+        _by_bucket.clear()
+        _state = None
+
+
+on_write(clear_cache)  # this process wrote the tuned DB (search, import): re-read it
+
+
+@dataclass(frozen=True)
+class _Levels:
+    gpu: str | None
+    sources: tuple
+    notes: tuple
+
+
+def _gpu() -> tuple[str | None, str]:
+    """(slug, arch) of the GPU to tune for: the override, FLASHTUNE_GPU, else the detected one."""
+    from .tuned_db.gpu import gpu_slug, target_of
+    name = _over.gpu if _over.gpu is not None else env.gpu_override()
+    if name == "":
+        return None, ""
+    if name:
+        t = target_of(name)
+        return (t.slug, t.arch) if t else (gpu_slug(name), "")
+    from . import targets
+    try:
+        t = targets.detect()
+    except Exception as e:  # noqa: BLE001 -- a broken driver must not fail attention
+        log.warning("flashtune: GPU detection failed (%s); using the built-in defaults", e)
+        return None, ""
+    return (t.slug, t.arch) if t else (None, "")
+
+
+def _read_levels() -> _Levels:
+    from .tuned_db import lookup
+    from .tuned_db.io import TABLES_DIR
+    gpu, arch = _gpu()
+    if gpu is None:
+        return _Levels(None, (), ("no GPU detected (set FLASHTUNE_GPU to use a tuned table)",))
+    tables = Path(_over.tables_dir) if _over.tables_dir else TABLES_DIR
+    url = _over.db or env.db_url()
+    default = env.cache_dir() / "tuned.db"
+    sources = [lookup.user_db(gpu, url, f"sqlite:///{default}", default.exists())]
+    own, table_arch = lookup.gpu_table(gpu, tables)
+    sources.append(own)
+    sources += lookup.arch_tables(gpu, arch or table_arch, tables)
+    for s in sources:
+        for e in s.errors:
+            log.warning("flashtune: %s", e)
+    notes = tuple(n for s in sources for n in s.notes + s.errors)
+    return _Levels(gpu, tuple(s for s in sources if s.records), notes)
+
+
+def _levels() -> _Levels:
+    global _state
+    st = _state
+    if st is None:
+        with _state_lock:
+            st = _state
+            if st is None:
+                try:
+                    st = _read_levels()
+                except Exception as e:  # noqa: BLE001 -- never fail attention over a table
+                    log.warning("flashtune: reading the tuned tables failed (%r); using the "
+                                "built-in defaults", e)
+                    st = _Levels(None, (), (f"reading the tuned tables failed: {e!r}",))
+                _state = st
+    return st
+
+
+def _explain_bucket(problem: Problem) -> Explanation:
+    bucket = Bucket.of(problem)
+    ex = _by_bucket.get(bucket)
+    if ex is not None:
+        return ex
+    levels = _levels()
+    match = None
+    try:
+        from .tuned_db.lookup import best
+        match = best(bucket, levels.sources)
+    except Exception as e:  # noqa: BLE001
+        log.warning("flashtune: tuned lookup failed for %s (%r); using the built-in default",
+                    bucket, e)
+    if match is None:
+        ex = Explanation(problem, bucket,
+                         default_variant(problem.family, problem.head_dim, problem.dtype),
+                         "default", "flashtune/defaults.py", levels.gpu, notes=levels.notes)
+    else:
+        if match.stale:
+            _warn_once((match.origin, match.record.natural_key),
+                       f"flashtune: using stale tuned record {match.record.variant.name} for "
+                       f"{bucket} from {match.origin} ({'; '.join(match.stale)}): no fresh record "
+                       "serves it; re-run `flashtune search` to refresh")
+        ex = Explanation(problem, bucket, match.record.variant, match.level, match.origin,
+                         levels.gpu, match.record, match.distance, match.stale, levels.notes)
+    _by_bucket[bucket] = ex
+    return ex
+
+
+def _warn_once(key, msg: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        log.warning(msg)

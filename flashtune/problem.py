@@ -34,20 +34,38 @@ class Problem:
 
 
 def _log2_bucket(n: int) -> int:
-    """Round up to a power of two (>= 1): seqlens 1000 and 1024 share one bucket."""
-    return 1 << max(0, math.ceil(math.log2(max(1, n))))
+    """Nearest power of two on a log scale (>= 1): 1000, 1024 and 1400 share 1024; 1500 -> 2048.
+    The boundary is the geometric midpoint 2**(k + 0.5), so a bucket holds the sizes whose
+    tile counts are closest to its own."""
+    n = max(1, int(n))
+    lo = 1 << (n.bit_length() - 1)   # largest power of two <= n
+    return lo if n * n < 2 * lo * lo else lo << 1  # n < lo*sqrt(2), in integers
+
+
+def _head_dim_bucket(d: int) -> int:
+    """The padded head dim the kernel computes with (BLOCK_D = next power of two, >= 16): it sets
+    the shared memory and registers of a tile, so head dims 80, 96 and 128 share one config."""
+    return max(16, 1 << (max(1, int(d)) - 1).bit_length())
+
+
+# Past this many query rows (batch*heads*seqlen_q) the launch grid is many waves deep on any
+# GPU flashtune targets (2**18 rows / BLOCK_M 128 = 2048 programs = 15 waves on 132 SMs), so
+# batch*heads stops mattering for the choice of tiles and is clamped. Arithmetic, not a
+# measurement: revisit when the search has timed the standard grid.
+_ROWS_SATURATE = 1 << 18
 
 
 @dataclass(frozen=True)
 class Bucket:
     family: str
     dtype: str
-    head_dim: int
+    head_dim: int     # padded to the kernel's BLOCK_D: 16, 32, 64, 128, 256
     causal: bool
-    gqa: bool        # group > 1: K/V are shared between q heads (changes L2 reuse, not the code)
-    seqlen_q: int    # power-of-two buckets
+    gqa: bool         # group > 1: K/V are shared between q heads (changes L2 reuse, not the code)
+    seqlen_q: int     # nearest power of two (log scale)
     seqlen_k: int
-    batch_heads: int  # batch*heads, power-of-two buckets: small grids leave SMs idle
+    batch_heads: int  # batch*heads, nearest power of two, clamped where the grid saturates the
+    #                   GPU (_ROWS_SATURATE): small grids leave SMs idle, large ones do not
 
     @property
     def key(self) -> str:
@@ -55,6 +73,23 @@ class Bucket:
 
     @classmethod
     def of(cls, p: Problem) -> "Bucket":
-        return cls(p.family, p.dtype, p.head_dim, p.causal, p.group > 1,
-                   _log2_bucket(p.seqlen_q), _log2_bucket(p.seqlen_k),
-                   _log2_bucket(p.batch * p.heads))
+        sq = _log2_bucket(p.seqlen_q)
+        bh = min(_log2_bucket(p.batch * p.heads), max(1, _ROWS_SATURATE // sq))
+        return cls(p.family, p.dtype, _head_dim_bucket(p.head_dim), p.causal, p.group > 1,
+                   sq, _log2_bucket(p.seqlen_k), bh)
+
+    def same_kernel_class(self, other: "Bucket") -> bool:
+        """Whether a config tuned for `other` may serve `self`: the fields that decide which
+        tiles fit (family, dtype, padded head dim) and the masking (causal) must agree."""
+        return (self.family == other.family and self.dtype == other.dtype
+                and self.head_dim == other.head_dim and self.causal == other.causal)
+
+    def log_distance(self, other: "Bucket") -> float:
+        """How far apart two buckets are: octaves of seqlen_q + seqlen_k + batch*heads, plus half
+        an octave if one shares K/V heads and the other does not. inf if `other` cannot serve."""
+        if not self.same_kernel_class(other):
+            return math.inf
+        d = sum(abs(math.log2(a) - math.log2(b)) for a, b in (
+            (self.seqlen_q, other.seqlen_q), (self.seqlen_k, other.seqlen_k),
+            (self.batch_heads, other.batch_heads)))
+        return d + (0.5 if self.gqa != other.gqa else 0.0)

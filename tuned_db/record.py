@@ -1,6 +1,7 @@
 """`Record`: one row of the tuned DB -- bucket -> winning variant, timings, error, provenance."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from flashtune._keys import stable_key
@@ -8,6 +9,7 @@ from flashtune.codegen import Variant
 from flashtune.problem import Bucket
 
 SOURCES = ("search", "import", "default")
+UNITS = ("TFLOP/s", "GB/s")
 
 
 @dataclass(frozen=True)
@@ -44,3 +46,62 @@ class Record:
     @property
     def key(self) -> str:
         return stable_key(self)
+
+    # -- plain-data form: the shipped tables and the DB rows are written from this ------------
+    def to_dict(self) -> dict:
+        """JSON-ready dict. Keys are sorted when dumped; runner-ups become [name, ms] pairs."""
+        return {
+            "gpu": self.gpu,
+            "bucket": dataclasses.asdict(self.bucket),
+            "variant": dataclasses.asdict(self.variant),
+            "median_ms": self.median_ms,
+            "throughput": self.throughput,
+            "unit": self.unit,
+            "max_err": self.max_err,
+            "runner_ups": [[str(n), float(ms)] for n, ms in self.runner_ups],
+            "provenance": dataclasses.asdict(self.provenance),
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Record":
+        """Inverse of to_dict. Raises ValueError naming what is wrong (unknown fields, a variant
+        the generator does not know, a bucket of another family)."""
+        if not isinstance(d, dict):
+            raise ValueError(f"a record must be a JSON object, got {type(d).__name__}")
+        missing = _REQUIRED - set(d)
+        unknown = set(d) - _REQUIRED
+        if missing or unknown:
+            raise ValueError(f"record fields: missing {sorted(missing)}, unknown {sorted(unknown)}")
+        try:
+            variant = Variant.from_dict(d["variant"])
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"variant {d['variant']!r} is not one the generator knows: {e}") from None
+        try:
+            bucket = Bucket(**d["bucket"])
+            prov = Provenance(**d["provenance"])
+        except TypeError as e:
+            raise ValueError(f"bad bucket or provenance: {e}") from None
+        rec = cls(gpu=d["gpu"], bucket=bucket, variant=variant, median_ms=float(d["median_ms"]),
+                  throughput=float(d["throughput"]), unit=d["unit"], max_err=float(d["max_err"]),
+                  provenance=prov,
+                  runner_ups=tuple((str(n), float(ms)) for n, ms in d["runner_ups"]))
+        rec.check()
+        return rec
+
+    def check(self) -> "Record":
+        """Raise ValueError if the record cannot be stored or served; return it otherwise."""
+        if not self.gpu or not isinstance(self.gpu, str):
+            raise ValueError(f"record.gpu must be a GPU slug, got {self.gpu!r}")
+        if self.variant.family != self.bucket.family:
+            raise ValueError(f"variant {self.variant.name} is of family {self.variant.family!r} "
+                             f"but the bucket is {self.bucket.family!r}")
+        if self.provenance.source not in SOURCES:
+            raise ValueError(f"provenance.source must be one of {SOURCES}, "
+                             f"got {self.provenance.source!r}")
+        if self.unit not in UNITS:
+            raise ValueError(f"record.unit must be one of {UNITS}, got {self.unit!r}")
+        return self
+
+
+_REQUIRED = frozenset({"gpu", "bucket", "variant", "median_ms", "throughput", "unit", "max_err",
+                       "runner_ups", "provenance"})

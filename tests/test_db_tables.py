@@ -1,0 +1,189 @@
+"""Shipped tables: format, stable bytes, bad files; the db CLI: show, export -> import, diff."""
+import dataclasses
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from flashtune.cli import main
+from flashtune.tuned_db import TableError, TunedDB
+from flashtune.tuned_db.io import (SCHEMA, SCHEMA_VERSION, TABLES_DIR, read_header, read_table,
+                                   to_json, write_table)
+
+from test_db import H100, make_record
+
+
+def _recs():
+    return [make_record(sq=n, bh=bh, ms=n / 1000) for n in (4096, 512, 1024) for bh in (16, 8)]
+
+
+def test_table_round_trip_and_stable_bytes(tmp_path):
+    recs = _recs()
+    path = write_table(tmp_path / "t.json", "H100", recs)
+    t = read_table(path)
+    assert (t.gpu, t.gpu_name, t.arch) == (H100, "NVIDIA H100 80GB HBM3", "sm_90")
+    assert sorted(t.records, key=lambda r: r.key) == sorted(recs, key=lambda r: r.key)
+    # same records in any order -> the same bytes; keys sorted, records in bucket order
+    assert to_json("H100", list(reversed(recs))) == path.read_text()
+    doc = json.loads(path.read_text())
+    assert (doc["schema"], doc["schema_version"]) == (SCHEMA, SCHEMA_VERSION)
+    assert [r["bucket"]["seqlen_q"] for r in doc["records"]] == [512, 512, 1024, 1024, 4096, 4096]
+    assert "gpu" not in doc["records"][0]  # the header says it once
+    assert path.read_text().splitlines()[1].startswith('  "arch"')  # indented: diffs read well
+
+
+def test_shipped_tables_are_valid_and_hold_no_invented_numbers():
+    paths = sorted(TABLES_DIR.glob("*.json"))
+    assert any(p.stem == H100 for p in paths)
+    for p in paths:
+        t = read_table(p)  # strict: every record valid
+        assert p.stem == t.gpu and p.read_text() == to_json(t.gpu, t.records)
+        assert all(r.provenance.source in ("search", "default") for r in t.records)
+
+
+@pytest.mark.parametrize("text,match", [
+    ("{not json", "corrupt"),
+    ('["a list"]', "not a flashtune tuned table"),
+    ('{"schema": "other"}', "not a flashtune tuned table"),
+    ('{"schema": "flashtune.tuned-table", "schema_version": 99, "gpu": "x", "records": []}',
+     "schema version 99"),
+    ('{"schema": "flashtune.tuned-table", "schema_version": "1", "gpu": "x", "records": []}',
+     "schema version '1'"),
+    ('{"schema": "flashtune.tuned-table", "schema_version": 1, "gpu": "x", "records": {}}',
+     "'records' must be a list"),
+])
+def test_bad_table_files_name_the_file(tmp_path, text, match):
+    p = tmp_path / "bad.json"
+    p.write_text(text)
+    with pytest.raises(TableError, match=match) as e:
+        read_table(p)
+    assert str(p) in str(e.value)
+    with pytest.raises(TableError):
+        read_header(p)
+
+
+def test_missing_table_names_the_file(tmp_path):
+    with pytest.raises(TableError, match=f"{tmp_path}/nope.json: no such file"):
+        read_table(tmp_path / "nope.json")
+
+
+def _write_with_bad_record(path, bad_variant=None, drop_field=None):
+    path = write_table(path, "H100", _recs())
+    doc = json.loads(path.read_text())
+    if bad_variant:
+        doc["records"][1]["variant"] = bad_variant
+    if drop_field:
+        del doc["records"][1][drop_field]
+    path.write_text(json.dumps(doc))
+    return path
+
+
+@pytest.mark.parametrize("bad", [
+    {"bad_variant": {"family": "fwd", "block_m": 128, "block_n": 64, "num_warps": 4,
+                     "num_stages": 3, "swizzle": 8}},                                  # unknown field
+    {"bad_variant": {"family": "decode", "block_m": 128, "block_n": 64, "num_warps": 4,
+                     "num_stages": 3}},                                                # unknown family
+    {"bad_variant": {"family": "fwd", "block_m": 96, "block_n": 64, "num_warps": 4,
+                     "num_stages": 3}},                                                # invalid value
+    {"drop_field": "median_ms"},
+])
+def test_record_the_generator_no_longer_knows(tmp_path, bad):
+    p = _write_with_bad_record(tmp_path / "t.json", **bad)
+    with pytest.raises(TableError, match=rf"{p}, record 1: "):
+        read_table(p)
+    t = read_table(p, strict=False)  # lenient (the dispatcher): the rest of the table serves
+    assert len(t.records) == 5 and len(t.skipped) == 1 and str(p) in t.skipped[0]
+
+
+# -- CLI ----------------------------------------------------------------------------------------
+def _cli(*args):
+    res = CliRunner().invoke(main, list(args), catch_exceptions=False)
+    return res
+
+
+def _rows(url):
+    """Every column of every row, without the surrogate id: what 'identical rows' means."""
+    import sqlalchemy as sa
+    engine = sa.create_engine(url)
+    with engine.connect() as c:
+        rows = [{k: v for k, v in r._mapping.items() if k != "id"}
+                for r in c.execute(sa.text("SELECT * FROM tuned_records"))]
+    engine.dispose()
+    return sorted(rows, key=lambda d: (d["gpu"], d["bucket_key"]))
+
+
+def test_export_import_gives_identical_rows(tmp_path):
+    src, dst = f"sqlite:///{tmp_path / 'a.db'}", f"sqlite:///{tmp_path / 'b.db'}"
+    recs = _recs() + [make_record(gpu="nvidia-h200", sq=2048)]
+    TunedDB(src).put_many(recs)
+    out = tmp_path / "h100.json"
+    res = _cli("db", "export", "--gpu", "H100", "-o", str(out), "--db", src)
+    assert res.exit_code == 0 and "wrote 6 record(s)" in res.output
+    res = _cli("db", "import", str(out), "--db", dst)
+    assert res.exit_code == 0 and "imported 6 record(s)" in res.output
+    assert _rows(dst) == [r for r in _rows(src) if r["gpu"] == H100]
+    # exporting the imported DB gives the same bytes
+    out2 = tmp_path / "again.json"
+    _cli("db", "export", "--gpu", H100, "-o", str(out2), "--db", dst)
+    assert out2.read_text() == out.read_text()
+    # importing twice changes nothing (upsert)
+    _cli("db", "import", str(out), "--db", dst)
+    assert len(_rows(dst)) == 6
+
+
+def test_import_mark_imported_and_bad_file(tmp_path):
+    dst = f"sqlite:///{tmp_path / 'b.db'}"
+    good = write_table(tmp_path / "good.json", "H100", _recs())
+    res = _cli("db", "import", str(good), "--mark-imported", "--db", dst)
+    assert res.exit_code == 0
+    assert {r.provenance.source for r in TunedDB(dst).records()} == {"import"}
+    bad = tmp_path / "bad.json"
+    bad.write_text("{oops")
+    res = _cli("db", "import", str(bad), "--db", f"sqlite:///{tmp_path / 'c.db'}")
+    assert res.exit_code == 1 and str(bad) in res.output and "corrupt" in res.output
+
+
+def test_show_table_and_json(tmp_path):
+    url = f"sqlite:///{tmp_path / 'a.db'}"
+    TunedDB(url).put_many(_recs())
+    res = _cli("db", "show", "--gpu", "H100", "--db", url)
+    assert res.exit_code == 0 and "fwd-m128-n64-w4-s3" in res.output and "6 record(s)" in res.output
+    res = _cli("db", "show", "--format", "json", "--db", url)
+    assert len(json.loads(res.output)) == 6
+    res = _cli("db", "show", "--gpu", "H200", "--db", url)
+    assert "0 record(s)" in res.output
+    path = write_table(tmp_path / "t.json", "H100", _recs()[:2])
+    res = _cli("db", "show", "--table", str(path), "--format", "json")
+    assert len(json.loads(res.output)) == 2
+
+
+def test_show_unreachable_db_is_a_clear_error():
+    res = _cli("db", "show", "--db", "postgresql+psycopg://u:secret@127.0.0.1:1/nowhere")
+    assert res.exit_code == 1 and "127.0.0.1:1/nowhere" in res.output
+    assert "secret" not in res.output and "Traceback" not in res.output
+
+
+def test_diff(tmp_path):
+    old = _recs()
+    new = list(old)
+    new[0] = dataclasses.replace(old[0], variant=old[0].variant.__class__.parse(
+        "fwd-m64-n64-w4-s2"), median_ms=old[0].median_ms * 0.8)   # changed: 20% faster
+    removed = new.pop(3)
+    added = make_record(sq=16384, bh=1)
+    new.append(added)
+    a = write_table(tmp_path / "a.json", "H100", old)
+    b = write_table(tmp_path / "b.json", "H100", new)
+    res = _cli("db", "diff", str(a), str(b))
+    assert res.exit_code == 0
+    assert "1 added, 1 removed, 1 changed" in res.output
+    assert "fwd-m128-n64-w4-s3 -> fwd-m64-n64-w4-s2" in res.output and "(-20.0%)" in res.output
+    changes = json.loads(_cli("db", "diff", str(a), str(b), "--format", "json").output)
+    kinds = {c["kind"]: c for c in changes}
+    assert set(kinds) == {"added", "removed", "changed"}
+    assert kinds["changed"]["time_ratio"] == pytest.approx(0.8)
+    assert kinds["removed"]["old"]["bucket"] == dataclasses.asdict(removed.bucket)
+    assert kinds["added"]["new"]["bucket"]["seqlen_q"] == 16384
+    # a table against a DB URL; identical -> nothing changed
+    url = f"sqlite:///{tmp_path / 'x.db'}"
+    TunedDB(url).put_many(old)
+    assert "0 added, 0 removed, 0 changed" in _cli("db", "diff", str(a), url).output

@@ -1,0 +1,319 @@
+"""The dispatcher: lookup order, nearest bucket, stale entries, memo, forcing, explain, bad input."""
+import dataclasses
+import json
+import logging
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+import flashtune
+from flashtune import dispatch
+from flashtune.cli import main
+from flashtune.codegen import Variant
+from flashtune.defaults import default_variant
+from flashtune.problem import Bucket, Problem
+from flashtune.tuned_db import TunedDB
+from flashtune.tuned_db.io import table_path, write_table
+
+from test_db import H100, make_record
+
+H200 = "nvidia-h200"
+A100 = "nvidia-a100-sxm4-80gb"
+V_TABLE, V_ARCH, V_USER = "fwd-m64-n32-w4-s2", "fwd-m32-n32-w4-s1", "fwd-m16-n16-w2-s1"
+
+
+def prob(nq=1024, nk=None, b=1, h=16, d=128, causal=True, dtype="float16"):
+    return Problem("fwd", dtype, d, causal, 1, b, h, nq, nk or nq)
+
+
+@pytest.fixture
+def tables(tmp_path, monkeypatch):
+    """An empty tables folder and cache folder; the dispatcher assumes an H200."""
+    monkeypatch.setenv("FLASHTUNE_CACHE_DIR", str(tmp_path / "cache"))
+    for knob in ("FLASHTUNE_DB", "FLASHTUNE_GPU", "FLASHTUNE_FORCE_VARIANT"):
+        monkeypatch.delenv(knob, raising=False)
+    d = tmp_path / "tables"
+    d.mkdir()
+    dispatch.configure(gpu="H200", tables_dir=d)
+    yield d
+    dispatch.configure()
+
+
+def ship(d, gpu, *recs):
+    return write_table(table_path(gpu, d), gpu, [dataclasses.replace(r, gpu=table_path(gpu).stem)
+                                                 for r in recs])
+
+
+def user_db(monkeypatch, tmp_path, *recs):
+    url = f"sqlite:///{tmp_path / 'user.db'}"
+    monkeypatch.setenv("FLASHTUNE_DB", url)
+    TunedDB(url).put_many(recs)
+    dispatch.clear_cache()
+    return url
+
+
+# -- the lookup order ---------------------------------------------------------------------------
+def test_default_when_nothing_is_tuned(tables):
+    ex = dispatch.explain(prob())
+    assert ex.level == "default" and ex.record is None and ex.gpu == H200
+    assert ex.variant == default_variant("fwd", 128, "float16") == dispatch.select(prob())
+    assert any("no shipped table" in n for n in ex.notes)
+
+
+def test_gpu_table_serves_its_bucket(tables):
+    path = ship(tables, H200, make_record(variant=V_TABLE))
+    ex = dispatch.explain(prob())
+    assert (ex.level, ex.origin, ex.distance) == ("gpu-table", str(path), 0)
+    assert ex.record.bucket == Bucket.of(prob()) and ex.variant.name == V_TABLE
+    assert dispatch.select(prob()).name == V_TABLE
+
+
+def test_same_arch_table_serves_when_the_gpu_has_none(tables):
+    ship(tables, A100, make_record(variant=V_USER))      # sm_80: never used for an H200
+    path = ship(tables, H100, make_record(variant=V_ARCH))
+    ex = dispatch.explain(prob())
+    assert (ex.level, ex.origin, ex.variant.name) == ("arch-table", str(path), V_ARCH)
+    dispatch.configure(gpu="L40S", tables_dir=tables)   # sm_89: no table of its architecture
+    assert dispatch.explain(prob()).level == "default"
+
+
+def test_user_db_comes_first(tables, tmp_path, monkeypatch):
+    ship(tables, H200, make_record(variant=V_TABLE))
+    url = user_db(monkeypatch, tmp_path, make_record(gpu=H200, variant=V_USER),
+                  make_record(gpu=H100, sq=4096, variant=V_ARCH))  # other GPU: not used
+    ex = dispatch.explain(prob())
+    assert (ex.level, ex.origin, ex.variant.name) == ("user-db", url, V_USER)
+    ex = dispatch.explain(prob(nq=4096))  # the user DB's H100 record is another GPU's
+    assert (ex.variant.name, ex.record.gpu) == (V_USER, H200)
+
+
+def test_default_user_db_file_is_read_when_it_exists(tables):
+    TunedDB().put(make_record(gpu=H200, variant=V_USER))  # FLASHTUNE_DB unset: the cache file
+    assert dispatch.explain(prob()).level == "user-db"
+
+
+def test_every_level_in_turn(tables, tmp_path, monkeypatch):
+    url = user_db(monkeypatch, tmp_path, make_record(gpu=H200, variant=V_USER))
+    ship(tables, H200, make_record(variant=V_TABLE))
+    ship(tables, H100, make_record(variant=V_ARCH))
+    seen = [dispatch.explain(prob()).level]
+    TunedDB(url).delete(H200, Bucket.of(prob()))  # a write in this process drops the memo
+    seen.append(dispatch.explain(prob()).level)
+    table_path(H200, tables).unlink()
+    dispatch.clear_cache()
+    seen.append(dispatch.explain(prob()).level)
+    table_path(H100, tables).unlink()
+    dispatch.clear_cache()
+    seen.append(dispatch.explain(prob()).level)
+    assert seen == ["user-db", "gpu-table", "arch-table", "default"]
+
+
+# -- nearest bucket -----------------------------------------------------------------------------
+def test_missing_bucket_takes_the_nearest_by_log_distance(tables):
+    ship(tables, H200, make_record(sq=512, variant=V_TABLE), make_record(sq=8192, variant=V_ARCH))
+    ex = dispatch.explain(prob(nq=1000))  # bucket 1024: 512 is 2 octaves away, 8192 is 6
+    assert ex.record.bucket.seqlen_q == 512 and ex.distance == 2 and ex.variant.name == V_TABLE
+    assert dispatch.explain(prob(nq=5000)).record.bucket.seqlen_q == 8192
+    assert "nearest bucket" in str(ex) and "2 octaves" in str(ex)
+
+
+def test_nearest_never_crosses_dtype_head_dim_or_causality(tables):
+    ship(tables, H200, make_record(dtype="bfloat16"), make_record(d=64), make_record(causal=False))
+    assert dispatch.explain(prob()).level == "default"
+    assert dispatch.explain(prob(d=96)).level == "default"   # pads to 128: no 128 record
+    assert dispatch.explain(prob(d=48)).record.bucket.head_dim == 64  # pads to 64
+
+
+def test_exact_bucket_beats_a_nearer_level_and_ties_go_to_the_higher_level(tables, tmp_path,
+                                                                          monkeypatch):
+    ship(tables, H200, make_record(sq=1024, variant=V_TABLE), make_record(sq=4096, variant=V_TABLE))
+    user_db(monkeypatch, tmp_path, make_record(gpu=H200, sq=256, variant=V_USER),
+            make_record(gpu=H200, sq=4096, variant=V_USER))
+    assert dispatch.explain(prob(nq=1024)).level == "gpu-table"   # exact vs 4 octaves away
+    assert dispatch.explain(prob(nq=4096)).level == "user-db"     # both exact: user DB wins
+
+
+# -- stale entries ------------------------------------------------------------------------------
+def test_stale_entries_are_demoted_behind_any_fresh_one(tables):
+    ship(tables, H200, make_record(sq=1024, thash="0123456789abcdef", variant=V_USER),
+         make_record(sq=8192, variant=V_TABLE))
+    ex = dispatch.explain(prob())
+    assert ex.variant.name == V_TABLE and ex.distance == 6 and not ex.stale
+
+
+def test_stale_entry_serves_alone_with_a_one_time_warning(tables, caplog):
+    ship(tables, H200, make_record(triton="2.1.0", variant=V_USER),
+         make_record(sq=512, thash="0123456789abcdef", variant=V_USER))
+    with caplog.at_level(logging.WARNING, logger="flashtune.dispatch"):
+        ex = dispatch.explain(prob())
+        for n in (1024, 1000, 1100):
+            dispatch.select(prob(nq=n))
+    assert ex.level == "gpu-table" and ex.variant.name == V_USER and ex.distance == 0
+    assert any("triton 2.1.0" in s for s in ex.stale)
+    warnings = [r.message for r in caplog.records if "stale" in r.message]
+    assert len(warnings) == 1 and "flashtune search" in warnings[0]
+    assert any("template hash 0123456789abcdef" in s for s in dispatch.explain(prob(nq=512)).stale)
+
+
+def test_other_triton_patch_release_is_not_stale(tables):
+    import triton
+    major, minor = triton.__version__.split(".")[:2]
+    ship(tables, H200, make_record(triton=f"{major}.{minor}.99", variant=V_TABLE))
+    assert dispatch.explain(prob()).stale == ()
+
+
+# -- memo ---------------------------------------------------------------------------------------
+def test_no_db_or_table_access_after_the_first_call(tables, tmp_path, monkeypatch):
+    from flashtune.tuned_db import lookup
+    user_db(monkeypatch, tmp_path, make_record(gpu=H200, variant=V_USER))
+    ship(tables, H200, make_record(sq=4096, variant=V_TABLE))
+    calls = {"db": 0, "table": 0, "best": 0}
+    for name, key in (("user_db", "db"), ("gpu_table", "table"), ("best", "best")):
+        real = getattr(lookup, name)
+        monkeypatch.setattr(lookup, name,
+                            lambda *a, _r=real, _k=key, **kw: (calls.__setitem__(_k, calls[_k] + 1),
+                                                               _r(*a, **kw))[1])
+    for _ in range(100):
+        assert dispatch.select(prob()).name == V_USER
+        assert dispatch.select(prob(nq=1000)).name == V_USER  # same bucket: no new lookup
+        assert dispatch.select(prob(nq=4096)).name == V_TABLE
+    assert calls == {"db": 1, "table": 1, "best": 2}
+    dispatch.clear_cache()
+    dispatch.select(prob())
+    assert calls == {"db": 2, "table": 2, "best": 3}
+
+
+def test_memo_is_bounded(tables, monkeypatch):
+    monkeypatch.setattr(dispatch, "_MEMO_MAX", 4)
+    for n in range(1, 20):
+        dispatch.select(prob(nq=n))
+    assert len(dispatch._memo) <= 4
+
+
+def test_writes_in_this_process_refresh_the_dispatcher(tables, tmp_path, monkeypatch):
+    url = user_db(monkeypatch, tmp_path)
+    assert dispatch.select(prob()) == default_variant("fwd", 128, "float16")
+    TunedDB(url).put(make_record(gpu=H200, variant=V_USER))
+    assert dispatch.select(prob()).name == V_USER
+    path = ship(tables, H200, make_record(sq=2048, variant=V_TABLE))
+    CliRunner().invoke(main, ["db", "import", str(path), "--db", url])
+    assert dispatch.select(prob(nq=2048)).name == V_TABLE
+
+
+def test_attention_creates_no_db_and_loads_no_sqlalchemy(tmp_path):
+    # a fresh interpreter: importing flashtune and calling attention must not touch SQLAlchemy
+    code = ("import sys, torch, flashtune\n"
+            "q = torch.randn(1, 1, 16, 32, dtype=torch.float16)\n"
+            "flashtune.attention(q, q, q)\n"
+            "assert 'sqlalchemy' not in sys.modules, 'sqlalchemy imported'\n")
+    envv = {k: v for k, v in os.environ.items() if k not in ("FLASHTUNE_DB", "FLASHTUNE_GPU")}
+    envv.update(FLASHTUNE_CACHE_DIR=str(tmp_path / "cache"), TRITON_INTERPRET="1")
+    subprocess.run([sys.executable, "-c", code], env=envv, check=True, timeout=120)
+    assert not (tmp_path / "cache" / "tuned.db").exists()
+
+
+# -- forcing and explain ------------------------------------------------------------------------
+def test_force_context_manager_and_env_knob(tables, monkeypatch):
+    ship(tables, H200, make_record(variant=V_TABLE))
+    with flashtune.force(V_USER) as v:
+        assert dispatch.select(prob()) == v == Variant.parse(V_USER)
+        ex = dispatch.explain(prob())
+        assert (ex.level, ex.origin) == ("forced", "force()")
+    assert dispatch.select(prob()).name == V_TABLE  # the memo is untouched by forcing
+    monkeypatch.setenv("FLASHTUNE_FORCE_VARIANT", V_ARCH)
+    assert dispatch.select(prob()).name == V_ARCH
+    assert dispatch.explain(prob()).origin == "FLASHTUNE_FORCE_VARIANT"
+    monkeypatch.setenv("FLASHTUNE_FORCE_VARIANT", "bwd-m64-n64-w4-s2-dq=atomic")
+    assert dispatch.select(prob()).name == V_TABLE  # another family: not forced
+
+
+def test_explain_from_tensors(tables):
+    ship(tables, H200, make_record(d=64, sq=64, sk=128, bh=2, variant=V_TABLE))
+    q = torch.randn(1, 2, 70, 64, dtype=torch.float16)
+    k = torch.randn(1, 1, 120, 64, dtype=torch.float16)
+    ex = flashtune.explain(q, k, k, causal=True)
+    assert ex.problem == Problem("fwd", "float16", 64, True, 2, 1, 2, 70, 120)
+    assert ex.bucket == Bucket("fwd", "float16", 64, True, True, 64, 128, 2)
+    assert ex.level == "gpu-table" and ex.distance == 0.5  # gqa differs from the record's
+    d = ex.to_dict()
+    assert json.loads(json.dumps(d))["level"] == "gpu-table" and d["record"]["source"] == "search"
+
+
+def test_cli_dispatch_explain(tables):
+    ship(tables, H100, make_record(variant=V_ARCH))
+    args = ["dispatch", "explain", "--gpu", "H200", "--tables", str(tables), "--causal",
+            "--head-dim", "128", "--seqlen-q", "1024", "--heads", "16"]
+    res = CliRunner().invoke(main, args + ["--format", "json"])
+    assert res.exit_code == 0, res.output
+    d = json.loads(res.output)
+    assert (d["level"], d["variant"], d["gpu"]) == ("arch-table", V_ARCH, H200)
+    res = CliRunner().invoke(main, args)
+    assert "level    arch-table" in res.output and "exact bucket" in res.output
+
+
+# -- bad input: logged fallbacks, never a crash inside attention ----------------------------------
+def _attention_runs():
+    q = torch.randn(1, 2, 20, 64, dtype=torch.float16)
+    out = flashtune.attention(q, q, q, causal=True)
+    ref = flashtune.reference(q, q, q, causal=True)
+    assert (out.float() - ref.float()).abs().max() < 1e-2
+
+
+@pytest.mark.parametrize("text,match", [("{corrupt", "corrupt"),
+                                        ('{"schema": "flashtune.tuned-table", "schema_version": 7,'
+                                         ' "gpu": "nvidia-h200", "records": []}', "schema version 7")])
+def test_bad_gpu_table_falls_back_to_the_next_level(tables, caplog, text, match):
+    ship(tables, H100, make_record(d=64, sq=16, bh=2, variant=V_ARCH))
+    table_path(H200, tables).write_text(text)
+    with caplog.at_level(logging.WARNING, logger="flashtune.dispatch"):
+        ex = dispatch.explain(prob(d=64, nq=20, h=2))
+        _attention_runs()
+    assert ex.level == "arch-table"
+    logged = [r.message for r in caplog.records if match in r.message]
+    assert len(logged) == 1 and str(table_path(H200, tables)) in logged[0]
+
+
+def test_unreachable_db_url_falls_back_to_the_tables(tables, caplog, monkeypatch):
+    monkeypatch.setenv("FLASHTUNE_DB", "postgresql+psycopg://u:pw@127.0.0.1:1/nowhere")
+    ship(tables, H200, make_record(variant=V_TABLE))
+    with caplog.at_level(logging.WARNING, logger="flashtune.dispatch"):
+        ex = dispatch.explain(prob())
+        _attention_runs()
+    assert ex.level == "gpu-table"
+    assert any("127.0.0.1:1/nowhere" in r.message for r in caplog.records)
+
+
+def test_records_the_generator_no_longer_knows_are_skipped(tables, tmp_path, monkeypatch, caplog):
+    import sqlalchemy as sa
+    url = user_db(monkeypatch, tmp_path, make_record(gpu=H200, variant=V_USER))
+    engine = sa.create_engine(url)
+    with engine.begin() as c:
+        c.execute(sa.text("UPDATE tuned_records SET variant = '{\"family\": \"fwd\", \"tiles\": 3}'"))
+    engine.dispose()
+    path = ship(tables, H200, make_record(variant=V_TABLE), make_record(sq=64, variant=V_TABLE))
+    doc = json.loads(path.read_text())
+    doc["records"][0]["variant"]["block_m"] = 96  # not a power of two: the generator refuses
+    path.write_text(json.dumps(doc))
+    with caplog.at_level(logging.WARNING):
+        ex = dispatch.explain(prob())
+        _attention_runs()
+    assert ex.level == "gpu-table" and ex.variant.name == V_TABLE
+    assert any("tiles" in r.message for r in caplog.records)                # the DB row
+    assert any(f"{path}, record 0" in r.message for r in caplog.records)    # the table record
+
+
+def test_torch_compile_sees_the_dispatched_call(tables):
+    ship(tables, H200, make_record(d=64, sq=16, bh=2, variant=V_TABLE))
+    q = torch.randn(1, 2, 20, 64, dtype=torch.float16)
+    fn = torch.compile(lambda q: flashtune.attention(q, q, q, causal=True), backend="eager")
+    torch.testing.assert_close(fn(q), flashtune.attention(q, q, q, causal=True), rtol=0, atol=0)
+
+
+def test_bad_forced_variant_names_the_knob(tables, monkeypatch):
+    monkeypatch.setenv("FLASHTUNE_FORCE_VARIANT", "fwd-m100")
+    with pytest.raises(ValueError, match="FLASHTUNE_FORCE_VARIANT='fwd-m100'"):
+        dispatch.select(prob())

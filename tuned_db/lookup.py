@@ -1,0 +1,168 @@
+"""The lookup order behind the dispatcher: which record serves a bucket.
+
+Levels, highest first: the user's DB ("user-db"), the shipped table of this GPU ("gpu-table"),
+shipped tables of other GPUs of the same architecture ("arch-table": an H200 may use an H100's),
+then the built-in default (flashtune/defaults.py, chosen by the dispatcher).
+
+Choice among the records of all levels that may serve the bucket (same family, dtype, padded
+head dim and causality -- Bucket.same_kernel_class):
+
+  1. fresh before stale (the policy below);
+  2. the nearest bucket by log distance (Bucket.log_distance; 0 is the bucket itself);
+  3. the higher level on equal distance -- so the user's DB overrides a shipped table for the
+     same bucket, but a shipped exact match beats a user record for a bucket 4x away;
+  4. the bucket key, so that the choice never depends on file or row order.
+
+Stale-entry policy: a record measured with another Triton major.minor, or with another hash of
+its family's template, is stale -- its timings describe a kernel that is no longer the one that
+runs. Stale records are demoted, not deleted: they serve only when no fresh record of any level
+can, with a one-time warning naming the record and why; a fresh record always wins, however far.
+The reasoning: the variant of a stale record still compiles and was once the best of its search,
+which beats a one-size default; re-running `flashtune search` makes it fresh.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+from flashtune.problem import Bucket
+
+from .errors import TunedDBError
+from .record import Record
+
+log = logging.getLogger("flashtune.dispatch")
+
+LEVELS = ("user-db", "gpu-table", "arch-table")
+_RANK = {name: i for i, name in enumerate(LEVELS)}
+
+
+@dataclass(frozen=True)
+class Source:
+    """The usable records of one level, and what happened while reading it."""
+    level: str
+    origin: str              # the DB URL (password masked) or the table file
+    records: tuple = ()
+    notes: tuple = ()        # facts: why the level is empty ("no shipped table ...")
+    errors: tuple = ()       # problems, logged once: an unreadable DB or table, skipped records
+
+
+@dataclass(frozen=True)
+class Match:
+    record: Record
+    level: str
+    origin: str
+    distance: float          # octaves between the asked bucket and the record's
+    stale: tuple = ()        # reasons the record is stale (empty: fresh)
+
+
+def _major_minor(version: str) -> str:
+    return ".".join(str(version).split(".")[:2])
+
+
+@lru_cache(maxsize=None)
+def _current_template_hash(family: str) -> str | None:
+    from flashtune.codegen import template_hash
+    try:
+        return template_hash(family)
+    except Exception:  # noqa: BLE001 -- no template for the family: nothing can serve it
+        return None
+
+
+@lru_cache(maxsize=1)
+def _triton_version() -> str:
+    import triton
+    return _major_minor(triton.__version__)
+
+
+def staleness(r: Record) -> tuple:
+    """Why `r` is stale, or () if it is fresh (the policy in this module's docstring)."""
+    why = []
+    if _major_minor(r.provenance.triton) != _triton_version():
+        why.append(f"measured with triton {r.provenance.triton}, running {_triton_version()}")
+    current = _current_template_hash(r.variant.family)
+    if r.provenance.template_hash != current:
+        why.append(f"template hash {r.provenance.template_hash or '(none)'} != current {current}")
+    return tuple(why)
+
+
+def usable(records, origin: str) -> tuple[tuple, tuple]:
+    """Drop records no kernel can serve (no template for their family): (records, errors)."""
+    keep, notes = [], []
+    for r in records:
+        if _current_template_hash(r.variant.family) is None:
+            notes.append(f"{origin}: {r.variant.name} skipped: the generator has no template "
+                         f"for family {r.variant.family!r}")
+            continue
+        keep.append(r)
+    return tuple(keep), tuple(notes)
+
+
+def best(bucket: Bucket, sources) -> Match | None:
+    """The record that serves `bucket` (None: nothing does; use the built-in default)."""
+    found, found_key = None, None
+    for src in sources:
+        for r in src.records:
+            dist = bucket.log_distance(r.bucket)
+            if dist == float("inf"):
+                continue
+            stale = staleness(r)
+            key = (bool(stale), dist, _RANK[src.level], r.bucket.key)
+            if found_key is None or key < found_key:
+                found, found_key = Match(r, src.level, src.origin, dist, stale), key
+    return found
+
+
+# -- loading the levels -------------------------------------------------------------------------
+def user_db(gpu: str, url: str | None, default_url: str, default_exists: bool) -> Source:
+    """The user's DB: FLASHTUNE_DB (or --db) if set, else the default SQLite file if it exists.
+    Nothing is created here; an unreadable DB is a note and an empty level."""
+    if url is None and not default_exists:
+        return Source("user-db", default_url, (), (f"no user DB at {default_url}",))
+    from .store import TunedDB
+    db = TunedDB(url or default_url)
+    try:
+        records = db.records(gpu=gpu, strict=False)
+    except TunedDBError as e:
+        return Source("user-db", db.display_url, (), (),
+                      (f"{e}; falling back to the shipped tables",))
+    finally:
+        db.dispose()
+    recs, errors = usable(records, db.display_url)
+    return Source("user-db", db.display_url, recs, (), errors)
+
+
+def gpu_table(gpu: str, tables_dir: Path) -> tuple[Source, str]:
+    """The shipped table of this GPU, and its architecture ("" if unknown)."""
+    from .io import read_table, table_path
+    path = table_path(gpu, tables_dir)
+    if not path.exists():
+        return Source("gpu-table", str(path), (), (f"no shipped table {path}",)), ""
+    try:
+        t = read_table(path, strict=False)
+    except TunedDBError as e:
+        return Source("gpu-table", str(path), (), (), (f"{e}; falling back",)), ""
+    recs, errors = usable(t.records, str(path))
+    return Source("gpu-table", str(path), recs, (), t.skipped + errors), t.arch
+
+
+def arch_tables(gpu: str, arch: str, tables_dir: Path) -> list[Source]:
+    """Shipped tables of the other GPUs of architecture `arch`, in file-name order."""
+    from .io import read_header, read_table, shipped_tables
+    out = []
+    if not arch:
+        return out
+    for path in shipped_tables(tables_dir):
+        if path.stem == gpu:
+            continue
+        try:
+            if read_header(path).arch != arch:
+                continue
+            t = read_table(path, strict=False)
+        except TunedDBError as e:
+            out.append(Source("arch-table", str(path), (), (), (f"{e}; skipped",)))
+            continue
+        recs, errors = usable(t.records, str(path))
+        out.append(Source("arch-table", str(path), recs, (), t.skipped + errors))
+    return out
