@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import click
 
+from .cli_db import db, dispatch_group
 from .cli_kernels import kernels
+from .cli_search import search
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -13,6 +15,9 @@ def main():
 
 
 main.add_command(kernels)
+main.add_command(search)
+main.add_command(db)
+main.add_command(dispatch_group)
 
 if __name__ == "__main__":
     main()

@@ -1,0 +1,174 @@
+"""`flashtune search`: tune the GPU present, bucket by bucket, and write the winners to the DB."""
+from __future__ import annotations
+
+import json
+import re
+
+import click
+
+from . import env
+
+_DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16",
+           "half": "float16", "fp32": "float32", "float32": "float32"}
+
+
+def _split(values, convert, name):
+    out = []
+    for v in values:
+        for part in str(v).split(","):
+            part = part.strip()
+            if not part:
+                continue
+            try:
+                out.append(convert(part))
+            except (ValueError, KeyError):
+                raise click.BadParameter(f"cannot read {part!r}", param_hint=name) from None
+    return tuple(dict.fromkeys(out))
+
+
+def _seconds(text):
+    if text is None:
+        return None
+    m = re.fullmatch(r"\s*([\d.]+)\s*([smh]?)\s*", str(text))
+    if not m:
+        raise click.BadParameter(f"{text!r}: give seconds or a number with s, m or h (90m)",
+                                 param_hint="--time-budget")
+    return float(m.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600}[m.group(2)]
+
+
+@click.command("search")
+@click.option("--gpu", default=lambda: env.gpu_override() or "auto", show_default="auto",
+              help="GPU to tune (A100, H100, H200, L40S, RTX4090); must be the one present. "
+                   "auto: the one present.")
+@click.option("--family", "families", multiple=True, default=("fwd",), show_default=True,
+              help="kernel families (repeat or comma-separate)")
+@click.option("--dtype", "dtypes", multiple=True, default=("bf16",), show_default=True,
+              help="bf16, fp16, fp32")
+@click.option("--head-dim", "head_dims", multiple=True, default=("64,128",), show_default=True)
+@click.option("--causal", type=click.Choice(["both", "true", "false"]), default="both",
+              show_default=True)
+@click.option("--seqlen", "seqlens", multiple=True, default=("512,1024,2048,4096,8192,16384",),
+              show_default=True, help="seqlen buckets (query = key length)")
+@click.option("--batch", "batches", multiple=True, default=(),
+              help="batch sizes (default: the standard grid's, 16k tokens per batch)")
+@click.option("--trials", type=click.IntRange(1), default=40, show_default=True,
+              help="variants measured per bucket (infeasible and repeated proposals are free)")
+@click.option("--sampler", type=click.Choice(["tpe", "cmaes", "random", "grid", "exhaustive"]),
+              default="tpe", show_default=True)
+@click.option("--seed", type=int, default=None, help="sampler seed")
+@click.option("--db", "db_url", default=None, help="tuned DB URL (default: $FLASHTUNE_DB or the "
+              "SQLite file in the cache folder)")
+@click.option("--storage", default=None, help="Optuna storage URL; share one postgresql://... "
+              "between hosts to search together (default: SQLite in the cache folder)")
+@click.option("--workers", type=click.IntRange(1), default=1, show_default=True,
+              help="timing workers, one per GPU of this host")
+@click.option("--compile-workers", type=click.IntRange(0), default=0,
+              help="compile processes (default: spare CPU cores, at most 16)")
+@click.option("--resume/--fresh", default=True, show_default=True,
+              help="continue the buckets' studies, or delete them and start over")
+@click.option("--dry-run", is_flag=True, help="print the buckets and their space sizes; "
+              "measures nothing, needs no GPU")
+@click.option("--time-budget", default=None, help="stop asking after this long (90m, 2h, 600)")
+@click.option("--top-k", type=click.IntRange(1), default=5, show_default=True,
+              help="candidates re-timed interleaved for the final pick")
+@click.option("--trial-timeout", type=float, default=120.0, show_default=True,
+              help="seconds a candidate may take on the GPU before its worker is killed")
+@click.option("--replay", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="answer from a recorded sweep (bench/sweep.py) instead of measuring: "
+                   "tests and sampler studies without a GPU")
+@click.option("--no-prune", is_flag=True, hidden=True,
+              help="send infeasible variants to the compiler too (checks the model)")
+@click.option("--progress", type=click.Choice(["auto", "bars", "lines", "none"]), default="auto")
+@click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table")
+def search(gpu, families, dtypes, head_dims, causal, seqlens, batches, trials, sampler, seed,
+           db_url, storage, workers, compile_workers, resume, dry_run, time_budget, top_k,
+           trial_timeout, replay, no_prune, progress, fmt):
+    """Search the kernel variants of each bucket on this GPU and store the winners."""
+    from . import targets
+    from .search import SearchConfig, plan_of, resolve_target, run_search
+    from .search_progress import make_progress
+
+    from .search_spaces import families as space_families
+
+    known = space_families()
+    fams = _split(families, str, "--family")
+    for f in fams:
+        if f not in known:
+            raise click.BadParameter(f"{f!r} has no search space; known: {', '.join(known)}",
+                                     param_hint="--family")
+    cfg = SearchConfig(
+        gpu=gpu, families=fams, dtypes=_split(dtypes, lambda s: _DTYPES[s.lower()], "--dtype"),
+        head_dims=_split(head_dims, int, "--head-dim"),
+        causal={"both": (False, True), "true": (True,), "false": (False,)}[causal],
+        seqlens=_split(seqlens, int, "--seqlen"), batches=_split(batches, int, "--batch"),
+        trials=trials, sampler=sampler, seed=seed, storage=storage, db=db_url, workers=workers,
+        compile_workers=compile_workers, resume=resume, time_budget_s=_seconds(time_budget),
+        top_k=top_k, trial_timeout_s=trial_timeout, prune=not no_prune, replay=replay)
+    try:
+        target = resolve_target(cfg, dry_run=dry_run)
+    except targets.GpuMismatch as e:
+        raise click.BadParameter(str(e).removeprefix(f"--gpu "), param_hint="--gpu") from None
+    if dry_run:
+        _dry_run(cfg, target, plan_of(cfg, target), fmt)
+        return
+    try:
+        result = run_search(cfg, target=target, progress=make_progress(progress))
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
+    _summary(result, fmt)
+    if result.interrupted:
+        raise SystemExit(130)
+
+
+def _dry_run(cfg, target, planned, fmt):
+    from .search_study import bucket_label, study_name
+
+    rows = []
+    for pb in planned:
+        rows.append({"bucket": bucket_label(pb.bucket), "study": study_name(pb.space, pb.bucket),
+                     "problem": dict(pb.problem.__dict__), "sizes": pb.space.sizes(),
+                     "params": {p.name: list(p.values) for p in pb.space.params},
+                     "pinned": dict(pb.space.pinned),
+                     "dropped": [f"{n}={v} (needs {f})" for n, v, f in pb.space.dropped]})
+    if fmt == "json":
+        click.echo(json.dumps({"gpu": target.short, "buckets": rows}, indent=2, default=str))
+        return
+    feats = ", ".join(sorted(target.features)) or "none"
+    click.echo(f"dry run: {target.short} ({target.name}, {target.arch}, {target.sm_count} SMs, "
+               f"{target.smem_per_block // 1024} KiB shared memory per block, features: {feats})")
+    click.echo(f"sampler {cfg.sampler}, {cfg.trials} trials per bucket, {len(rows)} buckets")
+    click.echo(f"\n{'bucket':<42} {'file':>6} {'target':>7} {'constr.':>8} {'feasible':>9}")
+    for r in rows:
+        s = r["sizes"]
+        click.echo(f"{r['bucket']:<42} {s['file']:>6} {s['target']:>7} {s['constraints']:>8} "
+                   f"{s['feasible']:>9}")
+    if rows:
+        click.echo("\nsizes: file = the product of search_spaces/<family>.json's lists; target = "
+                   "after dropping what the GPU lacks and pinning what the problem ignores; "
+                   "constr. = after the constraints; feasible = after the resource model")
+        for fam in dict.fromkeys(pb.bucket.family for pb in planned):
+            r = next(r for r, pb in zip(rows, planned) if pb.bucket.family == fam)
+            click.echo(f"\n{fam} params on {target.short}:")
+            for k, v in r["params"].items():
+                click.echo(f"  {k:<14} {', '.join(str(x) for x in v)}")
+            dropped = sorted({d for r2 in rows for d in r2["dropped"]})
+            if dropped:
+                click.echo(f"  not proposed   {'; '.join(dropped)}")
+
+
+def _summary(result, fmt):
+    if fmt == "json":
+        import dataclasses
+        click.echo(json.dumps(dataclasses.asdict(result), indent=2, default=str))
+        return
+    click.echo(f"\n{'bucket':<42} {'meas.':>5} {'fail':>4} {'winner':<34} {'TFLOP/s':>8} "
+               f"{'default':>8} {'speedup':>7} {'wall':>6}  status")
+    for r in result.buckets:
+        f = (lambda x: f"{x:8.1f}" if x else f"{'-':>8}")
+        sp = f"{r.speedup:6.2f}x" if r.speedup else f"{'-':>7}"
+        click.echo(f"{r.label:<42} {r.measured:>5} {r.failed:>4} {r.winner or '-':<34} "
+                   f"{f(r.tflops)} {f(r.default_tflops)} {sp} {r.wall_s:5.0f}s  {r.status}")
+    click.echo(f"\n{result.target}: {len(result.buckets)} buckets in {result.wall_s:.0f} s, "
+               f"{result.db_written} winners written to the tuned DB"
+               + (" (interrupted: completed trials are kept; re-run to resume)"
+                  if result.interrupted else ""))

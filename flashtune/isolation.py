@@ -1,0 +1,166 @@
+"""Worker processes that a kernel can crash, hang or poison without taking the search along.
+
+Each worker is a spawned process serving calls over a pipe. A call that does not answer in
+time gets its process killed (a hung kernel cannot be interrupted any other way); a process
+that dies mid-call (segfault, illegal address, os._exit) turns into WorkerLost with the exit
+code or signal. Either way the next call starts a fresh process.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import threading
+import time
+
+
+class WorkerLost(Exception):
+    """The worker died or was killed during a call; args[0] says how."""
+
+
+def _describe_exit(code) -> str:
+    if code is None:
+        return "still running"
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+def _serve(conn, backend, role: str, index: int) -> None:
+    # Ctrl-C reaches the whole process group: the driver decides what stops, not the workers
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        backend.setup(role, index)
+        conn.send(("ready", backend.environment() if role == "time" else {}))
+    except BaseException as e:  # noqa: BLE001 -- reported to the driver, which gives up
+        conn.send(("setup-error", f"{type(e).__name__}: {e}"))
+        return
+    while True:
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):
+            return
+        if msg is None:
+            return
+        method, args = msg
+        try:
+            reply = ("ok", getattr(backend, method)(*args))
+        except BaseException as e:  # noqa: BLE001 -- a failed call is data, not a crash
+            reply = ("error", f"{type(e).__name__}: {e}")
+        # the process state may be broken (a CUDA error poisons the context): say so, so the
+        # driver replaces this process before its next call
+        conn.send(reply + (backend.poisoned,))
+        if backend.poisoned:
+            conn.close()
+            os._exit(3)
+
+
+class Worker:
+    """One isolated worker process. Not thread-safe: one thread owns it at a time."""
+
+    def __init__(self, backend, role: str, index: int, *, startup_timeout: float = 300.0):
+        self.backend, self.role, self.index = backend, role, index
+        self.startup_timeout = startup_timeout
+        self.info: dict = {}
+        self.restarts = 0
+        self._proc = None
+        self._conn = None
+        self._closed = False
+        self._lock = threading.Lock()  # guards kill() racing a restart
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def start(self) -> "Worker":
+        ctx = mp.get_context("spawn")  # never fork a process that may hold a CUDA context
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=_serve, args=(child, self.backend, self.role, self.index),
+                           daemon=True, name=f"flashtune-{self.role}-{self.index}")
+        with self._lock:
+            if self._closed:
+                raise WorkerLost("interrupted")
+            proc.start()
+            self._proc, self._conn = proc, parent
+        child.close()
+        if not parent.poll(self.startup_timeout):
+            self.kill()
+            raise WorkerLost(f"{self.role} worker {self.index} did not start in "
+                             f"{self.startup_timeout:.0f} s")
+        try:
+            kind, payload = parent.recv()
+        except (EOFError, OSError):
+            raise WorkerLost(f"{self.role} worker {self.index} died while starting "
+                             f"({_describe_exit(proc.exitcode)})") from None
+        if kind != "ready":
+            self.kill()
+            raise RuntimeError(f"{self.role} worker {self.index} failed to start: {payload}")
+        self.info = payload
+        return self
+
+    def alive(self) -> bool:
+        return self._proc is not None and self._proc.is_alive()
+
+    def kill(self) -> None:
+        with self._lock:
+            proc, self._proc = self._proc, None
+            conn, self._conn = self._conn, None
+        if proc is not None and proc.is_alive():
+            proc.kill()
+            proc.join(10)
+        if conn is not None:
+            conn.close()
+
+    def ask_to_exit(self) -> None:
+        if self._conn is not None and self.alive():
+            try:
+                self._conn.send(None)
+            except (OSError, ValueError):
+                pass
+
+    def close(self, kill: bool = False) -> None:
+        """Stop the worker (politely unless kill); later calls raise WorkerLost."""
+        with self._lock:
+            self._closed = True
+        if not kill and self._conn is not None and self.alive():
+            self.ask_to_exit()
+            self._proc.join(5)
+        self.kill()
+
+    # -- calls -----------------------------------------------------------------------------
+    def call(self, method: str, *args, timeout: float):
+        """Run backend.<method>(*args) in the worker. Raises WorkerLost if it dies or exceeds
+        `timeout` seconds (then it is killed); an exception inside becomes RuntimeError."""
+        if self._closed:
+            raise WorkerLost("interrupted")
+        if not self.alive():
+            if self._proc is not None or self._conn is not None:
+                self.kill()
+                self.restarts += 1
+            self.start()  # first call, or after a death: a fresh process
+        conn, proc = self._conn, self._proc
+        t0 = time.monotonic()
+        try:
+            conn.send((method, args))
+            ready = conn.poll(timeout)
+        except (OSError, ValueError, EOFError):
+            ready = True  # closed under us: read the reason below
+        if not ready:
+            self.kill()
+            raise WorkerLost(f"timeout: no answer in {timeout:.0f} s (worker killed)")
+        try:
+            kind, payload, poisoned = conn.recv()
+        except (EOFError, OSError, ValueError):
+            if self._closed:
+                raise WorkerLost("interrupted") from None
+            proc.join(5)
+            code = proc.exitcode
+            self.kill()
+            raise WorkerLost(f"worker {_describe_exit(code)} after "
+                             f"{time.monotonic() - t0:.1f} s") from None
+        if poisoned:
+            self.kill()
+            self.restarts += 1
+        if kind == "error":
+            raise RuntimeError(payload)
+        return payload

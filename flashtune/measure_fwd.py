@@ -1,0 +1,115 @@
+"""How the GPU backend measures the fwd family: inputs, compile-ahead, run, reference.
+
+A family plugs into the search with an object like OPS here (flashtune/measure_gpu.py looks
+it up by family name in GpuBackend.family_modules).
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+
+import torch
+
+from . import launch
+from .problem import Problem
+from .reference import reference, same_dtype_math
+
+_patch_lock = threading.Lock()
+
+
+class _Warmup:
+    """Stands in for a generated module during compile-ahead: `attn_fwd[grid](...)` compiles
+    through the JIT's own `warmup` (same specialization and cache key as the launch the timing
+    worker makes later, so that one finds the binary in Triton's cache) and launches nothing."""
+
+    def __init__(self, module):
+        self._module = module
+        self.compiled = None
+
+    def __getattr__(self, name):
+        fn = getattr(self._module, name)
+
+        class _Indexed:
+            def __getitem__(_, grid):
+                def call(*args, **kwargs):
+                    from triton.runtime.jit import MockTensor
+                    args = [MockTensor(a.dtype) if isinstance(a, torch.Tensor) else a
+                            for a in args]
+                    self.compiled = fn.warmup(*args, grid=grid, **kwargs)
+                return call
+        return _Indexed()
+
+
+@contextlib.contextmanager
+def _compile_only():
+    """Route launch.forward's kernel call to _Warmup (launch.forward stays the one place that
+    knows the kernel's arguments)."""
+    holder = {}
+    with _patch_lock:
+        real = launch.load
+
+        def fake(variant):
+            holder["w"] = _Warmup(real(variant))
+            return holder["w"]
+        launch.load = fake
+        try:
+            yield holder
+        finally:
+            launch.load = real
+
+
+_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+class FwdOps:
+    family = "fwd"
+
+    def shapes(self, p: Problem):
+        hk = p.heads // p.group
+        return (p.batch, p.heads, p.seqlen_q, p.head_dim), (p.batch, hk, p.seqlen_k, p.head_dim)
+
+    def compile_ahead(self, variant, p: Problem) -> int:
+        """Compile for the GPU present without launching; returns the kernel's shared memory."""
+        qs, ks = self.shapes(p)
+        dt = _DTYPES[p.dtype]
+        q = torch.empty(qs, dtype=dt, device="meta")
+        k = torch.empty(ks, dtype=dt, device="meta")
+        with _compile_only() as h:
+            launch.forward(q, k, torch.empty_like(k), p.causal, None, variant)
+        return int(getattr(h["w"].compiled.metadata, "shared", 0))
+
+    def gate_problem(self, p: Problem) -> Problem:
+        """A smaller problem that runs the very binary that is timed: one batch (not a kernel
+        argument); heads, seqlens and head dim as timed, since Triton specializes integer
+        arguments on divisibility by 16 and a different H or N would compile another kernel."""
+        return dataclasses.replace(p, batch=1)
+
+    def _gate_heads(self, p: Problem) -> int:
+        # the float64 reference of every head at N=16k would need tens of GB: check 2 kv heads
+        return min(p.heads, 2 * p.group)
+
+    def gate_view(self, out, p: Problem):
+        return out[:, :self._gate_heads(p)]
+
+    def inputs(self, p: Problem, seed: int = 0):
+        """Random normal q, k, v (never zeros: zeros hide masking and scaling bugs)."""
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        qs, ks = self.shapes(p)
+        dt = _DTYPES[p.dtype]
+        return tuple(torch.randn(s, dtype=dt, device="cuda", generator=g) for s in (qs, ks, ks))
+
+    def run(self, variant, p: Problem, inputs):
+        q, k, v = inputs
+        return launch.forward(q, k, v, p.causal, None, variant)[0]
+
+    def reference(self, p: Problem, inputs):
+        """Float64 reference and PyTorch's same-dtype math, of the heads gate_view keeps."""
+        h = self._gate_heads(p)
+        q, k, v = inputs
+        q, k, v = q[:, :h], k[:, :h // p.group], v[:, :h // p.group]
+        return (reference(q, k, v, causal=p.causal),
+                same_dtype_math(q, k, v, causal=p.causal))
+
+
+OPS = FwdOps()

@@ -1,0 +1,169 @@
+"""The real measuring backend: compile ahead in compile workers, gate + time on the GPU.
+
+Every candidate first runs on random inputs of a smaller problem that runs the same binary
+and must match the float64 reference within DESIGN.md's tolerance (flashtune.accuracy);
+only then is it timed on the bucket's problem (median, L2 flushed).
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import subprocess
+import time
+from dataclasses import dataclass
+
+from .measure import Backend, Outcome
+
+FAMILY_MODULES = (("fwd", "flashtune.measure_fwd"),)
+_RESOURCE_ERRORS = ("OutOfResources", "CompilationError", "PTXASError")
+
+
+def _err(e: BaseException) -> str:
+    return f"{type(e).__name__}: {str(e).strip()}"
+
+
+@dataclass(frozen=True)
+class GpuBackend(Backend):
+    smem_limit: int                  # target.smem_per_block: what a compiled kernel may use
+    flush_bytes: int = 256 << 20     # > L2 of any target
+    bench_ms: float = 60.0           # timing budget per candidate
+    retime_reps: int = 5
+    seed: int = 0
+    # family -> module with OPS (flashtune/measure_fwd.py). bench/faults.py swaps in a module
+    # that misbehaves on purpose; production never changes it.
+    family_modules: tuple = FAMILY_MODULES
+
+    name = "gpu"
+
+    def supports(self, family: str) -> bool:
+        return family in dict(self.family_modules)
+
+    def _ops(self, family: str):
+        mods = dict(self.family_modules)
+        if family not in mods:
+            raise KeyError(f"no measuring function for kernel family {family!r}; known: "
+                           f"{sorted(mods)} (flashtune/measure_gpu.py FAMILY_MODULES)")
+        return importlib.import_module(mods[family]).OPS
+
+    # -- worker setup ----------------------------------------------------------------------
+    def setup(self, role: str, index: int) -> None:
+        os.environ.pop("TRITON_INTERPRET", None)
+        if role == "time":
+            # one GPU per timing worker: pin it before CUDA initializes in this process
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+            ids = visible.split(",") if visible else [str(i) for i in range(index + 1)]
+            os.environ["CUDA_VISIBLE_DEVICES"] = ids[index]
+            import torch
+            torch.cuda.init()
+        object.__setattr__(self, "_state", {})
+
+    def _cached(self, key, make):
+        """Per-worker cache of inputs and references; only the latest problem's are kept."""
+        state = self.__dict__.setdefault("_state", {})
+        if key not in state:
+            for k in [k for k in state if k[0] == key[0]]:
+                del state[k]
+            state[key] = make()
+        return state[key]
+
+    # -- compile workers -------------------------------------------------------------------
+    def compile(self, variant, problem):
+        try:
+            shared = self._ops(variant.family).compile_ahead(variant, problem)
+        except Exception as e:  # noqa: BLE001 -- compile errors are a trial's result
+            return Outcome.fail("compile", _err(e))
+        if shared > self.smem_limit:
+            return Outcome.fail("compile", f"out of resources: shared memory {shared} B > "
+                                           f"{self.smem_limit} B per block")
+        return None
+
+    # -- timing workers --------------------------------------------------------------------
+    def measure(self, variant, problem) -> Outcome:
+        import torch
+
+        from . import timing
+        from .accuracy import compare
+
+        ops = self._ops(variant.family)
+        try:
+            gp = ops.gate_problem(problem)
+            gin = self._cached(("gate-in", gp.key), lambda: ops.inputs(gp, self.seed))
+            ref = self._cached(("gate-ref", gp.key), lambda: ops.reference(gp, gin))
+            t0 = time.perf_counter()
+            out = ops.run(variant, gp, gin)
+            torch.cuda.synchronize()
+            first_s = time.perf_counter() - t0
+            report = compare(ops.gate_view(out, gp), *ref)
+            if not report.ok:
+                return Outcome.fail("gate", str(report), max_err=report.max_err)
+            tin = self._cached(("time-in", problem.key), lambda: ops.inputs(problem, self.seed + 1))
+            ms, spread = timing.bench(lambda: ops.run(variant, problem, tin),
+                                      budget_ms=self.bench_ms, flush_bytes=self.flush_bytes)
+        except Exception as e:  # noqa: BLE001
+            return self._launch_failure(e)
+        notes = f"spread {spread:.3f}"
+        if first_s > 1.0:  # compile-ahead should have left the binary in Triton's cache
+            notes += f"; first call {first_s:.1f} s (recompiled in the timing worker)"
+        return Outcome(True, ms, max_err=report.max_err, notes=notes)
+
+    def _launch_failure(self, e: BaseException) -> Outcome:
+        if type(e).__name__ in _RESOURCE_ERRORS:
+            return Outcome.fail("launch", _err(e))
+        # anything else may have broken the CUDA context (illegal address, misaligned access):
+        # reply, then let the worker exit and come back fresh
+        object.__setattr__(self, "poisoned", True)
+        return Outcome.fail("launch", _err(e))
+
+    def retime(self, variants, problem, rounds: int) -> list:
+        from . import timing
+
+        ops = self._ops(problem.family)
+        tin = self._cached(("time-in", problem.key), lambda: ops.inputs(problem, self.seed + 1))
+        fns, idx = [], []
+        for i, v in enumerate(variants):
+            fn = (lambda v=v: ops.run(v, problem, tin))
+            try:
+                fn()
+            except Exception as e:  # noqa: BLE001
+                if type(e).__name__ not in _RESOURCE_ERRORS:
+                    object.__setattr__(self, "poisoned", True)
+                    raise
+                continue
+            fns.append(fn)
+            idx.append(i)
+        res = timing.interleaved(fns, rounds, self.retime_reps, self.flush_bytes, self.seed)
+        out = [None] * len(variants)
+        for i, r in zip(idx, res):
+            out[i] = r
+        return out
+
+    def environment(self) -> dict:
+        import torch
+        import triton
+
+        props = torch.cuda.get_device_properties(0)
+        return {"gpu_name": props.name, "compute_capability": f"{props.major}.{props.minor}",
+                "sm_count": props.multi_processor_count, "driver": _driver_version(),
+                "cuda": str(torch.version.cuda), "torch": torch.__version__,
+                "triton": triton.__version__}
+
+    def device_count(self) -> int:
+        import torch
+
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _driver_version() -> str:
+    try:
+        import pynvml
+        pynvml.nvmlInit()
+        v = pynvml.nvmlSystemGetDriverVersion()
+        return v.decode() if isinstance(v, bytes) else str(v)
+    except Exception:  # noqa: BLE001 -- provenance is best effort
+        pass
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=10)
+        return out.stdout.strip().splitlines()[0] if out.returncode == 0 else ""
+    except Exception:  # noqa: BLE001
+        return ""

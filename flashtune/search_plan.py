@@ -1,0 +1,47 @@
+"""What a search covers: buckets from the CLI's dtypes x head dims x causal x seqlens x batches,
+each with the representative problem that gets timed, and its space on the target."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .problem import Bucket, Problem
+from .search_space import Space
+from .targets import Target
+
+# DESIGN.md's standard grid: B*N = 16k tokens, hidden 2048 (H = 2048 / D)
+TOKENS = 16384
+HIDDEN = 2048
+STANDARD_SEQLENS = (512, 1024, 2048, 4096, 8192, 16384)
+
+
+def standard_problem(family: str, dtype: str, head_dim: int, causal: bool, seqlen: int,
+                     batch: int | None = None, group: int = 1) -> Problem:
+    heads = max(group, HIDDEN // head_dim)
+    heads -= heads % group
+    b = batch if batch else max(1, TOKENS // seqlen)
+    return Problem(family, dtype, head_dim, causal, group, b, heads, seqlen, seqlen)
+
+
+@dataclass(frozen=True)
+class PlannedBucket:
+    bucket: Bucket
+    problem: Problem
+    space: Space
+
+
+def plan(target: Target, families, dtypes, head_dims, causal, seqlens, batches=(),
+         group: int = 1) -> list[PlannedBucket]:
+    """One entry per distinct bucket, in the order given (problems that share a bucket are
+    tuned once, with the first)."""
+    out: dict[str, PlannedBucket] = {}
+    for fam in families:
+        for dt in dtypes:
+            for d in head_dims:
+                for c in causal:
+                    for n in seqlens:
+                        for b in (batches or (None,)):
+                            p = standard_problem(fam, dt, d, c, n, b, group)
+                            bk = Bucket.of(p)
+                            if bk.key not in out:
+                                out[bk.key] = PlannedBucket(bk, p, Space.build(fam, target, p))
+    return list(out.values())

@@ -1,0 +1,261 @@
+"""One Optuna study per bucket: naming, storage, samplers, and the ask/tell bookkeeping.
+
+Objective: TFLOP/s, maximized. A candidate that is infeasible or fails (compile, gate, launch,
+timeout, crash) is told as a COMPLETE trial of 0 TFLOP/s with a violated constraint, so TPE
+(constraints_func) and CMA-ES (the value) learn to stay away; only transient failures (Ctrl-C,
+a lost worker) are told FAIL and measured again if proposed again. Every trial carries the
+variant's name and what happened to it in user attrs, which optuna-dashboard shows.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import warnings
+from functools import lru_cache
+
+import optuna
+from optuna.trial import TrialState
+
+from .codegen import Variant
+from .measure import Outcome
+from .problem import Bucket, Problem
+from .search_space import Space
+
+SAMPLERS = ("tpe", "cmaes", "random", "grid")
+# CMA-ES learns from the 0 TFLOP/s of failed trials; it need not say it ignores their constraint
+warnings.filterwarnings("ignore", message="Constraints have been set, but CmaEsSampler")
+warnings.filterwarnings("ignore", message=".*(with_margin|constraints_func).*experimental")
+_ALIASES = {"exhaustive": "grid"}
+
+
+def bucket_label(b: Bucket) -> str:
+    dt = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}.get(b.dtype, b.dtype)
+    return (f"{b.family}-{dt}-d{b.head_dim}-{'causal' if b.causal else 'full'}"
+            f"{'-gqa' if b.gqa else ''}-q{b.seqlen_q}-k{b.seqlen_k}-bh{b.batch_heads}")
+
+
+def study_name(space: Space, bucket: Bucket) -> str:
+    """Readable and exact: the bucket, the GPU, and the hash of everything that shapes the space."""
+    return f"{bucket_label(bucket)}.{space.target.short}.{space.hash}"
+
+
+def default_storage() -> str:
+    from . import env
+
+    path = env.cache_dir() / "search.db"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return f"sqlite:///{path}"
+
+
+def make_storage(url: str | None):
+    url = url or default_storage()
+    if url.startswith("sqlite:///"):
+        return optuna.storages.RDBStorage(url, engine_kwargs={"creator": _sqlite_creator(url)})
+    if url.startswith("postgresql://"):
+        url = "postgresql+psycopg://" + url[len("postgresql://"):]  # psycopg 3, not psycopg2
+    return optuna.storages.RDBStorage(url, engine_kwargs={"pool_pre_ping": True})
+
+
+def _sqlite_creator(url: str):
+    """WAL + synchronous=NORMAL: a commit survives kill -9 (only power loss may drop the last
+    ones) and costs microseconds instead of an fsync -- a trial makes about ten of them.
+    Several local processes may share the file: they wait for its lock instead of failing."""
+    import sqlite3
+
+    path = url[len("sqlite:///"):]
+
+    def connect():
+        conn = sqlite3.connect(path, timeout=60, check_same_thread=False)
+        conn.execute("PRAGMA journal_mode=WAL")
+        conn.execute("PRAGMA synchronous=NORMAL")
+        return conn
+    return connect
+
+
+def _constraint(trial) -> list[float]:
+    return [float(trial.user_attrs.get("violation", 0.0))]
+
+
+# Optuna 5 reads constraints set on the trial (Trial.set_constraint); Optuna 4 asks the
+# sampler's constraints_func. Same information, either way.
+_TRIAL_CONSTRAINTS = hasattr(optuna.trial.Trial, "set_constraint")
+
+
+def make_sampler(name: str, space: Space, seed: int | None = None, *,
+                 n_startup_trials: int = 10):
+    name = _ALIASES.get(name, name)
+    if name == "tpe":
+        kw = {} if _TRIAL_CONSTRAINTS else {"constraints_func": _constraint}
+        return optuna.samplers.TPESampler(seed=seed, multivariate=True, constant_liar=True,
+                                          n_startup_trials=n_startup_trials, **kw)
+    if name == "cmaes":
+        # with_margin keeps integer params from collapsing onto one value
+        return optuna.samplers.CmaEsSampler(seed=seed, with_margin=True,
+                                            warn_independent_sampling=False,
+                                            n_startup_trials=min(n_startup_trials, 5))
+    if name == "random":
+        return optuna.samplers.RandomSampler(seed=seed)
+    if name == "grid":
+        return optuna.samplers.GridSampler(space.grid(), seed=seed)
+    raise ValueError(f"--sampler must be one of {SAMPLERS + tuple(_ALIASES)}, got {name!r}")
+
+
+def open_study(storage, name: str, sampler, *, fresh: bool = False) -> optuna.Study:
+    if fresh:
+        try:
+            optuna.delete_study(study_name=name, storage=storage)
+        except KeyError:
+            pass
+    return optuna.create_study(study_name=name, storage=storage, sampler=sampler,
+                               direction="maximize", load_if_exists=True)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+@lru_cache(maxsize=65536)
+def _key_of(name: str) -> str:
+    return Variant.parse(name).key
+
+
+class BucketStudy:
+    """The search of one bucket: proposals, dedup, and telling outcomes.
+
+    Trial user attrs (few, since each is a storage write): "variant" (its name), "owner"
+    ({host, pid} of the asking process) and "result" ({measured, violation, ms, tflops,
+    max_err, stage, reason, notes, duplicate}).
+    """
+
+    def __init__(self, study: optuna.Study, space: Space, problem: Problem, *, prune: bool = True):
+        self.study, self.space, self.problem, self.prune = study, space, problem, prune
+        self.host = socket.gethostname()
+        self.flops = problem.flops()
+        self._known: dict[str, tuple[float, dict]] = {}  # variant key -> (value, result)
+        self.counts = {"measured": 0, "failed": 0, "infeasible": 0, "duplicate": 0}
+        self.failures: list[tuple[str, str, str]] = []  # (variant, stage, reason), this run
+        self.set_attrs()
+        self.refresh()
+
+    def set_attrs(self) -> None:
+        s = self.study
+        for k, v in {"family": self.space.family, "gpu": self.space.target.short,
+                     "bucket": bucket_label(Bucket.of(self.problem)),
+                     "problem": self.problem.__dict__, "space_hash": self.space.hash,
+                     "feasible": len(self.space.feasible)}.items():
+            if s.user_attrs.get(k) != v:
+                s.set_user_attr(k, v)
+
+    # -- what storage knows (all processes, all hosts) ---------------------------------------
+    def _completed(self):
+        for t in self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
+            r = t.user_attrs.get("result")
+            if r and r.get("measured") and "variant" in t.user_attrs:
+                yield t, r
+
+    def refresh(self) -> None:
+        for t, r in self._completed():
+            key = _key_of(t.user_attrs["variant"])
+            if key not in self._known:
+                self._known[key] = (t.value, r)
+
+    def measured(self) -> int:
+        """Distinct variants measured in this study (by every process)."""
+        return len(self._known)
+
+    def reap_abandoned(self) -> int:
+        """RUNNING trials left by a dead process of this host (kill -9, power loss): FAIL them,
+        so they neither block nor count. Trials of live processes or other hosts are theirs."""
+        n = 0
+        for t in self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+            owner = t.user_attrs.get("owner") or {}
+            if owner.get("host") == self.host and owner.get("pid") and not _pid_alive(owner["pid"]):
+                trial = optuna.trial.Trial(self.study, t._trial_id)
+                trial.set_user_attr("result", {"measured": False, "stage": "lost",
+                                               "reason": f"abandoned by process {owner['pid']}"})
+                self.study.tell(t.number, state=TrialState.FAIL, skip_if_finished=True)
+                n += 1
+        return n
+
+    def enqueue(self, variant: Variant) -> None:
+        """Propose `variant` first (the built-in default: a good first point for TPE)."""
+        self.study.enqueue_trial(self.space.optuna_params(variant), skip_if_exists=True)
+
+    # -- ask / tell --------------------------------------------------------------------------
+    def ask(self):
+        """(trial, variant, answer): answer is None when the proposal must be measured, an
+        Outcome when it is infeasible, "duplicate" when it was measured before."""
+        trial = self.study.ask()
+        trial.set_user_attr("owner", {"host": self.host, "pid": os.getpid()})
+        try:
+            variant = self.space.suggest(trial)
+        except ValueError as e:  # the space file allows a value Variant rejects
+            return trial, None, Outcome.fail("infeasible", str(e))
+        trial.set_user_attr("variant", variant.name)
+        if self.prune:
+            verdict = self.space.check(variant)
+            if not verdict.ok:
+                return trial, variant, Outcome.fail("infeasible", verdict.reason)
+        if variant.key not in self._known:
+            self.refresh()  # another process may have measured it meanwhile
+        if variant.key in self._known:
+            return trial, variant, "duplicate"
+        return trial, variant, None
+
+    def _finish(self, trial, value: float, result: dict) -> None:
+        trial.set_user_attr("result", result)
+        if _TRIAL_CONSTRAINTS:
+            trial.set_constraint("failed", result.get("violation", 0.0))
+        self.study.tell(trial, value)
+
+    def tell(self, trial, variant: Variant | None, outcome) -> None:
+        """Record what happened to a proposal; outcome is an Outcome, or "duplicate"."""
+        if outcome == "duplicate":
+            value, result = self._known[variant.key]
+            self.counts["duplicate"] += 1
+            self._finish(trial, value, dict(result, measured=False, duplicate=True))
+            return
+        o: Outcome = outcome
+        if o.transient:
+            trial.set_user_attr("result", {"measured": False, "stage": o.stage,
+                                           "reason": o.reason})
+            self.study.tell(trial, state=TrialState.FAIL)
+            return
+        measured = o.stage != "infeasible"
+        result = {"measured": measured, "violation": 0.0 if o.ok else 1.0}
+        if o.ok:
+            result.update(ms=o.ms, tflops=self.flops / (o.ms * 1e-3) / 1e12)
+        else:
+            result.update(stage=o.stage, reason=o.reason)
+        if o.notes:
+            result["notes"] = o.notes
+        if o.max_err is not None:
+            result["max_err"] = o.max_err
+        value = result.get("tflops", 0.0)
+        self._finish(trial, value, result)
+        if measured:
+            self._known[variant.key] = (value, result)
+            self.counts["measured"] += 1
+            self.counts["failed"] += not o.ok
+        else:
+            self.counts["infeasible"] += 1
+
+    # -- results -----------------------------------------------------------------------------
+    def top(self, k: int) -> list[tuple[Variant, dict]]:
+        """The k fastest distinct variants measured (by any process), fastest first."""
+        best: dict[str, tuple[Variant, dict]] = {}
+        for t, r in self._completed():
+            if r.get("violation", 1.0) <= 0 and "ms" in r:
+                v = Variant.parse(t.user_attrs["variant"])
+                best.setdefault(v.key, (v, r))
+        return sorted(best.values(), key=lambda x: x[1]["ms"])[:k]
+
+    def best_tflops(self) -> float:
+        vals = [v for v, r in self._known.values() if r.get("violation", 1.0) <= 0]
+        return max(vals, default=0.0)

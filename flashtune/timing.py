@@ -1,0 +1,69 @@
+"""GPU timing: median of repeated runs with L2 flushed before each, and interleaved re-timing.
+
+Runs in a timing worker process (flashtune/isolation.py) and needs CUDA.
+"""
+from __future__ import annotations
+
+import random
+import statistics
+
+import torch
+
+_flush_buf = {}
+
+
+def _flush(nbytes: int) -> None:
+    """Overwrite L2 so every run reads its inputs from HBM (as in a real model step)."""
+    dev = torch.cuda.current_device()
+    buf = _flush_buf.get(dev)
+    if buf is None or buf.numel() < nbytes:
+        buf = _flush_buf[dev] = torch.empty(nbytes, dtype=torch.int8, device="cuda")
+    buf.zero_()
+
+
+def samples(fn, reps: int, flush_bytes: int) -> list[float]:
+    """`reps` timings of fn() in ms, each after an L2 flush, events around fn only."""
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    for s, e in zip(starts, ends):
+        _flush(flush_bytes)
+        s.record()
+        fn()
+        e.record()
+    torch.cuda.synchronize()
+    return [s.elapsed_time(e) for s, e in zip(starts, ends)]
+
+
+def bench(fn, *, budget_ms: float = 60.0, min_reps: int = 5, max_reps: int = 100,
+          flush_bytes: int = 256 << 20) -> tuple[float, float]:
+    """(median ms, relative spread p80/p20 - 1) of fn over about budget_ms of runs."""
+    fn()  # warm: first-call costs (module load, autotune caches) stay out of the numbers
+    torch.cuda.synchronize()
+    est = statistics.median(samples(fn, 3, flush_bytes))
+    reps = int(min(max_reps, max(min_reps, budget_ms / max(est, 1e-3))))
+    t = sorted(samples(fn, reps, flush_bytes))
+    med = statistics.median(t)
+    p20, p80 = t[len(t) // 5], t[(4 * len(t)) // 5]
+    return med, (p80 / p20 - 1.0) if p20 > 0 else 0.0
+
+
+def interleaved(fns: list, rounds: int, reps: int = 5, flush_bytes: int = 256 << 20,
+                seed: int = 0) -> list[tuple[float, float]]:
+    """Re-time several fns in shuffled order each round, so drift (clocks, temperature) hits
+    them alike; per fn: (median of the round medians, relative spread of the round medians)."""
+    rng = random.Random(seed)
+    per = [[] for _ in fns]
+    for f in fns:
+        f()
+    torch.cuda.synchronize()
+    for _ in range(rounds):
+        order = list(range(len(fns)))
+        rng.shuffle(order)
+        for i in order:
+            per[i].append(statistics.median(samples(fns[i], reps, flush_bytes)))
+    out = []
+    for r in per:
+        r = sorted(r)
+        med = statistics.median(r)
+        out.append((med, (r[-1] / r[0] - 1.0) if len(r) > 1 and r[0] > 0 else 0.0))
+    return out

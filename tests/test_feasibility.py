@@ -1,0 +1,109 @@
+"""Search spaces and the feasibility model: pruning before anything compiles."""
+import dataclasses
+
+import pytest
+
+from flashtune import feasibility, targets
+from flashtune.codegen import Variant
+from flashtune.search_plan import standard_problem
+from flashtune.search_space import Space
+
+H100, A100 = targets.get("H100"), targets.get("A100")
+
+
+def _p(d=128, causal=False, n=4096, dtype="bfloat16"):
+    return standard_problem("fwd", dtype, d, causal, n)
+
+
+@pytest.mark.parametrize("gpu,name,shared", [
+    # metadata.shared of the kernel compiled through the JIT's warmup, Triton 3.6 and 3.9
+    ("H100", "fwd-m128-n64-w8-s3-loads=descriptor", 132096),
+    ("H100", "fwd-m128-n128-w8-s4-loads=descriptor", 295936),
+    ("H100", "fwd-m64-n64-w4-s5-loads=descriptor", 181248),
+    ("H100", "fwd-m128-n64-w8-s2", 98304),
+    ("H100", "fwd-m128-n128-w8-s3", 229376),
+    ("H100", "fwd-m64-n32-w4-s5", 98304),
+    ("A100", "fwd-m128-n64-w8-s1", 49152),
+    ("A100", "fwd-m128-n64-w4-s4", 131072),
+    ("A100", "fwd-m64-n32-w4-s5", 86016),
+])
+def test_shared_memory_model_matches_triton(gpu, name, shared):
+    r = feasibility.resources(Variant.parse(name), _p(), targets.get(gpu))
+    assert abs(r.smem_bytes - shared) <= 4096
+
+
+def test_model_prunes_what_cannot_fit():
+    big = Variant.parse("fwd-m128-n128-w8-s4-loads=descriptor")  # 289 KiB > 227 KiB
+    v = feasibility.check(big, _p(), H100)
+    assert not v.ok and "shared memory" in v.reason and "232448" in v.reason
+    spill = Variant.parse("fwd-m256-n128-w2-s1")
+    assert "registers" in feasibility.check(spill, _p(), H100).reason
+    assert feasibility.check(Variant.parse("fwd-m128-n64-w8-s3"), _p(), H100).ok
+    # float32 tiles are twice the bytes
+    assert feasibility.resources(big, _p(dtype="float32"), H100).smem_bytes > \
+        feasibility.resources(big, _p(), H100).smem_bytes
+
+
+def test_a100_space_never_proposes_tma_and_differs_from_h100():
+    a, h = Space.build("fwd", A100, _p()), Space.build("fwd", H100, _p())
+    assert all(v.loads == "pointer" for v in a.variants())
+    assert any(v.loads == "descriptor" for v in h.feasible)
+    assert ("loads", "descriptor", "tma") in a.dropped and not h.dropped
+    assert a.hash != h.hash and len(a.feasible) < len(h.feasible)
+    sa, sh = a.sizes(), h.sizes()
+    assert sa["file"] == sh["file"] and sa["target"] < sh["target"]
+    assert sh["file"] >= sh["target"] >= sh["constraints"] >= sh["feasible"] > 0
+
+
+def test_causal_split_is_searched_only_for_causal_problems():
+    full, causal = Space.build("fwd", H100, _p()), Space.build("fwd", H100, _p(causal=True))
+    assert "causal_split" not in {p.name for p in full.params}
+    assert ("causal_split", True) in full.pinned
+    assert "causal_split" in {p.name for p in causal.params}
+    assert len(causal.variants()) == 2 * len(full.variants())
+
+
+def test_constraints_and_optuna_params_round_trip():
+    s = Space.build("fwd", H100, _p(causal=True))
+    v = Variant.parse("fwd-m64-n32-w8-s2")  # 8 warps need 128 query rows
+    assert not s.check(v).ok and "constraint" in s.check(v).reason
+    good = s.feasible[0]
+    params = s.optuna_params(good)
+    assert params["block_m_log2"] == good.block_m.bit_length() - 1
+    grid = s.grid()
+    assert set(grid) == set(params) and all(params[k] in grid[k] for k in params)
+    assert s.hash == Space.build("fwd", H100, _p(causal=True)).hash  # stable
+
+
+def test_bad_constraint_names_the_file_and_the_names(monkeypatch):
+    from flashtune import search_spaces
+    raw = dict(search_spaces.load_space("fwd"), constraints=["block_q > 1"])
+    monkeypatch.setattr("flashtune.search_space.load_space", lambda f: raw)
+    s = Space.build("fwd", H100, _p())
+    with pytest.raises(ValueError, match="fwd.json constraints.*block_q.*known names"):
+        s.check(s.variants()[0])
+
+
+def test_kernels_list_still_describes_the_family():
+    from flashtune.search_spaces import describe_family
+    d = describe_family("fwd")
+    assert d["choices"]["loads"] == ["pointer", "descriptor"]
+    Variant.parse(d["example"])
+
+
+def test_space_file_errors_are_clear(tmp_path, monkeypatch):
+    from flashtune import search_spaces
+    bad = tmp_path / "zz.json"
+    bad.write_text('{"format": 1, "family": "zz", "params": {"block_m": []}}')
+    monkeypatch.setattr(search_spaces, "_DIR", tmp_path)
+    search_spaces.load_space.cache_clear()
+    try:
+        with pytest.raises(ValueError, match="params.block_m must be a non-empty list"):
+            search_spaces.load_space("zz")
+    finally:
+        search_spaces.load_space.cache_clear()
+
+
+def test_frozen():
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        Space.build("fwd", H100, _p()).family = "bwd"

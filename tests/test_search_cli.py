@@ -1,0 +1,62 @@
+"""`flashtune search`: --dry-run on any machine, clear --gpu errors, argument checks."""
+import json
+
+from click.testing import CliRunner
+
+from flashtune.cli import main
+
+
+def _run(*args):
+    return CliRunner().invoke(main, ["search", *args])
+
+
+def test_dry_run_a100_shows_buckets_sizes_and_no_tma():
+    r = _run("--dry-run", "--gpu", "A100", "--head-dim", "64,128", "--seqlen", "1024",
+             "--seqlen", "4096")
+    assert r.exit_code == 0, r.output
+    assert "dry run: A100" in r.output and "features: none" in r.output
+    for label in ("fwd-bf16-d64-full-q1024", "fwd-bf16-d128-causal-q4096"):
+        assert label in r.output
+    assert "loads=descriptor (needs tma)" in r.output
+    assert "feasible" in r.output and "constr." in r.output
+
+
+def test_dry_run_spaces_differ_between_a100_and_h100():
+    def sizes(gpu):
+        r = _run("--dry-run", "--gpu", gpu, "--head-dim", "128", "--seqlen", "4096",
+                 "--causal", "true", "--format", "json")
+        assert r.exit_code == 0, r.output
+        (b,) = json.loads(r.output)["buckets"]
+        return b
+    a, h = sizes("A100"), sizes("H100")
+    assert "loads" not in a["params"] and h["params"]["loads"] == ["pointer", "descriptor"]
+    assert a["sizes"]["feasible"] < h["sizes"]["feasible"]
+    assert a["sizes"]["file"] == h["sizes"]["file"] > a["sizes"]["target"]
+    assert a["study"] != h["study"]
+
+
+def test_gpu_a100_without_that_gpu_is_a_clear_error():
+    r = _run("--gpu", "A100", "--seqlen", "1024")
+    assert r.exit_code != 0
+    assert "--gpu" in r.output and "no CUDA GPU found" in r.output
+
+
+def test_gpu_must_match_the_recording(tmp_path):
+    from flashtune import targets
+    from flashtune.sampler_eval import synthesize
+    from flashtune.search_plan import standard_problem
+    rec = tmp_path / "h100.jsonl"
+    synthesize(rec, targets.get("H100"), [standard_problem("fwd", "bfloat16", 64, False, 512)])
+    r = _run("--gpu", "A100", "--replay", str(rec))
+    assert r.exit_code != 0 and "does not match" in r.output and "H100" in r.output
+
+
+def test_bad_arguments_name_the_option():
+    r = _run("--dry-run", "--gpu", "H100", "--head-dim", "sixty-four")
+    assert r.exit_code == 2 and "--head-dim" in r.output
+    r = _run("--dry-run", "--gpu", "H100", "--family", "decode")
+    assert r.exit_code == 2 and "--family" in r.output and "fwd" in r.output
+    r = _run("--dry-run", "--gpu", "B300")
+    assert r.exit_code == 2 and "--gpu" in r.output and "H100" in r.output
+    r = _run("--dry-run", "--gpu", "H100", "--time-budget", "soon")
+    assert r.exit_code == 2 and "--time-budget" in r.output

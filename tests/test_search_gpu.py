@@ -1,0 +1,29 @@
+"""A real search on the GPU present: compile-ahead, gate, timing, final pick, DB record."""
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+
+def test_tiny_real_search(tmp_path):
+    import optuna
+
+    from flashtune import targets
+    from flashtune.search import SearchConfig, plan_of, run_search
+    from flashtune.search_progress import NoProgress
+    from flashtune.search_study import make_storage, study_name
+
+    target = targets.detect()
+    cfg = SearchConfig(gpu="auto", head_dims=(64,), seqlens=(512,), causal=(True,), trials=4,
+                       seed=0, compile_workers=2, storage=f"sqlite:///{tmp_path}/o.db",
+                       db=f"sqlite:///{tmp_path}/t.db", top_k=2, retime_rounds=2)
+    res = run_search(cfg, progress=NoProgress())
+    (b,) = res.buckets
+    assert b.winner and b.tflops > 0 and res.db_written == 1, b
+    pb = plan_of(cfg, target)[0]
+    study = optuna.load_study(study_name=study_name(pb.space, pb.bucket),
+                              storage=make_storage(cfg.storage))
+    results = [t.user_attrs["result"] for t in study.trials if "result" in t.user_attrs]
+    ok = [r for r in results if r.get("ms")]
+    assert ok and all(r["max_err"] >= 0 for r in ok)
+    # compile-ahead left the binary in Triton's cache: the timing worker did not recompile
+    assert not any("recompiled" in r.get("notes", "") for r in ok), results

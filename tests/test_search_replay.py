@@ -1,0 +1,197 @@
+"""The search end to end on the CPU: replayed measurements in real isolated worker processes.
+
+Shown here: winners reach the tuned DB with provenance; infeasible, failed and faulting
+candidates (compile error, wrong result, hang, crash, broken context) fail with their reason
+and never win; duplicate proposals are answered from what was measured; a killed search
+resumes without losing or re-measuring a completed trial; Ctrl-C stops cleanly.
+"""
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import optuna
+import pytest
+from optuna.trial import TrialState
+
+from flashtune import targets
+from flashtune.codegen import Variant
+from flashtune.sampler_eval import synthesize
+from flashtune.search import SearchConfig, plan_of, run_search
+from flashtune.search_progress import NoProgress
+from flashtune.search_study import make_storage, study_name
+
+H100 = targets.get("H100")
+BASE = dict(gpu="H100", families=("fwd",), head_dims=(64,), seqlens=(1024,), causal=(False,),
+            compile_workers=1, enqueue_default=False, seed=0)
+
+
+class MemDB:
+    """The TunedDB contract (put/get/records), in memory."""
+
+    def __init__(self):
+        self.rows = {}
+
+    def put(self, r):
+        self.rows[r.natural_key] = r
+
+    def records(self, *a, **k):
+        return list(self.rows.values())
+
+
+def _recording(tmp_path, faults=None, **meta):
+    path = tmp_path / "rec.jsonl"
+    cfg = SearchConfig(**BASE)
+    synthesize(path, H100, [pb.problem for pb in plan_of(cfg, H100)], fail_rate=0.0,
+               faults=faults, **meta)
+    return str(path)
+
+
+def _cfg(tmp_path, rec, **kw):
+    return SearchConfig(**dict(BASE, replay=rec, storage=f"sqlite:///{tmp_path}/optuna.db",
+                               **kw))
+
+
+def _study(cfg):
+    pb = plan_of(cfg, H100)[0]
+    return optuna.load_study(study_name=study_name(pb.space, pb.bucket),
+                             storage=make_storage(cfg.storage))
+
+
+def _measured_names(study):
+    out = []
+    for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
+        if t.user_attrs.get("result", {}).get("measured"):
+            out.append(t.user_attrs["variant"])
+    return out
+
+
+def test_search_writes_winner_with_provenance(tmp_path):
+    rec = _recording(tmp_path)
+    db = MemDB()
+    res = run_search(_cfg(tmp_path, rec, trials=12, top_k=3), db=db, progress=NoProgress())
+    (b,) = res.buckets
+    assert b.status == "done" and b.measured == 12 and b.winner
+    (r,) = db.records()
+    assert r.variant.name == b.winner and r.unit == "TFLOP/s" and r.throughput > 0
+    assert r.gpu == "nvidia-h100-80gb-hbm3" and r.provenance.source == "search"
+    assert r.provenance.template_hash and len(r.runner_ups) == 2
+    study = _study(_cfg(tmp_path, rec))
+    assert study.user_attrs["winner"] == b.winner
+    names = _measured_names(study)
+    assert len(names) == len(set(names)) == 12
+
+
+def test_faults_fail_with_their_reason_and_never_win(tmp_path):
+    cfg0 = SearchConfig(**BASE)
+    feas = [v for v in plan_of(cfg0, H100)[0].space.feasible]
+    fast = sorted(feas, key=lambda v: (v.block_m != 128, v.block_n != 64, v.num_stages != 3))
+    faults = {fast[0].name: "hang", fast[1].name: "crash", fast[2].name: "poison",
+              fast[3].name: "compile", fast[4].name: "gate"}
+    rec = _recording(tmp_path, faults=faults)
+    cfg = _cfg(tmp_path, rec, trials=7, trial_timeout_s=4.0, top_k=7)
+    pb = plan_of(cfg, H100)[0]
+    study = optuna.create_study(study_name=study_name(pb.space, pb.bucket),
+                                storage=make_storage(cfg.storage), direction="maximize")
+    infeasible = Variant.parse("fwd-m256-n128-w2-s1-loads=descriptor")
+    for v in [fast[i] for i in range(5)] + [infeasible, fast[5], fast[6]]:
+        study.enqueue_trial(pb.space.optuna_params(v))
+    db = MemDB()
+    res = run_search(cfg, db=db, progress=NoProgress())
+    (b,) = res.buckets
+    why = {name: (stage, reason) for name, stage, reason in b.failures}
+    assert why[fast[0].name][0] == "timeout" and "killed" in why[fast[0].name][1]
+    assert why[fast[1].name][0] == "crash" and "SIGSEGV" in why[fast[1].name][1]
+    assert why[fast[2].name][0] == "launch" and "illegal memory access" in why[fast[2].name][1]
+    assert why[fast[3].name][0] == "compile"
+    assert why[fast[4].name][0] == "gate"
+    assert b.failed == 5 and b.infeasible >= 1 and b.measured == 7
+    (r,) = db.records()
+    assert r.variant.name not in faults and r.variant.name in (fast[5].name, fast[6].name)
+    results = {t.user_attrs["variant"]: t.user_attrs["result"] for t in _study(cfg).trials}
+    assert results[infeasible.name]["stage"] == "infeasible"
+    assert "registers" in results[infeasible.name]["reason"]
+    # failures are told to Optuna as 0 TFLOP/s with a violated constraint: samplers learn
+    assert all(results[n]["violation"] == 1.0 for n in faults)
+
+
+def test_duplicate_proposals_are_answered_from_what_was_measured(tmp_path):
+    rec = _recording(tmp_path)
+    cfg = _cfg(tmp_path, rec, trials=3)
+    pb = plan_of(cfg, H100)[0]
+    study = optuna.create_study(study_name=study_name(pb.space, pb.bucket),
+                                storage=make_storage(cfg.storage), direction="maximize")
+    v = pb.space.feasible[0]
+    for _ in range(3):
+        study.enqueue_trial(pb.space.optuna_params(v))
+    run_search(cfg, db=MemDB(), progress=NoProgress())
+    trials = [t for t in _study(cfg).trials if t.user_attrs.get("variant") == v.name]
+    measured = [t for t in trials if t.user_attrs["result"].get("measured")]
+    dups = [t for t in trials if t.user_attrs["result"].get("duplicate")]
+    assert len(measured) == 1 and len(dups) == 2
+    assert {t.value for t in trials} == {measured[0].value}
+
+
+def _cli(tmp_path, rec, *extra):
+    env = dict(os.environ, FLASHTUNE_CACHE_DIR=str(tmp_path / "cache"), PYTHONUNBUFFERED="1")
+    args = [sys.executable, "-m", "flashtune.cli", "search", "--gpu", "H100", "--replay", rec,
+            "--head-dim", "64", "--seqlen", "1024", "--causal", "false", "--compile-workers", "1",
+            "--storage", f"sqlite:///{tmp_path}/optuna.db", "--db", f"sqlite:///{tmp_path}/t.db",
+            "--progress", "lines", "--seed", "0", *extra]
+    return subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+
+
+def _wait_for_completed(cfg, n, proc, timeout=90):
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        assert proc.poll() is None, proc.stdout.read()
+        try:
+            if len(_measured_names(_study(cfg))) >= n:
+                return
+        except KeyError:
+            pass  # the study does not exist yet
+        time.sleep(0.2)
+    raise AssertionError("the search made no progress")
+
+
+def test_resume_after_kill_loses_and_repeats_nothing(tmp_path):
+    rec = _recording(tmp_path, delay_s=0.15)
+    cfg = _cfg(tmp_path, rec)
+    proc = _cli(tmp_path, rec, "--trials", "40")
+    _wait_for_completed(cfg, 6, proc)
+    os.killpg(proc.pid, signal.SIGKILL)  # driver and workers, mid-trial
+    proc.wait()
+    before = {t.number: t.user_attrs["variant"] for t in _study(cfg).trials
+              if t.state == TrialState.COMPLETE and t.user_attrs["result"].get("measured")}
+    assert any(t.state == TrialState.RUNNING for t in _study(cfg).trials)
+    proc = _cli(tmp_path, rec, "--trials", str(len(before) + 4))
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, out
+    study = _study(cfg)
+    after = {t.number: t for t in study.trials}
+    for number, name in before.items():  # every completed trial is still there, unchanged
+        assert after[number].state == TrialState.COMPLETE
+        assert after[number].user_attrs["variant"] == name
+    names = _measured_names(study)
+    assert len(names) == len(set(names)) == len(before) + 4  # none measured twice
+    assert not [t for t in study.trials if t.state == TrialState.RUNNING]  # reaped
+    assert "1 winners written" in out
+
+
+def test_ctrl_c_stops_cleanly_keeps_trials_and_writes_the_best(tmp_path):
+    rec = _recording(tmp_path, delay_s=0.15)
+    cfg = _cfg(tmp_path, rec)
+    proc = _cli(tmp_path, rec, "--trials", "200")
+    _wait_for_completed(cfg, 4, proc)
+    os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole group
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 130, out
+    assert "interrupted" in out
+    study = _study(cfg)
+    assert not [t for t in study.trials if t.state == TrialState.RUNNING]
+    assert len(_measured_names(study)) >= 4
+    from flashtune.tuned_db import TunedDB
+    (r,) = TunedDB(f"sqlite:///{tmp_path}/t.db").records()
+    assert r.variant.name in _measured_names(study)

@@ -1,0 +1,32 @@
+"""Search efficiency: samplers replayed over a recorded (here: synthetic) exhaustive sweep."""
+import pytest
+
+from flashtune import targets
+from flashtune.sampler_eval import compare, synthesize, table, trials_to_best
+from flashtune.search_plan import standard_problem
+
+
+@pytest.fixture(scope="module")
+def recording(tmp_path_factory):
+    path = tmp_path_factory.mktemp("sweep") / "synthetic.jsonl"
+    p = standard_problem("fwd", "bfloat16", 128, True, 4096)
+    synthesize(path, targets.get("H100"), [p])
+    return str(path), p
+
+
+def test_tpe_gets_within_2_percent_in_a_fifth_of_the_exhaustive_count(recording):
+    path, p = recording
+    rows = compare(path, [p], samplers=("tpe", "random"), seeds=range(3))
+    tpe = next(r for r in rows if r["sampler"] == "tpe")
+    assert tpe["exhaustive"] > 100
+    assert tpe["median_frac"] <= 0.2, table(rows)
+    assert "| tpe |" in table(rows)
+
+
+def test_trace_is_reproducible_and_bounded(recording):
+    path, p = recording
+    a = trials_to_best(path, p, "random", seed=3)
+    b = trials_to_best(path, p, "random", seed=3)
+    assert a == b and 1 <= a.trials <= a.exhaustive
+    grid = trials_to_best(path, p, "grid", seed=1)
+    assert grid.trials <= grid.exhaustive
