@@ -20,6 +20,15 @@ for step in ${STEPS:-fwdtests}; do
                 tests/test_api_errors.py tests/test_codegen.py 2>&1 | tee "$OUT/fwdtests.log" | tail -25 ;;
     fwdbench) timeout ${FWDBENCH_TIMEOUT:-420} python3 bench/fwd_bench.py ${FWDBENCH_ARGS:---sweep} 2>&1 | tee "$OUT/fwdbench.log" | tail -45 ;;
     gputests) timeout 300 python3 -m pytest -q -m gpu tests 2>&1 | tee "$OUT/gputests.log" | tail -30 ;;
+    dispatch) timeout 120 python3 bench/dispatch_overhead.py 2>&1 | tee "$OUT/dispatch.log" | tail -22 ;;
+    sweep)    timeout 290 python3 bench/sweep.py --budget 240 2>&1 | tee "$OUT/sweep.log" | tail -8 ;;
+    faults)   timeout 180 python3 bench/faults.py 2>&1 | tee "$OUT/faults.log" | tail -14 ;;
+    search)   /usr/bin/time -f "search wall %e s" timeout 240 flashtune search --gpu auto --head-dim 64,128 \
+                --seqlen 1024,4096 --causal both --trials 20 --time-budget 150 \
+                --storage sqlite:////tmp/ft-optuna.db --db sqlite:////tmp/ft-tuned.db --progress lines 2>&1 \
+                | tee "$OUT/search.log" | tail -16
+              flashtune db export --gpu "$(python3 -c "import torch;print(torch.cuda.get_device_name())")" --db sqlite:////tmp/ft-tuned.db -o "$OUT/tuned_table.json" 2>&1 | tail -2 ;;
+    searchgpu) timeout 200 python3 -m pytest -q tests/test_search_gpu.py 2>&1 | tail -5 ;;
     *) echo "unknown step $step" ;;
   esac
 done
