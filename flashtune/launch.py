@@ -35,6 +35,12 @@ def descriptor_ok(*tensors: torch.Tensor) -> bool:
     return True
 
 
+def precise_exp(q) -> bool:
+    """float32 on the GPU: libdevice exp instead of ex2.approx (the interpreter has no libdevice,
+    and its exp2 is numpy's, already exact to rounding)."""
+    return q.dtype == torch.float32 and q.is_cuda
+
+
 def block_d(head_dim: int) -> int:
     return max(16, triton.next_power_of_2(head_dim))
 
@@ -58,7 +64,7 @@ def forward(q, k, v, causal: bool, scale: float | None, variant: Variant):
         h, nq, nk,
         HEAD_DIM=d, BLOCK_D=block_d(d), BLOCK_M=variant.block_m, BLOCK_N=variant.block_n,
         IS_CAUSAL=causal, GROUP=h // k.shape[1], EVEN_N=nk % variant.block_n == 0,
-        DOT_PRECISION=_DOT_PRECISION.get(q.dtype, "tf32"),
+        DOT_PRECISION=_DOT_PRECISION.get(q.dtype, "tf32"), PRECISE=precise_exp(q),
         num_warps=variant.num_warps, num_stages=variant.num_stages,
     )
     return o, lse
