@@ -29,13 +29,14 @@ from .problem import Bucket, Problem
 from .tuned_db.events import on_write
 from .tuned_db.record import Record
 
-__all__ = ["select", "explain", "force", "clear_cache", "configure", "Explanation"]
+__all__ = ["select", "select_for_call", "explain", "force", "clear_cache", "configure", "Explanation"]
 
 log = logging.getLogger("flashtune.dispatch")
 
 _forced = threading.local()
 _MEMO_MAX = 1 << 16           # distinct problems remembered before the memo starts over
-_memo: dict = {}              # Problem -> Variant (the hot path)
+_memo: dict = {}              # Problem -> Variant
+_memo_call: dict = {}         # (family, dtype, q shape, k heads, Nk, causal) -> Variant (hot path)
 _by_bucket: dict = {}         # Bucket -> Explanation (the slow path's result)
 _state = None                 # _Levels, read once
 _state_lock = threading.Lock()
@@ -83,6 +84,25 @@ def select(problem: Problem) -> Variant:
     v = _memo.get(problem)
     if v is None:
         v = _select_slow(problem)
+    return v
+
+
+def select_for_call(family: str, q, k, causal: bool) -> Variant:
+    """select() for the tensors of a call. A hit is one tuple and one dict lookup: no Problem
+    is built (that dataclass costs more than the rest of the lookup)."""
+    forced = getattr(_forced, "variant", None)
+    if forced is None and env.forced_variant():
+        forced = _parse_forced(env.forced_variant())
+    if forced is not None and forced.family == family:
+        return forced
+    ks = k.shape
+    key = (family, q.dtype, q.shape, ks[1], ks[2], causal)
+    v = _memo_call.get(key)
+    if v is None:
+        v = select(Problem.of_call(family, q, k, causal))
+        if len(_memo_call) >= _MEMO_MAX:
+            _memo_call.clear()
+        _memo_call[key] = v
     return v
 
 
@@ -196,6 +216,7 @@ def clear_cache() -> None:
     global _state
     with _state_lock:
         _memo.clear()
+        _memo_call.clear()
         _by_bucket.clear()
         _state = None
 

@@ -25,6 +25,13 @@ class Problem:
     def key(self) -> str:
         return stable_key(self)
 
+    @classmethod
+    def of_call(cls, family: str, q, k, causal: bool) -> "Problem":
+        """The problem of a call with q (B, H, Nq, D) and k (B, Hk, Nk, D)."""
+        b, h, nq, d = q.shape
+        return cls(family, str(q.dtype).removeprefix("torch."), d, causal, h // k.shape[1],
+                   b, h, nq, k.shape[2])
+
     def flops(self) -> float:
         """FlashAttention convention: fwd = 4*B*H*Nq*Nk*D, halved for causal; bwd = 2.5x fwd."""
         f = 4.0 * self.batch * self.heads * self.seqlen_q * self.seqlen_k * self.head_dim

@@ -12,6 +12,28 @@ MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
 
 
 def check_qkv(q, k, v, causal, scale) -> None:
+    """Raise a clear error for bad input. The common all-good case is one cheap expression
+    (this runs on every call); the detailed checks below run only when it fails."""
+    try:
+        qs, ks = q.shape, k.shape
+        if (len(qs) == 4 and ks == v.shape and len(ks) == 4 and qs[0] == ks[0]
+                and qs[3] == ks[3] and MIN_HEAD_DIM <= qs[3] <= MAX_HEAD_DIM
+                and ks[1] and not qs[1] % ks[1]
+                and q.dtype in SUPPORTED_DTYPES and q.dtype == k.dtype == v.dtype
+                and q.get_device() == k.get_device() == v.get_device()
+                and (q.is_cuda or (q.device.type == "cpu" and env.interpreting()))
+                and q.stride(3) == k.stride(3) == v.stride(3) == 1
+                and (causal is True or causal is False)
+                and (scale is None or (type(scale) is float and 0 < scale < math.inf))
+                and isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor)
+                and isinstance(v, torch.Tensor)):
+            return
+    except (AttributeError, TypeError, IndexError, RuntimeError):
+        pass
+    _check_qkv_in_detail(q, k, v, causal, scale)
+
+
+def _check_qkv_in_detail(q, k, v, causal, scale) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
