@@ -26,43 +26,34 @@ _FWD_F32 = {
 }
 
 
-# bwd: BLOCK_N keys per dK/dV program (large: K, V, dK, dV stay in registers), BLOCK_M query
-# rows per inner step; block_m2/block_n2 the dQ kernel's (dq="separate") tiles.
-# Provisional (checked to compile for sm_90 within shared memory and without register spills
-# by ptxas): the first H100 run of bench/bwd_bench.py replaces these.
+# bwd: BLOCK_N keys per dK/dV program (large: K, V, dK, dV stay on chip), BLOCK_M query rows
+# per inner step; block_m2/block_n2 the dQ kernel's (dq="separate") tiles. Provisional, chosen
+# from what compiles for sm_90 (bench/bwd_compile_check.py, triton 3.9, bf16, causal) within
+# shared memory and without register spills:
+#   D=64  m32-n128-w8-s3: dK/dV 183 regs (atomic) / 142 (separate), 82 / 58 KB; dQ m128-n64-w8-s2
+#         128 regs, 64 KB.  (w4 at n128 spills; m64-n128-w8 fits at 237-243 regs.)
+#   D=128 m32-n128-w8-s2: 228 / 230 regs, 140 / 99 KB; dQ m128-n64-w8-s2 191 regs, 128 KB.
+#         (m64-n128-w8 and every w4 config at n64+ spill.)
+#   D=256 m16-n32-w4-s2: 254 / 244 regs, 64 / 49 KB (all w8 configs tried spill); dQ m64-n32-w8-s2
+#         208 regs, 128 KB.
+# The first H100 run of bench/bwd_bench.py (and the search) replaces these.
+def _bwd(m, n, w, s, m2, n2, w2, s2):
+    return {"atomic": Variant("bwd", block_m=m, block_n=n, num_warps=w, num_stages=s, dq="atomic"),
+            "separate": Variant("bwd", block_m=m, block_n=n, num_warps=w, num_stages=s,
+                                dq="separate", block_m2=m2, block_n2=n2, num_warps2=w2,
+                                num_stages2=s2)}
+
+
 _BWD = {
-    64: {"atomic": Variant("bwd", block_m=64, block_n=128, num_warps=8, num_stages=2,
-                           dq="atomic"),
-         "separate": Variant("bwd", block_m=64, block_n=128, num_warps=8, num_stages=2,
-                             dq="separate", block_m2=128, block_n2=64, num_warps2=8,
-                             num_stages2=2)},
-    128: {"atomic": Variant("bwd", block_m=64, block_n=128, num_warps=8, num_stages=2,
-                            dq="atomic"),
-          "separate": Variant("bwd", block_m=64, block_n=128, num_warps=8, num_stages=2,
-                              dq="separate", block_m2=128, block_n2=64, num_warps2=8,
-                              num_stages2=2)},
-    256: {"atomic": Variant("bwd", block_m=32, block_n=64, num_warps=8, num_stages=1,
-                            dq="atomic"),
-          "separate": Variant("bwd", block_m=32, block_n=64, num_warps=8, num_stages=1,
-                              dq="separate", block_m2=64, block_n2=32, num_warps2=8,
-                              num_stages2=1)},
+    64: _bwd(32, 128, 8, 3, 128, 64, 8, 2),
+    128: _bwd(32, 128, 8, 2, 128, 64, 8, 2),
+    256: _bwd(16, 32, 4, 2, 64, 32, 8, 2),
 }
+# float32 tiles are twice the bytes (tests, mostly): smaller tiles, fewer stages
 _BWD_F32 = {
-    64: {"atomic": Variant("bwd", block_m=32, block_n=64, num_warps=4, num_stages=1,
-                           dq="atomic"),
-         "separate": Variant("bwd", block_m=32, block_n=64, num_warps=4, num_stages=1,
-                             dq="separate", block_m2=64, block_n2=32, num_warps2=4,
-                             num_stages2=1)},
-    128: {"atomic": Variant("bwd", block_m=32, block_n=64, num_warps=8, num_stages=1,
-                            dq="atomic"),
-          "separate": Variant("bwd", block_m=32, block_n=64, num_warps=8, num_stages=1,
-                              dq="separate", block_m2=64, block_n2=32, num_warps2=8,
-                              num_stages2=1)},
-    256: {"atomic": Variant("bwd", block_m=16, block_n=32, num_warps=8, num_stages=1,
-                            dq="atomic"),
-          "separate": Variant("bwd", block_m=16, block_n=32, num_warps=8, num_stages=1,
-                              dq="separate", block_m2=32, block_n2=16, num_warps2=8,
-                              num_stages2=1)},
+    64: _bwd(32, 64, 4, 2, 64, 32, 4, 2),
+    128: _bwd(32, 64, 8, 1, 64, 32, 8, 1),
+    256: _bwd(16, 32, 4, 1, 32, 16, 4, 1),
 }
 # the scheme a bwd call gets unless deterministic=True asks for "separate"
 BWD_DQ_DEFAULT = "atomic"
@@ -73,7 +64,7 @@ def head_dim_class(d: int) -> int:
 
 
 def default_variant(family: str, head_dim: int, dtype: str, *, dq: str | None = None) -> Variant:
-    """Built-in default. bwd: `dq` picks the scheme ("atomic" | "separate"; None: BWD_DQ_DEFAULT)."""
+    """Built-in default. bwd: `dq` picks the scheme ("atomic" | "separate"; None: default)."""
     if family == "fwd":
         table = _FWD_F32 if dtype == "float32" else _FWD
         return table[head_dim_class(head_dim)]

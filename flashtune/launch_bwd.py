@@ -1,0 +1,107 @@
+"""Launch the generated backward kernels for one problem: buffers, grids, strides, constexprs."""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+
+from .codegen import Variant, load
+from .launch import _DOT_PRECISION, block_d
+
+
+def _pre_m(bd: int, precise: bool = False) -> int:
+    # rows per preprocess program: a [PRE_M, BLOCK_D] tile of O and dO, ~8k elements each;
+    # PRECISE (float32) loops over the keys with float64 tiles: keep those small
+    return max(16, min(32 if precise else 128, 8192 // bd))
+
+
+def backward(dout, q, k, v, o, lse, causal: bool, scale: float | None, variant: Variant):
+    """Run the bwd variant: returns (dq, dk, dv) in the dtype and layout of q, k, v.
+
+    dout, q, o: (B, H, Nq, D); k, v: (B, Hk, Nk, D); lse: float32 (B, H, Nq), natural log.
+    Every tensor has a contiguous last dim; the caller handles the empty cases.
+    """
+    if variant.family != "bwd":
+        raise ValueError(f"backward needs a 'bwd' variant, got {variant.name}")
+    if variant.loads != "pointer":
+        raise ValueError(f"bwd variant {variant.name}: the bwd template has only pointer loads")
+    if variant.dq == "separate" and not (variant.block_m2 and variant.block_n2
+                                         and variant.num_warps2 and variant.num_stages2):
+        raise ValueError(f"bwd variant {variant.name}: dq='separate' needs block_m2, block_n2, "
+                         "num_warps2 and num_stages2 (the dQ kernel's tiles)")
+    b, h, nq, d = q.shape
+    hk, nk = k.shape[1], k.shape[2]
+    bd = block_d(d)
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    mod = load(variant)
+    precision = _DOT_PRECISION.get(q.dtype, "tf32")
+
+    # Delta = rowsum(dO * O) and LSE in base 2 (+inf for rows that see no key): float32, tiny.
+    # float32 inputs (PRECISE): Delta and R = 1 / rowsum(P) from one pass over the keys instead
+    # (see the template's header)
+    precise = q.dtype == torch.float32
+    delta = torch.empty((b, h, nq), dtype=torch.float32, device=q.device)
+    lse2 = torch.empty_like(delta)
+    r = torch.empty_like(delta) if precise else delta  # unused unless precise
+    pre_m = _pre_m(bd, precise)
+    mod.attn_bwd_preprocess[(triton.cdiv(nq, pre_m) * b * h,)](
+        o, dout, lse, delta, lse2, r, q, k, v, scale,
+        o.stride(0), o.stride(1), o.stride(2),
+        dout.stride(0), dout.stride(1), dout.stride(2),
+        q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        h, nq, nk,
+        HEAD_DIM=d, BLOCK_D=bd, PRE_M=pre_m, PRE_N=32, IS_CAUSAL=causal, GROUP=h // hk,
+        PRECISE=precise, num_warps=4,
+    )
+
+    dk = torch.empty_like(k)  # keeps the caller's layout when dense
+    dv = torch.empty_like(v)
+    if variant.dq == "atomic":
+        # float32 accumulation: into dq itself for float32 inputs, else a buffer cast at the end
+        if q.dtype == torch.float32:
+            dq = dq_acc = torch.zeros_like(q)
+        else:
+            dq = torch.empty_like(q)
+            dq_acc = torch.zeros((b, h, nq, d), dtype=torch.float32, device=q.device)
+    else:
+        dq = dq_acc = torch.empty_like(q)
+
+    mod.attn_bwd_dkdv[(triton.cdiv(nk, variant.block_n) * b * hk,)](
+        q, k, v, dout, dk, dv, dq_acc, lse2, delta, r, scale,
+        q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        dout.stride(0), dout.stride(1), dout.stride(2),
+        dk.stride(0), dk.stride(1), dk.stride(2),
+        dv.stride(0), dv.stride(1), dv.stride(2),
+        dq_acc.stride(0), dq_acc.stride(1), dq_acc.stride(2),
+        h, nq, nk,
+        HEAD_DIM=d, BLOCK_D=bd, BLOCK_M=variant.block_m, BLOCK_N=variant.block_n,
+        IS_CAUSAL=causal, GROUP=h // hk, EVEN_M=nq % variant.block_m == 0,
+        EVEN_N=nk % variant.block_n == 0, PAD_D=bd != d,
+        MASK_KEYS=variant.dq == "atomic" and nk % variant.block_n != 0, PRECISE=precise,
+        DOT_PRECISION=precision,
+        num_warps=variant.num_warps, num_stages=variant.num_stages,
+    )
+
+    if variant.dq == "separate":
+        mod.attn_bwd_dq[(triton.cdiv(nq, variant.block_m2) * b * h,)](
+            q, k, v, dout, dq, lse2, delta, r, scale,
+            q.stride(0), q.stride(1), q.stride(2),
+            k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2),
+            dout.stride(0), dout.stride(1), dout.stride(2),
+            dq.stride(0), dq.stride(1), dq.stride(2),
+            h, nq, nk,
+            HEAD_DIM=d, BLOCK_D=bd, BLOCK_M=variant.block_m2, BLOCK_N=variant.block_n2,
+            IS_CAUSAL=causal, GROUP=h // hk, EVEN_M=nq % variant.block_m2 == 0,
+            EVEN_N=nk % variant.block_n2 == 0, PAD_D=bd != d, PRECISE=precise,
+            DOT_PRECISION=precision,
+            num_warps=variant.num_warps2, num_stages=variant.num_stages2,
+        )
+    elif dq_acc is not dq:
+        dq.copy_(dq_acc)
+    return dq, dk, dv

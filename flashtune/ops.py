@@ -1,0 +1,146 @@
+"""torch.library ops `flashtune::attn_fwd` / `flashtune::attn_bwd` and their autograd formula.
+
+Registered as custom ops (with fake implementations) so that torch.compile(fullgraph=True) and
+CUDA graph capture see one opaque node per call: no graph breaks, shapes from the fakes. The
+forward saves only q, k, v, O and the float32 row log-sum-exp: memory stays linear in seqlen.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+
+from . import dispatch, launch, launch_bwd
+from .codegen import Variant
+from .defaults import default_variant
+from .problem import Problem
+
+
+def problem_of(family: str, q, k, causal: bool) -> Problem:
+    b, h, nq, d = q.shape
+    return Problem(family, str(q.dtype).removeprefix("torch."), d, causal, h // k.shape[1],
+                   b, h, nq, k.shape[2])
+
+
+def run_forward(q, k, v, causal: bool, scale, variant=None):
+    """Validated inputs -> (O, LSE). Handles the empty cases the kernel never sees."""
+    b, h, nq, d = q.shape
+    nk = k.shape[2]
+    if q.numel() == 0 or nk == 0:
+        # nothing to attend to: zeros (a row that sees no key returns zeros), LSE = -inf
+        return (torch.zeros_like(q),
+                torch.full((b, h, nq), float("-inf"), dtype=torch.float32, device=q.device))
+    if variant is None:
+        variant = dispatch.select(problem_of("fwd", q, k, causal))
+    variant = dispatch.fit_to_inputs(variant, launch.descriptor_ok(q, k, v))
+    return launch.forward(q, k, v, causal, scale, variant)
+
+
+def select_bwd(q, k, causal: bool, deterministic: bool) -> Variant:
+    """The dispatcher's bwd variant; deterministic=True swaps an atomic-dQ one for its separate
+    twin (same dK/dV tiles, the dQ kernel's tiles from the built-in defaults)."""
+    variant = dispatch.select(problem_of("bwd", q, k, causal))
+    if deterministic and variant.dq != "separate":
+        dtype = str(q.dtype).removeprefix("torch.")
+        sep = default_variant("bwd", q.shape[3], dtype, dq="separate")
+        variant = dataclasses.replace(variant, dq="separate", block_m2=sep.block_m2,
+                                      block_n2=sep.block_n2, num_warps2=sep.num_warps2,
+                                      num_stages2=sep.num_stages2)
+    # the bwd template has pointer loads only: a descriptor variant runs as its pointer twin
+    return dispatch.fit_to_inputs(variant, False)
+
+
+def check_grad_output(grad_out, o) -> None:
+    """A wrong grad_output gets an error naming it, never a kernel launch on bad memory."""
+    if not isinstance(grad_out, torch.Tensor):
+        raise TypeError(f"grad_output must be a torch.Tensor, got {type(grad_out).__name__}")
+    if grad_out.shape != o.shape:
+        raise ValueError(f"grad_output has shape {tuple(grad_out.shape)} but the attention output "
+                         f"has shape {tuple(o.shape)}")
+    if grad_out.dtype != o.dtype:
+        raise TypeError(f"grad_output.dtype ({grad_out.dtype}) must match the attention output's "
+                        f"dtype ({o.dtype})")
+    if grad_out.device != o.device:
+        raise ValueError(f"grad_output is on {grad_out.device} but the attention output is on "
+                         f"{o.device}")
+
+
+def run_backward(grad_out, q, k, v, o, lse, causal: bool, scale, deterministic: bool = False,
+                 variant=None):
+    """(dO, saved tensors) -> (dq, dk, dv) in the dtype and layout of q, k, v."""
+    check_grad_output(grad_out, o)
+    if q.numel() == 0 or k.numel() == 0:
+        # no query or no key: every gradient is zero (or empty)
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    if grad_out.stride(-1) != 1:
+        # e.g. the expanded ones of out.sum().backward() (all strides 0): the kernels need a
+        # contiguous head dim
+        grad_out = grad_out.contiguous()
+    if variant is None:
+        variant = select_bwd(q, k, causal, deterministic)
+    elif deterministic and variant.dq != "separate":
+        raise ValueError(f"deterministic=True needs a dq='separate' variant, got {variant.name}")
+    return launch_bwd.backward(grad_out, q, k, v, o, lse.contiguous(), causal, scale, variant)
+
+
+# -- torch.library registration ------------------------------------------------------------------
+
+@torch.library.custom_op("flashtune::attn_fwd", mutates_args=())
+def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+             scale: Optional[float], deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    # `deterministic` is unused here; it rides along so the autograd formula can read it
+    o, lse = run_forward(q, k, v, causal, scale)
+    return o, lse
+
+
+@attn_fwd.register_fake
+def _attn_fwd_fake(q, k, v, causal, scale, deterministic):
+    return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
+
+
+@torch.library.custom_op("flashtune::attn_bwd", mutates_args=())
+def attn_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             o: torch.Tensor, lse: torch.Tensor, causal: bool, scale: Optional[float],
+             deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return run_backward(grad_out, q, k, v, o, lse, causal, scale, deterministic)
+
+
+@attn_bwd.register_fake
+def _attn_bwd_fake(grad_out, q, k, v, o, lse, causal, scale, deterministic):
+    check_grad_output(grad_out, o)
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _forced_here():
+    # dispatch.force() is thread-local, but autograd runs CUDA backwards on its own thread:
+    # carry a variant forced around the forward over to the backward (debugging, benchmarks)
+    return getattr(getattr(dispatch, "_forced", None), "variant", None)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, causal, scale, deterministic = inputs
+    o, lse = output
+    ctx.save_for_backward(q, k, v, o, lse)
+    ctx.causal, ctx.scale, ctx.deterministic = causal, scale, deterministic
+    ctx.forced = _forced_here()
+    ctx.mark_non_differentiable(lse)
+
+
+def _backward(ctx, grad_o, grad_lse):
+    q, k, v, o, lse = ctx.saved_tensors
+    if grad_o is None:
+        return None, None, None, None, None, None
+    forced = ctx.forced
+    if forced is not None and forced is not _forced_here():
+        with dispatch.force(forced):
+            dq, dk, dv = attn_bwd(grad_o, q, k, v, o, lse, ctx.causal, ctx.scale,
+                                  ctx.deterministic)
+    else:
+        dq, dk, dv = attn_bwd(grad_o, q, k, v, o, lse, ctx.causal, ctx.scale, ctx.deterministic)
+    need = ctx.needs_input_grad
+    return (dq if need[0] else None, dk if need[1] else None, dv if need[2] else None,
+            None, None, None)
+
+
+attn_fwd.register_autograd(_backward, setup_context=_setup_context)
