@@ -28,6 +28,9 @@ for step in ${STEPS:-fwdtests}; do
                 --storage sqlite:////tmp/ft-optuna.db --db sqlite:////tmp/ft-tuned.db --progress lines 2>&1 \
                 | tee "$OUT/search.log" | tail -16
               flashtune db export --gpu "$(python3 -c "import torch;print(torch.cuda.get_device_name())")" --db sqlite:////tmp/ft-tuned.db -o "$OUT/tuned_table.json" 2>&1 | tail -2 ;;
+    bwdtests) timeout 300 python3 -m pytest -q -m gpu tests/test_backward.py tests/test_compile.py 2>&1 \
+                | tee "$OUT/bwdtests.log" | tail -25 ;;
+    bwdbench) timeout 270 python3 bench/bwd_bench.py 2>&1 | tee "$OUT/bwdbench.log" | tail -50 ;;
     searchgpu) timeout 200 python3 -m pytest -q tests/test_search_gpu.py 2>&1 | tail -5 ;;
     *) echo "unknown step $step" ;;
   esac

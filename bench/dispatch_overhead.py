@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import statistics
 import sys
@@ -35,7 +34,6 @@ import triton
 import flashtune
 from flashtune import dispatch, launch
 from flashtune.codegen import load
-from flashtune.ops import problem_of
 from flashtune.validate import check_qkv
 
 TARGET_US = 10.0
@@ -72,44 +70,34 @@ def _gpu_us(fn, iters: int) -> float:
 
 def _direct_launcher(q, k, v, causal, variant, prealloc: bool):
     """The same kernel and arguments launch.forward passes, with everything precomputed."""
-    b, h, nq, d = q.shape
-    nk = k.shape[2]
     kernel = load(variant).attn_fwd
-    scale = 1.0 / math.sqrt(d)
-    grid = (triton.cdiv(nq, variant.block_m) * b * h,)
     o0 = torch.empty_like(q)
-    lse0 = torch.empty((b, h, nq), dtype=torch.float32, device=q.device)
-    strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-               v.stride(0), v.stride(1), v.stride(2), o0.stride(0), o0.stride(1), o0.stride(2))
-    consts = dict(HEAD_DIM=d, BLOCK_D=launch.block_d(d), BLOCK_M=variant.block_m,
-                  BLOCK_N=variant.block_n, IS_CAUSAL=causal, GROUP=h // k.shape[1],
-                  EVEN_N=nk % variant.block_n == 0,
-                  DOT_PRECISION=launch._DOT_PRECISION.get(q.dtype, "tf32"),
-                  num_warps=variant.num_warps, num_stages=variant.num_stages)
+    lse0 = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+    grid, args, kwargs = launch.forward_args(q, k, v, o0, lse0, causal, None, variant)
     if variant.loads == "descriptor":
         launch._need_allocator()
+    if prealloc:
+        def run_prealloc():
+            kernel[grid](*args, **kwargs)
+            return o0
+        return run_prealloc
+    rest = args[5:]
 
     def run():
-        if prealloc:
-            o, lse = o0, lse0
-        else:
-            o = torch.empty_like(q)
-            lse = torch.empty((b, h, nq), dtype=torch.float32, device=q.device)
-        kernel[grid](q, k, v, o, lse, scale, *strides, h, nq, nk, **consts)
+        o = torch.empty_like(q)
+        lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+        kernel[grid](q, k, v, o, lse, *rest, **kwargs)
         return o
     return run
 
 
 def _components(q, k, v, causal, iters: int) -> dict:
     """Host microseconds of each step attention takes before the launch."""
-    p = problem_of("fwd", q, k, causal)
-    variant = dispatch.select(p)
+    variant = dispatch.select_for_call("fwd", q, k, causal)
     steps = {
         "check_qkv": lambda: check_qkv(q, k, v, causal, None),
-        "problem_of": lambda: problem_of("fwd", q, k, causal),
-        "dispatch.select (memo hit)": lambda: dispatch.select(p),
-        "descriptor_ok + fit_to_inputs": lambda: dispatch.fit_to_inputs(
-            variant, launch.descriptor_ok(q, k, v)),
+        "dispatch.select_for_call (memo hit)": lambda: dispatch.select_for_call("fwd", q, k, causal),
+        "descriptor_ok": lambda: launch.descriptor_ok(q, k, v),
         "codegen.load (memo hit)": lambda: load(variant),
         "2x torch.empty (O, LSE)": lambda: (torch.empty_like(q), torch.empty(
             (q.shape[0], q.shape[1], q.shape[2]), dtype=torch.float32, device=q.device)),
@@ -184,7 +172,9 @@ def main(argv=None) -> int:
     causal = args.causal
 
     ex = flashtune.explain(q, k, v, causal=causal)
-    variant = dispatch.fit_to_inputs(ex.variant, launch.descriptor_ok(q, k, v))
+    variant = ex.variant
+    if variant.loads == "descriptor" and not launch.descriptor_ok(q, k, v):
+        variant = dispatch.pointer_twin(variant)
     with torch.no_grad():
         calls = {
             "attention": lambda: flashtune.attention(q, k, v, causal=causal),

@@ -3,12 +3,12 @@ from __future__ import annotations
 
 import torch
 
-from .ops import attn_fwd, problem_of, run_forward
+from .ops import attn_fwd, run_forward
 from .validate import check_qkv
 
-# `forward` and `problem_of` stay importable from here (tests and the search use them)
+# `forward` stays importable from here (tests and the search use it)
 forward = run_forward
-__all__ = ["attention", "forward", "problem_of"]
+__all__ = ["attention", "forward"]
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,

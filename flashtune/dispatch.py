@@ -29,7 +29,8 @@ from .problem import Bucket, Problem
 from .tuned_db.events import on_write
 from .tuned_db.record import Record
 
-__all__ = ["select", "select_for_call", "explain", "force", "clear_cache", "configure", "Explanation"]
+__all__ = ["select", "select_for_call", "pointer_twin", "explain", "force", "clear_cache",
+           "configure", "Explanation"]
 
 log = logging.getLogger("flashtune.dispatch")
 
@@ -114,11 +115,10 @@ def _select_slow(problem: Problem) -> Variant:
     return v
 
 
-def fit_to_inputs(variant: Variant, descriptors_ok: bool) -> Variant:
-    """A descriptor variant on inputs TMA cannot address runs as its pointer twin."""
-    if variant.loads == "descriptor" and not descriptors_ok:
-        return dataclasses.replace(variant, loads="pointer")
-    return variant
+@lru_cache(maxsize=256)
+def pointer_twin(variant: Variant) -> Variant:
+    """The pointer-load twin of a descriptor variant, for inputs TMA cannot address."""
+    return dataclasses.replace(variant, loads="pointer")
 
 
 # -- explain ------------------------------------------------------------------------------------
@@ -183,8 +183,7 @@ def explain(problem, k=None, v=None, *, causal: bool = False, family: str = "fwd
     """Why `problem` runs the variant it runs. Takes a Problem, or the tensors of a call:
     explain(q, k, v, causal=True) (also flashtune.explain)."""
     if not isinstance(problem, Problem):
-        from .api import problem_of  # api imports this module: import on use
-        problem = problem_of(family, problem, k, causal)
+        problem = Problem.of_call(family, problem, k, causal)
     forced, origin = _forced_variant()
     if forced is not None and forced.family == problem.family:
         return Explanation(problem, Bucket.of(problem), forced, "forced", origin, _levels().gpu)

@@ -46,26 +46,33 @@ def block_d(head_dim: int) -> int:
     return max(16, triton.next_power_of_2(head_dim))
 
 
-def forward(q, k, v, causal: bool, scale: float | None, variant: Variant):
-    """Run the fwd variant: returns O (q's dtype, (B, H, Nq, D)) and LSE (float32, (B, H, Nq))."""
+def forward_args(q, k, v, o, lse, causal: bool, scale: float | None, variant: Variant):
+    """(grid, positional args, keyword args) of the fwd kernel for one call: the one place that
+    knows its signature (launch and the overhead benchmark both use it)."""
     b, h, nq, d = q.shape
     nk = k.shape[2]
-    o = torch.empty_like(q)  # keeps q's layout when dense: (B, N, H, D) views stay so
-    lse = torch.empty((b, h, nq), dtype=torch.float32, device=q.device)
-    if variant.loads == "descriptor":
-        _need_allocator()
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     grid = (triton.cdiv(nq, variant.block_m) * b * h,)
-    load(variant).attn_fwd[grid](
-        q, k, v, o, lse, scale,
-        q.stride(0), q.stride(1), q.stride(2),
-        k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2),
-        o.stride(0), o.stride(1), o.stride(2),
-        h, nq, nk,
+    args = (q, k, v, o, lse, scale,
+            q.stride(0), q.stride(1), q.stride(2),
+            k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2),
+            o.stride(0), o.stride(1), o.stride(2),
+            h, nq, nk)
+    kwargs = dict(
         HEAD_DIM=d, BLOCK_D=block_d(d), BLOCK_M=variant.block_m, BLOCK_N=variant.block_n,
         IS_CAUSAL=causal, GROUP=h // k.shape[1], EVEN_N=nk % variant.block_n == 0,
         DOT_PRECISION=_DOT_PRECISION.get(q.dtype, "tf32"), PRECISE=precise_exp(q),
-        num_warps=variant.num_warps, num_stages=variant.num_stages,
-    )
+        num_warps=variant.num_warps, num_stages=variant.num_stages)
+    return grid, args, kwargs
+
+
+def forward(q, k, v, causal: bool, scale: float | None, variant: Variant):
+    """Run the fwd variant: returns O (q's dtype, (B, H, Nq, D)) and LSE (float32, (B, H, Nq))."""
+    o = torch.empty_like(q)  # keeps q's layout when dense: (B, N, H, D) views stay so
+    lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+    if variant.loads == "descriptor":
+        _need_allocator()
+    grid, args, kwargs = forward_args(q, k, v, o, lse, causal, scale, variant)
+    load(variant).attn_fwd[grid](*args, **kwargs)
     return o, lse

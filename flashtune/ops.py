@@ -14,13 +14,6 @@ import torch
 from . import dispatch, launch, launch_bwd
 from .codegen import Variant
 from .defaults import default_variant
-from .problem import Problem
-
-
-def problem_of(family: str, q, k, causal: bool) -> Problem:
-    b, h, nq, d = q.shape
-    return Problem(family, str(q.dtype).removeprefix("torch."), d, causal, h // k.shape[1],
-                   b, h, nq, k.shape[2])
 
 
 def run_forward(q, k, v, causal: bool, scale, variant=None):
@@ -32,15 +25,16 @@ def run_forward(q, k, v, causal: bool, scale, variant=None):
         return (torch.zeros_like(q),
                 torch.full((b, h, nq), float("-inf"), dtype=torch.float32, device=q.device))
     if variant is None:
-        variant = dispatch.select(problem_of("fwd", q, k, causal))
-    variant = dispatch.fit_to_inputs(variant, launch.descriptor_ok(q, k, v))
+        variant = dispatch.select_for_call("fwd", q, k, causal)
+    if variant.loads == "descriptor" and not launch.descriptor_ok(q, k, v):
+        variant = dispatch.pointer_twin(variant)
     return launch.forward(q, k, v, causal, scale, variant)
 
 
 def select_bwd(q, k, causal: bool, deterministic: bool) -> Variant:
     """The dispatcher's bwd variant; deterministic=True swaps an atomic-dQ one for its separate
     twin (same dK/dV tiles, the dQ kernel's tiles from the built-in defaults)."""
-    variant = dispatch.select(problem_of("bwd", q, k, causal))
+    variant = dispatch.select_for_call("bwd", q, k, causal)
     if deterministic and variant.dq != "separate":
         dtype = str(q.dtype).removeprefix("torch.")
         sep = default_variant("bwd", q.shape[3], dtype, dq="separate")
@@ -48,7 +42,7 @@ def select_bwd(q, k, causal: bool, deterministic: bool) -> Variant:
                                       block_n2=sep.block_n2, num_warps2=sep.num_warps2,
                                       num_stages2=sep.num_stages2)
     # the bwd template has pointer loads only: a descriptor variant runs as its pointer twin
-    return dispatch.fit_to_inputs(variant, False)
+    return dispatch.pointer_twin(variant) if variant.loads == "descriptor" else variant
 
 
 def check_grad_output(grad_out, o) -> None:
