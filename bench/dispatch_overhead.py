@@ -70,23 +70,22 @@ def _gpu_us(fn, iters: int) -> float:
 
 def _direct_launcher(q, k, v, causal, variant, prealloc: bool):
     """The same kernel and arguments launch.forward passes, with everything precomputed."""
-    kernel = load(variant).attn_fwd
+    plan = launch.FwdPlan(q, k, v, causal, None, variant)
+    kernel, grid, args, kwargs = plan.kernel, plan.grid, plan.args, plan.kwargs
     o0 = torch.empty_like(q)
     lse0 = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
-    grid, args, kwargs = launch.forward_args(q, k, v, o0, lse0, causal, None, variant)
     if variant.loads == "descriptor":
         launch._need_allocator()
     if prealloc:
         def run_prealloc():
-            kernel[grid](*args, **kwargs)
+            kernel[grid](q, k, v, o0, lse0, *args, **kwargs)
             return o0
         return run_prealloc
-    rest = args[5:]
 
     def run():
         o = torch.empty_like(q)
         lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
-        kernel[grid](q, k, v, o, lse, *rest, **kwargs)
+        kernel[grid](q, k, v, o, lse, *args, **kwargs)
         return o
     return run
 

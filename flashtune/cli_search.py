@@ -107,7 +107,7 @@ def search(gpu, families, dtypes, head_dims, causal, seqlens, batches, trials, s
     try:
         target = resolve_target(cfg, dry_run=dry_run)
     except targets.GpuMismatch as e:
-        raise click.BadParameter(str(e).removeprefix(f"--gpu "), param_hint="--gpu") from None
+        raise click.BadParameter(str(e).removeprefix("--gpu "), param_hint="--gpu") from None
     if dry_run:
         _dry_run(cfg, target, plan_of(cfg, target), fmt)
         return

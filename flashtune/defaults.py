@@ -36,7 +36,11 @@ _FWD_F32 = {
 #         (m64-n128-w8 and every w4 config at n64+ spill.)
 #   D=256 m16-n32-w4-s2: 254 / 244 regs, 64 / 49 KB (all w8 configs tried spill); dQ m64-n32-w8-s2
 #         208 regs, 128 KB.
-# The first H100 run of bench/bwd_bench.py (and the search) replaces these.
+# bench/bwd_bench.py, NVIDIA H200, torch 2.11, triton 3.6, 2026-11-21 (standard grid, bf16;
+# docs/data/bwd_bench_h200_2026-11-21_run3.json): with these tiles the separate dQ kernel beat the
+# atomic scheme at every point, 1.07-1.35x (e.g. D=128 N=8192 non-causal 324 vs 240 TFLOP/s):
+# float32 atomics on one dQ row from every key block serialise. So "separate" is the default,
+# which also makes the backward deterministic by default.
 def _bwd(m, n, w, s, m2, n2, w2, s2):
     return {"atomic": Variant("bwd", block_m=m, block_n=n, num_warps=w, num_stages=s, dq="atomic"),
             "separate": Variant("bwd", block_m=m, block_n=n, num_warps=w, num_stages=s,
@@ -55,8 +59,8 @@ _BWD_F32 = {
     128: _bwd(32, 64, 8, 1, 64, 32, 8, 1),
     256: _bwd(16, 32, 4, 1, 32, 16, 4, 1),
 }
-# the scheme a bwd call gets unless deterministic=True asks for "separate"
-BWD_DQ_DEFAULT = "atomic"
+# the scheme a bwd call gets by default (measured above); deterministic=True always gets "separate"
+BWD_DQ_DEFAULT = "separate"
 
 
 def head_dim_class(d: int) -> int:

@@ -77,9 +77,7 @@ def _forced_variant() -> tuple[Variant | None, str]:
 
 # -- the hot path -------------------------------------------------------------------------------
 def select(problem: Problem) -> Variant:
-    forced = getattr(_forced, "variant", None)
-    if forced is None and env.forced_variant():
-        forced = _parse_forced(env.forced_variant())
+    forced = forced_variant()
     if forced is not None and forced.family == problem.family:
         return forced
     v = _memo.get(problem)
@@ -88,12 +86,18 @@ def select(problem: Problem) -> Variant:
     return v
 
 
-def select_for_call(family: str, q, k, causal: bool) -> Variant:
-    """select() for the tensors of a call. A hit is one tuple and one dict lookup: no Problem
-    is built (that dataclass costs more than the rest of the lookup)."""
+def forced_variant() -> Variant | None:
+    """The variant force() or FLASHTUNE_FORCE_VARIANT pins (None: dispatch as usual)."""
     forced = getattr(_forced, "variant", None)
     if forced is None and env.forced_variant():
         forced = _parse_forced(env.forced_variant())
+    return forced
+
+
+def select_for_call(family: str, q, k, causal: bool) -> Variant:
+    """select() for the tensors of a call. A hit is one tuple and one dict lookup: no Problem
+    is built (that dataclass costs more than the rest of the lookup)."""
+    forced = forced_variant()
     if forced is not None and forced.family == family:
         return forced
     ks = k.shape
@@ -210,6 +214,15 @@ def configure(*, gpu: str | None = None, db: str | None = None,
     clear_cache()
 
 
+_clear_hooks: list = []
+
+
+def on_clear(fn) -> None:
+    """Call fn() whenever the lookups are forgotten (memos built on top of select, e.g. the
+    launch plans in ops.py)."""
+    _clear_hooks.append(fn)
+
+
 def clear_cache() -> None:
     """Forget every lookup: the next call of each problem reads the DB and the tables again."""
     global _state
@@ -218,6 +231,8 @@ def clear_cache() -> None:
         _memo_call.clear()
         _by_bucket.clear()
         _state = None
+        for fn in _clear_hooks:
+            fn()
 
 
 on_write(clear_cache)  # this process wrote the tuned DB (search, import): re-read it

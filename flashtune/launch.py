@@ -36,43 +36,44 @@ def descriptor_ok(*tensors: torch.Tensor) -> bool:
     return True
 
 
-def precise_exp(q) -> bool:
-    """float32 on the GPU: libdevice exp instead of ex2.approx (the interpreter has no libdevice,
-    and its exp2 is numpy's, already exact to rounding)."""
-    return q.dtype == torch.float32 and q.is_cuda
-
-
 def block_d(head_dim: int) -> int:
     return max(16, triton.next_power_of_2(head_dim))
 
 
-def forward_args(q, k, v, o, lse, causal: bool, scale: float | None, variant: Variant):
-    """(grid, positional args, keyword args) of the fwd kernel for one call: the one place that
-    knows its signature (launch and the overhead benchmark both use it)."""
-    b, h, nq, d = q.shape
-    nk = k.shape[2]
-    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-    grid = (triton.cdiv(nq, variant.block_m) * b * h,)
-    args = (q, k, v, o, lse, scale,
-            q.stride(0), q.stride(1), q.stride(2),
-            k.stride(0), k.stride(1), k.stride(2),
-            v.stride(0), v.stride(1), v.stride(2),
-            o.stride(0), o.stride(1), o.stride(2),
-            h, nq, nk)
-    kwargs = dict(
-        HEAD_DIM=d, BLOCK_D=block_d(d), BLOCK_M=variant.block_m, BLOCK_N=variant.block_n,
-        IS_CAUSAL=causal, GROUP=h // k.shape[1], EVEN_N=nk % variant.block_n == 0,
-        DOT_PRECISION=_DOT_PRECISION.get(q.dtype, "tf32"), PRECISE=precise_exp(q),
-        num_warps=variant.num_warps, num_stages=variant.num_stages)
-    return grid, args, kwargs
+class FwdPlan:
+    """Everything about one fwd launch that depends only on the call's shapes, strides, dtype,
+    causal and scale -- built once per such call signature, so a repeated call pays for two
+    allocations and the launch. `aligned` says whether its tensors' strides suit TMA; the
+    base addresses are checked per call."""
+    __slots__ = ("variant", "kernel", "grid", "args", "kwargs", "lse_shape", "descriptor")
+
+    def __init__(self, q, k, v, causal: bool, scale: float | None, variant: Variant):
+        b, h, nq, d = q.shape
+        nk = k.shape[2]
+        o_strides = torch.empty_like(q, device="meta").stride()  # the layout forward() allocates
+        self.variant = variant
+        self.kernel = load(variant).attn_fwd
+        self.grid = (triton.cdiv(nq, variant.block_m) * b * h,)
+        self.lse_shape = (b, h, nq)
+        self.descriptor = variant.loads == "descriptor"
+        self.args = (1.0 / math.sqrt(d) if scale is None else float(scale),
+                     *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o_strides[:3],
+                     h, nq, nk)
+        self.kwargs = dict(
+            HEAD_DIM=d, BLOCK_D=block_d(d), BLOCK_M=variant.block_m, BLOCK_N=variant.block_n,
+            IS_CAUSAL=causal, GROUP=h // k.shape[1], EVEN_N=nk % variant.block_n == 0,
+            DOT_PRECISION=_DOT_PRECISION.get(q.dtype, "tf32"), PRECISE=q.dtype == torch.float32,
+            num_warps=variant.num_warps, num_stages=variant.num_stages)
+
+    def run(self, q, k, v):
+        o = torch.empty_like(q)  # keeps q's layout when dense: (B, N, H, D) views stay so
+        lse = torch.empty(self.lse_shape, dtype=torch.float32, device=q.device)
+        if self.descriptor:
+            _need_allocator()
+        self.kernel[self.grid](q, k, v, o, lse, *self.args, **self.kwargs)
+        return o, lse
 
 
 def forward(q, k, v, causal: bool, scale: float | None, variant: Variant):
     """Run the fwd variant: returns O (q's dtype, (B, H, Nq, D)) and LSE (float32, (B, H, Nq))."""
-    o = torch.empty_like(q)  # keeps q's layout when dense: (B, N, H, D) views stay so
-    lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
-    if variant.loads == "descriptor":
-        _need_allocator()
-    grid, args, kwargs = forward_args(q, k, v, o, lse, causal, scale, variant)
-    load(variant).attn_fwd[grid](*args, **kwargs)
-    return o, lse
+    return FwdPlan(q, k, v, causal, scale, variant).run(q, k, v)

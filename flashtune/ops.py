@@ -16,19 +16,44 @@ from .codegen import Variant
 from .defaults import default_variant
 
 
+# call signature -> launch.FwdPlan: a repeated call costs a tuple, a dict lookup and the launch.
+# Cleared with the dispatcher's lookups (a new tuned DB or table can change the variant).
+_plans: dict = {}
+dispatch.on_clear(_plans.clear)
+
+
 def run_forward(q, k, v, causal: bool, scale, variant=None):
     """Validated inputs -> (O, LSE). Handles the empty cases the kernel never sees."""
-    b, h, nq, d = q.shape
-    nk = k.shape[2]
-    if q.numel() == 0 or nk == 0:
-        # nothing to attend to: zeros (a row that sees no key returns zeros), LSE = -inf
-        return (torch.zeros_like(q),
-                torch.full((b, h, nq), float("-inf"), dtype=torch.float32, device=q.device))
+    if variant is None and dispatch.forced_variant() is None:
+        key = (q.dtype, q.shape, q.stride(), k.shape, k.stride(), v.stride(), causal, scale)
+        plan = _plans.get(key)
+        if plan is None:
+            if q.numel() == 0 or k.shape[2] == 0:
+                return _empty_forward(q, k)
+            if len(_plans) >= 4096:
+                _plans.clear()
+            plan = _plans[key] = _plan(q, k, v, causal, scale,
+                                       dispatch.select_for_call("fwd", q, k, causal))
+        if plan.descriptor and (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15:
+            plan = _plan(q, k, v, causal, scale, dispatch.pointer_twin(plan.variant))
+        return plan.run(q, k, v)
+    if q.numel() == 0 or k.shape[2] == 0:
+        return _empty_forward(q, k)
     if variant is None:
-        variant = dispatch.select_for_call("fwd", q, k, causal)
+        variant = dispatch.select_for_call("fwd", q, k, causal)  # the forced one, if it is fwd
+    return _plan(q, k, v, causal, scale, variant).run(q, k, v)
+
+
+def _plan(q, k, v, causal, scale, variant: Variant) -> launch.FwdPlan:
     if variant.loads == "descriptor" and not launch.descriptor_ok(q, k, v):
         variant = dispatch.pointer_twin(variant)
-    return launch.forward(q, k, v, causal, scale, variant)
+    return launch.FwdPlan(q, k, v, causal, scale, variant)
+
+
+def _empty_forward(q, k):
+    # nothing to attend to: zeros (a row that sees no key returns zeros), LSE = -inf
+    return (torch.zeros_like(q),
+            torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device))
 
 
 def select_bwd(q, k, causal: bool, deterministic: bool) -> Variant:

@@ -317,3 +317,24 @@ def test_bad_forced_variant_names_the_knob(tables, monkeypatch):
     monkeypatch.setenv("FLASHTUNE_FORCE_VARIANT", "fwd-m100")
     with pytest.raises(ValueError, match="FLASHTUNE_FORCE_VARIANT='fwd-m100'"):
         dispatch.select(prob())
+
+
+def test_launch_plans_follow_the_tuned_db(tables, tmp_path, monkeypatch):
+    # attention memoizes a launch plan per call signature; a record written in this process
+    # must still change what the next identical call runs
+    from flashtune import ops
+    url = user_db(monkeypatch, tmp_path)
+    q = torch.randn(1, 16, 1024, 128, dtype=torch.float16)
+    k, v = q[:, :, :40], q[:, :, 40:80]
+
+    def ran():
+        plans = [p for key, p in ops._plans.items() if key[1] == q.shape and key[3] == k.shape]
+        assert len(plans) == 1
+        return plans[0].variant.name
+
+    flashtune.attention(q, k, v, causal=True)
+    assert ran() == default_variant("fwd", 128, "float16").name
+    TunedDB(url).put(make_record(gpu=H200, variant=V_USER, sk=64))
+    assert not ops._plans  # the write cleared them
+    flashtune.attention(q, k, v, causal=True)
+    assert ran() == V_USER
