@@ -31,6 +31,7 @@ for step in ${STEPS:-fwdtests}; do
     bwdtests) timeout 300 python3 -m pytest -q -m gpu tests/test_backward.py tests/test_compile.py 2>&1 \
                 | tee "$OUT/bwdtests.log" | tail -25 ;;
     bwdbench) timeout 270 python3 bench/bwd_bench.py 2>&1 | tee "$OUT/bwdbench.log" | tail -50 ;;
+    bwdfp32) timeout 200 python3 -m pytest -q tests/test_backward.py -k "float32" 2>&1 | tail -6 ;;
     searchgpu) timeout 200 python3 -m pytest -q tests/test_search_gpu.py 2>&1 | tail -5 ;;
     *) echo "unknown step $step" ;;
   esac
