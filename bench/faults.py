@@ -104,7 +104,7 @@ def main() -> int:
                        trials=len(FAULTS) + len(GOOD), sampler="random", seed=0,
                        storage=f"sqlite:///{tmp}/optuna.db", db=f"sqlite:///{tmp}/tuned.db",
                        prune=False, enqueue_default=False, trial_timeout_s=30.0, top_k=3,
-                       resume=False)
+                       resume=True)  # the study below, fresh and with the faults enqueued
     pb = plan_of(cfg, target)[0]
     study = open_study(make_storage(cfg.storage), study_name(pb.space, pb.bucket),
                        make_sampler("random", pb.space, 0), fresh=True)

@@ -5,59 +5,15 @@ it up by family name in GpuBackend.family_modules).
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import threading
 
 import torch
 
 from . import launch
+from .accuracy import compare
+from .measure_warmup import compile_only, max_shared
 from .problem import Problem
 from .reference import reference, same_dtype_math
-
-_patch_lock = threading.Lock()
-
-
-class _Warmup:
-    """Stands in for a generated module during compile-ahead: `attn_fwd[grid](...)` compiles
-    through the JIT's own `warmup` (same specialization and cache key as the launch the timing
-    worker makes later, so that one finds the binary in Triton's cache) and launches nothing."""
-
-    def __init__(self, module):
-        self._module = module
-        self.compiled = None
-
-    def __getattr__(self, name):
-        fn = getattr(self._module, name)
-
-        class _Indexed:
-            def __getitem__(_, grid):
-                def call(*args, **kwargs):
-                    from triton.runtime.jit import MockTensor
-                    args = [MockTensor(a.dtype) if isinstance(a, torch.Tensor) else a
-                            for a in args]
-                    self.compiled = fn.warmup(*args, grid=grid, **kwargs)
-                return call
-        return _Indexed()
-
-
-@contextlib.contextmanager
-def _compile_only():
-    """Route launch.forward's kernel call to _Warmup (launch.forward stays the one place that
-    knows the kernel's arguments)."""
-    holder = {}
-    with _patch_lock:
-        real = launch.load
-
-        def fake(variant):
-            holder["w"] = _Warmup(real(variant))
-            return holder["w"]
-        launch.load = fake
-        try:
-            yield holder
-        finally:
-            launch.load = real
-
 
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -75,9 +31,9 @@ class FwdOps:
         dt = _DTYPES[p.dtype]
         q = torch.empty(qs, dtype=dt, device="meta")
         k = torch.empty(ks, dtype=dt, device="meta")
-        with _compile_only() as h:
+        with compile_only(launch) as h:
             launch.forward(q, k, torch.empty_like(k), p.causal, None, variant)
-        return int(getattr(h["w"].compiled.metadata, "shared", 0))
+        return max_shared(h)
 
     def gate_problem(self, p: Problem) -> Problem:
         """A smaller problem that runs the very binary that is timed: one batch (not a kernel
@@ -91,6 +47,10 @@ class FwdOps:
 
     def gate_view(self, out, p: Problem):
         return out[:, :self._gate_heads(p)]
+
+    def check(self, out, p: Problem, ref):
+        """The gate's verdict (.ok, .max_err, str) on run()'s output against reference()'s."""
+        return compare(self.gate_view(out, p), *ref)
 
     def inputs(self, p: Problem, seed: int = 0):
         """Random normal q, k, v (never zeros: zeros hide masking and scaling bugs)."""

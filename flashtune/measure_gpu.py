@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from .measure import Backend, Outcome
 
-FAMILY_MODULES = (("fwd", "flashtune.measure_fwd"),)
+FAMILY_MODULES = (("fwd", "flashtune.measure_fwd"), ("bwd", "flashtune.measure_bwd"))
 _RESOURCE_ERRORS = ("OutOfResources", "CompilationError", "PTXASError")
 
 
@@ -29,7 +29,7 @@ class GpuBackend(Backend):
     bench_ms: float = 60.0           # timing budget per candidate
     retime_reps: int = 5
     seed: int = 0
-    # family -> module with OPS (flashtune/measure_fwd.py). bench/faults.py swaps in a module
+    # family -> module with OPS (flashtune/measure_fwd.py, measure_bwd.py). bench/faults.py swaps in a module
     # that misbehaves on purpose; production never changes it.
     family_modules: tuple = FAMILY_MODULES
 
@@ -82,7 +82,6 @@ class GpuBackend(Backend):
         import torch
 
         from . import timing
-        from .accuracy import compare
 
         ops = self._ops(variant.family)
         try:
@@ -93,7 +92,7 @@ class GpuBackend(Backend):
             out = ops.run(variant, gp, gin)
             torch.cuda.synchronize()
             first_s = time.perf_counter() - t0
-            report = compare(ops.gate_view(out, gp), *ref)
+            report = ops.check(out, gp, ref)
             if not report.ok:
                 return Outcome.fail("gate", str(report), max_err=report.max_err)
             tin = self._cached(("time-in", problem.key), lambda: ops.inputs(problem, self.seed + 1))

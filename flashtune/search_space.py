@@ -3,8 +3,11 @@
 Built from the family's JSON (search_spaces/<family>.json). Values the target lacks the
 feature for are dropped (descriptor loads need TMA: never proposed before Hopper); a param
 whose `when` is false for the problem is pinned to the Variant's default (causal_split means
-nothing without a causal mask). Optuna sees power-of-two lists as log2 integers and runs of
-integers as integers, so TPE and CMA-ES can use their order; everything else is categorical.
+nothing without a causal mask). A `when` that names other params is decided per proposal
+instead (bwd: the dQ kernel's tiles only exist when dq == 'separate'; an atomic variant keeps
+them at 0), so the space holds each kernel once and Optuna sees a conditional space. Optuna
+sees power-of-two lists as log2 integers and runs of integers as integers, so TPE and CMA-ES
+can use their order; everything else is categorical.
 """
 from __future__ import annotations
 
@@ -34,6 +37,7 @@ def _pow2(x) -> bool:
 class Param:
     name: str        # the Variant field
     values: tuple
+    when: str = ""   # expression over earlier params: searched only where true, else the default
 
     @property
     def kind(self) -> str:
@@ -73,6 +77,13 @@ def _problem_names(problem: Problem) -> dict:
             "dtype_bytes": feasibility.dtype_bytes(problem.dtype), "causal": problem.causal,
             "seqlen_q": problem.seqlen_q, "seqlen_k": problem.seqlen_k, "batch": problem.batch,
             "heads": problem.heads, "group": problem.group}
+
+
+def _names_in(expr: str, where: str) -> set:
+    try:
+        return set(compile(expr, where, "eval").co_names)
+    except SyntaxError as err:
+        raise ValueError(f"{where}: cannot parse {expr!r}: {err.msg}") from None
 
 
 def _evaluator(exprs: tuple, where: str):
@@ -115,12 +126,25 @@ class Space:
             raise ValueError(f"search_spaces/{family}.json: params {unknown} are not Variant "
                              f"fields; known: {sorted(set(defaults) - {'family'})}")
         names = _problem_names(problem)
+        where = f"search_spaces/{family}.json when"
         when = dict(raw.get("when", {}))
-        active = dict(_evaluator(tuple(when.values()), f"{family}.json when")(names))
+        order = list(raw["params"])
+        # a `when` naming params is decided per proposal, after the params it names
+        per_variant = {}
+        for name, expr in when.items():
+            used = _names_in(expr, where) & set(order)
+            late = [u for u in used if order.index(u) >= order.index(name)]
+            if late:
+                raise ValueError(f"{where}: {name}: {expr!r} names {sorted(late)}, which must "
+                                 f"come before {name!r} in params")
+            if used:
+                per_variant[name] = expr
+        active = dict(_evaluator(tuple(e for n, e in when.items() if n not in per_variant),
+                                 where)(names))
         feats = raw.get("target_features", {})
         params, pinned, dropped = [], [], []
         for name, values in raw["params"].items():
-            if name in when and not active[when[name]]:
+            if name in when and name not in per_variant and not active[when[name]]:
                 pinned.append((name, defaults[name]))
                 continue
             keep = []
@@ -133,7 +157,9 @@ class Space:
             if not keep:
                 raise ValueError(f"search_spaces/{family}.json: {target.short} allows no value "
                                  f"of {name}")
-            if len(keep) == 1:
+            if name in per_variant:  # a param even with one value: it is not always there
+                params.append(Param(name, tuple(keep), per_variant[name]))
+            elif len(keep) == 1:
                 pinned.append((name, keep[0]))
             else:
                 params.append(Param(name, tuple(keep)))
@@ -154,22 +180,58 @@ class Space:
                 "pinned": [list(x) for x in self.pinned], "constraints": list(self.constraints),
                 "model": feasibility.MODEL_VERSION, "template": template_hash(self.family),
                 "generator": GENERATOR_VERSION, "triton": ".".join(triton_version.split(".")[:2])}
+        conditional = {p.name: p.when for p in self.params if p.when}
+        if conditional:  # only where present, so the hashes of spaces without any stay put
+            blob["when"] = conditional
         return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()[:12]
 
     # -- Variant <-> values ----------------------------------------------------------------
     def variant(self, values: dict) -> Variant:
         return Variant(family=self.family, **dict(self.pinned), **values)
 
+    @cached_property
+    def _defaults(self) -> dict:
+        return {f.name: f.default for f in dataclasses.fields(Variant)}
+
+    @cached_property
+    def _when(self) -> dict:
+        """param name -> compiled `when` of the conditional params."""
+        where = f"search_spaces/{self.family}.json when"
+        return {p.name: compile(p.when, where, "eval") for p in self.params if p.when}
+
+    def _active(self, p: Param, values: dict) -> bool:
+        """Whether conditional param `p` is searched, given the values of the params before it."""
+        if not p.when:
+            return True
+        names = dict(_problem_names(self.problem), **dict(self.pinned), **values)
+        try:
+            return bool(eval(self._when[p.name], {"__builtins__": _SAFE_BUILTINS}, names))
+        except NameError as err:
+            raise ValueError(f"search_spaces/{self.family}.json when: {p.when!r}: {err}; known "
+                             f"names: {sorted(names)}") from None
+
+    def _walk(self, choose) -> dict:
+        """Values of every param in order; `choose(param)` gives an active param's value, an
+        inactive one gets the Variant's default."""
+        values: dict = {}
+        for p in self.params:
+            values[p.name] = choose(p) if self._active(p, values) else self._defaults[p.name]
+        return values
+
     def suggest(self, trial) -> Variant:
-        """Ask an Optuna trial for one value per param (define-by-run)."""
-        return self.variant({p.name: p.suggest(trial) for p in self.params})
+        """Ask an Optuna trial for one value per active param (define-by-run)."""
+        return self.variant(self._walk(lambda p: p.suggest(trial)))
 
     def optuna_params(self, variant: Variant) -> dict:
         """The trial params that propose `variant` (for enqueue_trial)."""
-        return {p.optuna_name: p.to_optuna(getattr(variant, p.name)) for p in self.params}
+        values = self._walk(lambda p: getattr(variant, p.name))
+        return {p.optuna_name: p.to_optuna(values[p.name]) for p in self.params
+                if self._active(p, values)}
 
     def grid(self) -> dict:
-        """For Optuna's GridSampler: every param's values, as the trials name them."""
+        """For Optuna's GridSampler: every param's values, as the trials name them. (A grid
+        point whose conditional params are off proposes a variant met before: a duplicate,
+        answered without measuring.)"""
         return {p.optuna_name: p.optuna_values() for p in self.params}
 
     # -- pruning ---------------------------------------------------------------------------
@@ -186,9 +248,15 @@ class Space:
         return feasibility.check(variant, self.problem, self.target)
 
     def variants(self) -> list[Variant]:
-        """Every variant of this target's space (before constraints and the model)."""
-        return [self.variant(dict(zip((p.name for p in self.params), combo)))
-                for combo in itertools.product(*(p.values for p in self.params))]
+        """Every distinct variant of this target's space (before constraints and the model)."""
+        if not self._when:
+            return [self.variant(dict(zip((p.name for p in self.params), combo)))
+                    for combo in itertools.product(*(p.values for p in self.params))]
+        out: list[dict] = [{}]
+        for p in self.params:  # expand param by param: an inactive one does not multiply
+            out = [dict(vals, **{p.name: x}) for vals in out
+                   for x in (p.values if self._active(p, vals) else (self._defaults[p.name],))]
+        return [self.variant(vals) for vals in out]
 
     @cached_property
     def feasible(self) -> tuple:
