@@ -32,6 +32,17 @@ for step in ${STEPS:-fwdtests}; do
                 | tee "$OUT/bwdtests.log" | tail -25 ;;
     bwdbench) timeout 270 python3 bench/bwd_bench.py 2>&1 | tee "$OUT/bwdbench.log" | tail -50 ;;
     bwdfp32) timeout 200 python3 -m pytest -q tests/test_backward.py -k "float32" 2>&1 | tail -6 ;;
+    table)    # the shipped table: the standard grid, then head dims the defaults were not measured on
+              for args in "--head-dim 64,128" "--head-dim 96,256 --seqlen 1024,4096"; do
+                /usr/bin/time -f "search wall %e s" timeout 260 flashtune search --gpu auto $args \
+                  --trials ${TRIALS:-24} --time-budget 240 --storage sqlite:////tmp/ft-optuna.db \
+                  --db sqlite:////tmp/ft-tuned.db --progress lines 2>&1 | tee -a "$OUT/table_search.log" \
+                  | grep -v "measured so far" | tail -30
+              done
+              flashtune db export --gpu "$(python3 -c "import torch;print(torch.cuda.get_device_name())")" \
+                --db sqlite:////tmp/ft-tuned.db -o "$OUT/table.json" 2>&1 | tail -2 ;;
+    tunedbench) FLASHTUNE_DB=sqlite:////tmp/ft-tuned.db timeout 300 python3 bench/fwd_bench.py 2>&1 \
+                | tee "$OUT/tunedbench.log" | tail -30 ;;
     searchgpu) timeout 200 python3 -m pytest -q tests/test_search_gpu.py 2>&1 | tail -5 ;;
     *) echo "unknown step $step" ;;
   esac
