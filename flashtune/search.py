@@ -11,7 +11,6 @@ bucket searched so far to the DB.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import datetime
 import os
 import signal
@@ -93,12 +92,15 @@ class SearchResult:
 
 def simplicity(v: Variant) -> tuple:
     """Smaller is simpler: fewer structural departures from the defaults, a shallower
-    pipeline, fewer warps, smaller tiles. Ties within noise go to the simpler config."""
-    fields = {f.name: f.default for f in dataclasses.fields(Variant)
-              if f.default is not dataclasses.MISSING}
-    structural = sum(getattr(v, k) != d for k, d in fields.items()
-                     if k in ("causal_split", "loads", "dq"))
-    return (structural, v.num_stages, v.num_warps, v.block_m * v.block_n)
+    pipeline, fewer warps, smaller tiles. Ties within noise go to the simpler config.
+    bwd: dq="atomic" counts as a departure (its dQ is not deterministic and the built-in
+    default is "separate"); the separate dQ kernel's stages, warps and tiles add to the rest."""
+    structural = (not v.causal_split) + (v.loads != "pointer") + (v.dq == "atomic")
+    return (structural, v.num_stages + v.num_stages2, v.num_warps + v.num_warps2,
+            v.block_m * v.block_n + v.block_m2 * v.block_n2)
+
+
+MAX_NOISE = 0.02
 
 
 def pick(candidates: list, noise: float):
@@ -107,7 +109,9 @@ def pick(candidates: list, noise: float):
     if not ok:
         return None
     fastest = min(ok, key=lambda c: c[1])
-    band = fastest[1] * (1 + max(noise, fastest[2] or 0.0))
+    # a noisy re-timing widens the band, but never past MAX_NOISE: a simpler config may cost
+    # noise, not a real slowdown
+    band = fastest[1] * (1 + min(max(noise, fastest[2] or 0.0), MAX_NOISE))
     return min((c for c in ok if c[1] <= band), key=lambda c: (simplicity(c[0]), c[1]))
 
 
@@ -137,11 +141,23 @@ def plan_of(cfg: SearchConfig, target) -> list[PlannedBucket]:
 
 
 def _default_variant(pb: PlannedBucket) -> Variant | None:
+    """The built-in default the dispatcher would run (the final pick re-times it)."""
     from .defaults import default_variant
     try:
         return default_variant(pb.bucket.family, pb.problem.head_dim, pb.problem.dtype)
     except KeyError:
         return None
+
+
+def _first_points(pb: PlannedBucket) -> list[Variant]:
+    """Measured first (good points for TPE to start from): the built-in default, and for bwd
+    the default of the other dQ scheme too, so both schemes are in the study from the start."""
+    from .defaults import default_variant
+    first = [_default_variant(pb)]
+    if pb.bucket.family == "bwd":
+        first += [default_variant("bwd", pb.problem.head_dim, pb.problem.dtype, dq=s)
+                  for s in ("separate", "atomic")]
+    return [v for v in dict.fromkeys(first) if v is not None]
 
 
 class _Interrupted(Exception):
@@ -282,9 +298,11 @@ class _Run:
             bs = BucketStudy(study, pb.space, pb.problem, prune=cfg.prune)
             bs.reap_abandoned()
             default = _default_variant(pb)
-            if (cfg.enqueue_default and default is not None and not study.trials
-                    and default in pb.space.variants()):
-                bs.enqueue(default)
+            if cfg.enqueue_default and not study.trials:
+                known = set(pb.space.variants())
+                for v in _first_points(pb):
+                    if v in known:
+                        bs.enqueue(v)
             self.progress.bucket_start(label, cfg.trials, bs.measured())
             t_b = time.monotonic()
             bucket_deadline = None
@@ -324,8 +342,14 @@ def _finish(bs: BucketStudy, pipeline, info, pb, label, name, cfg, status, t_b, 
     top = bs.top(cfg.top_k)
     by_key = {v.key: (v, a) for v, a in top}
     cands = [v for v, _ in top]
-    if default is not None and default.key not in by_key and pipeline is not None:
-        cands.append(default)
+    if default is not None and default.key not in by_key:
+        # measured first, so it passed the gate here unless it failed: then it may win the
+        # re-timing even if the study's noisy first numbers left it out of the top k
+        passed = bs.passed(default)
+        if passed is not None:
+            by_key[default.key] = (default, passed)
+        if pipeline is not None:
+            cands.append(default)
     timed = pipeline.retime(cands, pb.problem, cfg.retime_rounds) if (pipeline and cands) else []
     rows = []
     for i, v in enumerate(cands):

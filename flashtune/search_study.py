@@ -24,7 +24,7 @@ from .search_space import Space
 SAMPLERS = ("tpe", "cmaes", "random", "grid")
 # CMA-ES learns from the 0 TFLOP/s of failed trials; it need not say it ignores their constraint
 warnings.filterwarnings("ignore", message="Constraints have been set, but CmaEsSampler")
-warnings.filterwarnings("ignore", message=".*(with_margin|constraints_func).*experimental")
+warnings.filterwarnings("ignore", message=".*(with_margin|constraints_func|group).*experimental")
 _ALIASES = {"exhaustive": "grid"}
 
 
@@ -86,6 +86,10 @@ def make_sampler(name: str, space: Space, seed: int | None = None, *,
     name = _ALIASES.get(name, name)
     if name == "tpe":
         kw = {} if _TRIAL_CONSTRAINTS else {"constraints_func": _constraint}
+        if any(p.when for p in space.params):
+            # a conditional space (bwd: the dQ kernel's tiles exist for dq="separate" only):
+            # multivariate TPE over each group of params that appear together
+            kw.update(group=True)
         return optuna.samplers.TPESampler(seed=seed, multivariate=True, constant_liar=True,
                                           n_startup_trials=n_startup_trials, **kw)
     if name == "cmaes":
@@ -255,6 +259,14 @@ class BucketStudy:
                 v = Variant.parse(t.user_attrs["variant"])
                 best.setdefault(v.key, (v, r))
         return sorted(best.values(), key=lambda x: x[1]["ms"])[:k]
+
+    def passed(self, variant: Variant) -> dict | None:
+        """The measurement of `variant` in this study if it passed the gate (None otherwise)."""
+        for t, r in self._completed():
+            if (t.user_attrs["variant"] == variant.name and r.get("violation", 1.0) <= 0
+                    and "ms" in r):
+                return r
+        return None
 
     def best_tflops(self) -> float:
         vals = [v for v, r in self._known.values() if r.get("violation", 1.0) <= 0]

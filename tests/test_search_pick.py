@@ -1,0 +1,25 @@
+"""The final pick: fastest after interleaved re-timing, simpler configs only within noise."""
+from flashtune.codegen import Variant
+from flashtune.search import MAX_NOISE, pick, simplicity
+
+SIMPLE = Variant.parse("fwd-m64-n64-w4-s2")
+COMPLEX = Variant.parse("fwd-m128-n64-w8-s4-loads=descriptor")
+
+
+def test_simpler_config_wins_within_noise():
+    assert simplicity(SIMPLE) < simplicity(COMPLEX)
+    win = pick([(COMPLEX, 1.000, 0.0), (SIMPLE, 1.005, 0.0)], noise=0.01)
+    assert win[0] == SIMPLE
+
+
+def test_a_real_slowdown_never_wins_however_noisy_the_retime():
+    # spread 10% would make a 6% slower config "within noise": the band is capped
+    win = pick([(COMPLEX, 1.000, 0.10), (SIMPLE, 1.06, 0.10)], noise=0.01)
+    assert win[0] == COMPLEX
+    win = pick([(COMPLEX, 1.000, 0.10), (SIMPLE, 1.0 + MAX_NOISE / 2, 0.10)], noise=0.01)
+    assert win[0] == SIMPLE
+
+
+def test_failed_retimes_are_skipped():
+    assert pick([(COMPLEX, None, None), (SIMPLE, 2.0, 0.0)], noise=0.01)[0] == SIMPLE
+    assert pick([(COMPLEX, None, None)], noise=0.01) is None
