@@ -48,3 +48,59 @@ def show(variant, path):
     except (ValueError, TypeError) as e:
         raise click.BadParameter(str(e), param_hint="VARIANT") from None
     click.echo(str(source_path(v)) if path else render(v), nl=not path or True)
+
+
+@kernels.command("check")
+@click.argument("variants", nargs=-1)
+@click.option("--gpu", default="H100", show_default=True, help="target to compile for")
+@click.option("--head-dim", "head_dims", default="64,128", show_default=True)
+@click.option("--dtype", "dtypes", default="bf16", show_default=True, help="bf16, fp16, fp32")
+@click.option("--causal/--no-causal", default=True, show_default=True)
+@click.option("--tails", is_flag=True, help="the ragged-seqlen / GQA specialisation")
+@click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table")
+def check(variants, gpu, head_dims, dtypes, causal, tails, fmt):
+    """Compile VARIANTS (default: the built-in defaults) for a GPU without one: shared memory,
+    registers and spills per kernel. Exits 1 if a kernel exceeds the target's shared memory."""
+    import os
+
+    from . import targets
+    from .defaults import default_variant
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        raise click.UsageError("kernels check compiles real kernels: unset TRITON_INTERPRET")
+    from .compile_check import check_variant
+    try:
+        target = targets.get(gpu)
+        ds = [int(d) for d in head_dims.split(",")]
+        names = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+        dts = [names[t.strip()] for t in dtypes.split(",")]
+        chosen = [Variant.parse(v) for v in variants]
+    except (KeyError, ValueError) as e:
+        raise click.BadParameter(str(e)) from None
+    cap = target.capability[0] * 10 + target.capability[1]
+    rows, ok = [], True
+    for dtype in dts:
+        for d in ds:
+            vs = chosen or [default_variant("fwd", d, dtype)] + [
+                default_variant("bwd", d, dtype, dq=s) for s in ("separate", "atomic")]
+            for v in vs:
+                try:
+                    res = check_variant(v, d, dtype, causal=causal, tails=tails, capability=cap)
+                except Exception as e:  # noqa: BLE001 -- a config that cannot build is a result
+                    res = {"error": {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}}
+                for kernel, r in res.items():
+                    fits = "error" not in r and r["smem"] <= target.smem_per_block
+                    ok &= fits
+                    rows.append(dict(dtype=dtype, head_dim=d, variant=v.name, kernel=kernel,
+                                     fits=fits, **r))
+    if fmt == "json":
+        click.echo(json.dumps(rows, indent=2))
+    else:
+        click.echo(f"compiled for {target.short} ({target.arch}), smem limit "
+                   f"{target.smem_per_block} B per block")
+        for r in rows:
+            detail = r.get("error") or (f"smem {r['smem']:>6} B  regs {r.get('regs')}  "
+                                        f"spills {r.get('spill_bytes')} B")
+            click.echo(f"{r['dtype']:9} D={r['head_dim']:<4} {r['variant']:54} {r['kernel']:5} "
+                       f"{'ok ' if r['fits'] else 'BAD'} {detail}")
+    if not ok:
+        raise SystemExit(1)

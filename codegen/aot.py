@@ -1,0 +1,74 @@
+"""Compile a generated kernel for a GPU target without a GPU: Triton's wheel carries ptxas, so
+shared memory per block (and, with ptxas -v, registers and spills) are known before any GPU
+time is spent. Used by the compile tests in CI and by bench/bwd_compile_check.py."""
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+_PTR = {"float16": "*fp16", "bfloat16": "*bf16", "float32": "*fp32"}
+_F32_PTRS = {"LSE", "LSE2", "Delta", "R"}   # float32 whatever the inputs' dtype
+_SCALARS_I32 = ("H", "Nq", "Nk")
+
+
+def _ptxas_candidates() -> list[str]:
+    import triton
+    # the PTX version Triton emits may be newer than one ptxas reads: try each until one does
+    here = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    found = [str(here / n) for n in ("ptxas-blackwell", "ptxas") if (here / n).exists()]
+    return found + ([shutil.which("ptxas")] if shutil.which("ptxas") else [])
+
+
+def ptxas_usage(ptx: str, arch: str = "sm_90a") -> dict:
+    """Registers and spill bytes that ptxas -v reports ({} when no ptxas reads this PTX)."""
+    with tempfile.TemporaryDirectory() as d:
+        p = Path(d) / "k.ptx"
+        p.write_text(ptx)
+        for exe in _ptxas_candidates():
+            r = subprocess.run([exe, f"-arch={arch}", "-v", str(p), "-o", str(Path(d) / "k.o")],
+                               capture_output=True, text=True)
+            if r.returncode == 0:
+                log = r.stdout + r.stderr
+                m = re.search(r"Used (\d+) registers", log)
+                s = re.search(r"(\d+) bytes spill stores", log)
+                return {"regs": int(m.group(1)) if m else None,
+                        "spill_bytes": int(s.group(1)) if s else None}
+    return {}
+
+
+def compile_for(fn, constexprs: dict, dtype: str, num_warps: int, num_stages: int, *,
+                capability: int = 90, f32_ptrs: frozenset = frozenset(), usage: bool = False) -> dict:
+    """Compile a @triton.jit kernel of a generated module for compute capability `capability`.
+
+    Arguments named in UPPER case are tensors (of `dtype`, or float32 for LSE-like buffers and
+    `f32_ptrs`), `sm_scale` is a float, the rest int32 -- the generated templates' convention.
+    Returns {"smem": bytes, "ptx": text} (+ regs/spill_bytes with usage=True); raises what
+    Triton raises (CompilationError, out of resources) for a config that cannot build."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    sig, attrs = {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in constexprs:
+            sig[name] = "constexpr"
+        elif name[0].isupper() and name not in _SCALARS_I32:
+            sig[name] = "*fp32" if name in _F32_PTRS | f32_ptrs else _PTR[dtype]
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif name == "sm_scale":
+            sig[name] = "fp32"
+        else:
+            sig[name] = "i32"
+            if name.startswith("stride"):  # row/head/batch strides of D >= 16 tensors
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    src = ASTSource(fn, sig, constexprs=constexprs, attrs=attrs)
+    k = triton.compile(src, target=GPUTarget("cuda", capability, 32),
+                       options=dict(num_warps=num_warps, num_stages=num_stages))
+    out = {"smem": k.metadata.shared, "ptx": k.asm["ptx"]}
+    if usage:
+        out.update(ptxas_usage(k.asm["ptx"], f"sm_{capability}a" if capability == 90 else
+                               f"sm_{capability}"))
+    return out

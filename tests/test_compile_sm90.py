@@ -1,0 +1,33 @@
+"""The built-in defaults compile for Hopper (sm_90) and fit its shared memory -- checked without
+a GPU, so CI catches a template Triton cannot build before GPU time is spent. It runs
+`flashtune kernels check` in its own process: Triton fixes interpreter mode at import, and this
+test process imported it in interpreter mode. (CI has one Triton version; the GPU machine's may
+differ, and bench/device_run.sh runs the GPU tests there.)"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+
+def kernels_check(*args):
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    return subprocess.run([sys.executable, "-m", "flashtune.cli", "kernels", "check", *args],
+                          capture_output=True, text=True, env=env, timeout=600)
+
+
+@pytest.mark.parametrize("dtype,dims", [("bf16", "64,128,256"), ("fp32", "64")])
+def test_defaults_compile_for_sm90(dtype, dims):
+    r = kernels_check("--gpu", "H100", "--dtype", dtype, "--head-dim", dims, "--format", "json")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    rows = json.loads(r.stdout)
+    kernels = {(row["head_dim"], row["variant"].split("-")[0], row["kernel"]) for row in rows}
+    for d in map(int, dims.split(",")):
+        assert {(d, "fwd", "fwd"), (d, "bwd", "pre"), (d, "bwd", "dkdv"), (d, "bwd", "dq")} <= kernels
+    assert all(row["fits"] and 0 < row["smem"] <= 232448 for row in rows)
+
+
+def test_a_config_too_big_for_shared_memory_is_reported():
+    r = kernels_check("fwd-m256-n128-w8-s5", "--head-dim", "256", "--gpu", "H100")
+    assert r.returncode == 1 and "BAD" in r.stdout, r.stdout + r.stderr
