@@ -4,6 +4,7 @@ record it for the replay backend (flashtune/replay.py) and the sampler compariso
 
     python3 bench/sweep.py                       # H100: 3 buckets, about 4 minutes
     python3 bench/sweep.py --budget 240 --bucket 64:1024:causal
+    python3 bench/sweep.py --budget 540 --bucket bwd:128:4096:causal   # a backward bucket
 
 Candidates compile in parallel (one process per spare core) while one timing worker gates
 and times them (median of ~30 ms of runs, L2 flushed). Writes $OUT/sweep-<gpu>.jsonl (or
@@ -22,20 +23,37 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-# (head dim, seqlen, causal): the buckets the issue names, most useful first
+# [family:]head dim:seqlen:full|causal (family fwd when left out): the buckets the issue
+# names, most useful first
 BUCKETS = ["128:4096:full", "128:4096:causal", "64:2048:full", "64:1024:causal"]
+
+
+def parse_bucket(spec: str) -> tuple[str, int, int, bool]:
+    """"[fwd|bwd:]D:N:full|causal" -> (family, head dim, seqlen, causal)."""
+    parts = spec.split(":")
+    if len(parts) == 3:
+        parts = ["fwd", *parts]
+    if len(parts) != 4 or parts[3] not in ("full", "causal") or not (
+            parts[1].isdigit() and parts[2].isdigit()):
+        raise ValueError(f"--bucket {spec!r}: expected [family:]D:N:full|causal, "
+                         "e.g. 128:4096:causal or bwd:128:4096:causal")
+    return parts[0], int(parts[1]), int(parts[2]), parts[3] == "causal"
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--bucket", action="append", help="D:N:full|causal (repeat); default: "
-                    + " ".join(BUCKETS[:3]))
+    ap.add_argument("--bucket", action="append", help="[fwd|bwd:]D:N:full|causal (repeat); "
+                    "default: " + " ".join(BUCKETS[:3]))
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--budget", type=float, default=240.0, help="seconds of sweeping in all")
     ap.add_argument("--bench-ms", type=float, default=30.0, help="timing budget per variant")
     ap.add_argument("--compile-workers", type=int, default=0)
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
+    try:
+        specs = [parse_bucket(b) for b in a.bucket or BUCKETS[:3]]
+    except ValueError as e:
+        ap.error(str(e))
 
     from flashtune import targets
     from flashtune.defaults import default_variant
@@ -65,13 +83,12 @@ def main(argv=None) -> int:
     summary = []
     with open(out, "w") as f:
         f.write(json.dumps(meta, sort_keys=True) + "\n")
-        for spec in a.bucket or BUCKETS[:3]:
-            d, n, c = spec.split(":")
-            p = standard_problem("fwd", a.dtype, int(d), c == "causal", int(n))
-            space = Space.build("fwd", target, p)
+        for fam, d, n, causal in specs:
+            p = standard_problem(fam, a.dtype, d, causal, n)
+            space = Space.build(fam, target, p)
             b = Bucket.of(p)
             variants = list(space.feasible)
-            dv = default_variant("fwd", p.head_dim, p.dtype)
+            dv = default_variant(fam, p.head_dim, p.dtype)
             f.write(bucket_line(p, feasible=len(variants), space_hash=space.hash) + "\n")
             tb = time.monotonic()
             futs = {pipe.submit(v, p): v for v in variants}

@@ -128,6 +128,7 @@ def _dry_run(cfg, target, planned, fmt):
         rows.append({"bucket": bucket_label(pb.bucket), "study": study_name(pb.space, pb.bucket),
                      "problem": dict(pb.problem.__dict__), "sizes": pb.space.sizes(),
                      "params": {p.name: list(p.values) for p in pb.space.params},
+                     "when": {p.name: p.when for p in pb.space.params if p.when},
                      "pinned": dict(pb.space.pinned),
                      "dropped": [f"{n}={v} (needs {f})" for n, v, f in pb.space.dropped]})
     if fmt == "json":
@@ -150,7 +151,8 @@ def _dry_run(cfg, target, planned, fmt):
             r = next(r for r, pb in zip(rows, planned) if pb.bucket.family == fam)
             click.echo(f"\n{fam} params on {target.short}:")
             for k, v in r["params"].items():
-                click.echo(f"  {k:<14} {', '.join(str(x) for x in v)}")
+                only = f"  (only when {r['when'][k]})" if k in r["when"] else ""
+                click.echo(f"  {k:<14} {', '.join(str(x) for x in v)}{only}")
             dropped = sorted({d for r2 in rows for d in r2["dropped"]})
             if dropped:
                 click.echo(f"  not proposed   {'; '.join(dropped)}")

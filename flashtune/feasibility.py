@@ -17,6 +17,31 @@ input dtype, the output accumulator in float32, and Q too where the MMA cannot r
 shared memory, i.e. before wgmma). ptxas caps a thread at min(255, 65536 / threads) registers
 and spills beyond; a variant estimated 25% past the cap is pruned as certain to spill.
 The compile step still checks the real shared memory (metadata.shared) of what survives.
+
+bwd has two main kernels, each of which must fit on its own: attn_bwd_dkdv (K, V of BLOCK_N
+keys held, Q and dO of BLOCK_M rows streamed) and, for dq="separate", attn_bwd_dq (Q, dO of
+BLOCK_M2 rows held, K and V of BLOCK_N2 keys streamed). Calibrated on ~600 kernels compiled for
+sm_90 and sm_80 on the CPU (triton.compile of an ASTSource with the 16-byte divisibility a real
+launch gets, as bench/bwd_compile_check.py; ptxas -v for registers and spills), bf16, D=64/128,
+causal, Triton 3.9. Where the MMA has 64+ rows (wgmma: BLOCK_N for dK/dV, BLOCK_M2 for dQ) every
+stage is a buffer; below that (mma.sync, and every sm_80 kernel) one stage lives in registers
+and the [M, N] tile of P goes through shared memory:
+
+    sm_90 D=128 dK/dV separate m64-n64-w8-s2 99328 (model 99328), m32-n128-w8-s2 98560 (98816);
+        atomic m32-n128-w8-s2 139520 (147968), m128-n64-w8-s4 363520 (331776: pruned either way)
+    sm_90 D=128 dQ m128-n64-w8-s2 131072 (131072), m64-n128-w4-s4 294912 (294912)
+    sm_90 D=64 dK/dV separate m128-n64-w8-s4 150528 (151552); atomic m32-n128-w8-s3 82432 (82688)
+    sm_80 D=128 dK/dV separate m64-n64-w8-s3 107520 (107520); atomic m32-n64-w8-s3 82432 (86528)
+
+With two or more stages the model is within -14%..+30% of Triton (median 0), the worst over-
+estimates being small atomic tiles far below the limit; at one stage it under-estimates (up to
+-75% at m128-n32: layout scratch), which the compile step catches. Registers: ptxas used ~40-75
+more than the tile words below; with _BWD_REG_OVERHEAD = 56 and the 25% margin, every variant
+pruned for registers in the calibration set spilled, and every sm_90 one that spilled over 1 KB
+(e.g. D=128 with num_warps=4 and BLOCK_N=128) was pruned (let through: sm_80 D=64 m128-n64-w8-s1,
+1-20 KB of spills, which the timings then rank low). The one over-prune: sm_80 D=128 atomic
+m64-n128-w8-s3 (164864 B real, which spills 1 KB anyway). float32 (PRECISE: S and dP in float64)
+is under-estimated by 25-65%, in shared memory and registers alike: the compile step judges it.
 """
 from __future__ import annotations
 
@@ -75,25 +100,110 @@ def _fwd(variant, problem, target) -> Resources:
     return Resources(smem, -(-words // threads) + _REG_OVERHEAD, threads)
 
 
-# family -> resource model; a family without one is pruned by its constraints alone
-MODELS = {"fwd": _fwd}
+_BWD_REG_OVERHEAD = 56  # measured: ptxas used ~40-75 registers more than the tiles below
+
+
+def _wgmma(target, mma_m: int) -> bool:
+    """Hopper's wgmma needs 64 rows per MMA (a warp group's); a smaller tile runs mma.sync."""
+    return target.has("wgmma") and mma_m >= 64
+
+
+def _bwd_dkdv(variant, problem, target) -> Resources:
+    """attn_bwd_dkdv: K and V of BLOCK_N keys stay on chip, Q and dO of BLOCK_M rows (and their
+    LSE and Delta) stream through num_stages buffers; S^T, P^T, dP^T are [BLOCK_N, BLOCK_M]."""
+    e = dtype_bytes(problem.dtype)
+    bd = block_d(problem.head_dim)
+    m, n = variant.block_m, variant.block_n
+    kv = 2 * n * bd * e
+    rows = m * (2 * bd * e + 8)           # Q, dO and two float32 row vectors per stage
+    stages = max(1, variant.num_stages)
+    if _wgmma(target, n):                  # the MMAs read Q and dO from every buffer
+        smem = kv + stages * rows
+    else:                                  # one buffer is in registers; P^T goes through smem
+        smem = kv + (stages - 1) * rows + m * n * e
+    if variant.dq == "atomic":
+        # dQ = dS K: with wgmma over fewer than 64 query rows K is copied once more as the
+        # operand; past one stage the float32 dQ tile's layout change for the atomic add
+        # takes scratch too (<= 64 rows of it: measured)
+        if _wgmma(target, n) and m < 64:
+            smem += n * bd * e
+        if stages > 1:
+            smem += min(m, 64) * bd * 4
+    threads = 32 * variant.num_warps
+    words = 2 * n * bd + 2 * n * m + n * m * e // 4   # dK, dV, S^T/dP^T (f32), dS^T
+    if variant.dq == "atomic":
+        words += m * bd                    # the dQ tile, float32, before its atomic add
+    if not _wgmma(target, n):
+        words += 2 * n * bd * e // 4       # K and V as mma.sync operands
+    return Resources(smem, -(-words // threads) + _BWD_REG_OVERHEAD, threads)
+
+
+def _bwd_dq(variant, problem, target) -> Resources:
+    """attn_bwd_dq (dq="separate"): Q and dO of BLOCK_M2 rows stay, K and V of BLOCK_N2 keys
+    stream through num_stages2 buffers; S, P, dP are [BLOCK_M2, BLOCK_N2]."""
+    e = dtype_bytes(problem.dtype)
+    bd = block_d(problem.head_dim)
+    m, n = variant.block_m2, variant.block_n2
+    qdo = 2 * m * bd * e
+    kv = 2 * n * bd * e
+    stages = max(1, variant.num_stages2)
+    if _wgmma(target, m):
+        smem = qdo + stages * kv
+    else:
+        smem = qdo + (stages - 1) * kv + m * n * e
+    threads = 32 * variant.num_warps2
+    words = m * bd + 2 * m * n + m * n * e // 4       # dQ, S/dP (f32), dS
+    if not _wgmma(target, m):
+        words += 2 * m * bd * e // 4                  # Q and dO as mma.sync operands
+    return Resources(smem, -(-words // threads) + _BWD_REG_OVERHEAD, threads)
+
+
+def _bwd(variant, problem, target) -> tuple:
+    out = (("attn_bwd_dkdv", _bwd_dkdv(variant, problem, target)),)
+    if variant.dq == "separate":
+        out += (("attn_bwd_dq", _bwd_dq(variant, problem, target)),)
+    return out
+
+
+def bwd_kernels(variant, problem, target) -> tuple:
+    """(dK/dV kernel, dQ kernel or None) Resources of a bwd variant (the preprocess kernel is
+    tiny: <= 512 B of shared memory, 64 registers)."""
+    k = dict(_bwd(variant, problem, target))
+    return k["attn_bwd_dkdv"], k.get("attn_bwd_dq")
+
+
+# family -> resource model: (kernel, Resources) per kernel the variant launches, each of which
+# must fit on its own; a family without one is pruned by its constraints alone
+MODELS = {"fwd": lambda v, p, t: (("attn_fwd", _fwd(v, p, t)),), "bwd": _bwd}
+# part of a space's hash, per family: a new model of one family starts new studies of it only
+MODEL_VERSIONS = {"fwd": MODEL_VERSION, "bwd": 1}
+
+
+def model_version(family: str) -> int:
+    return MODEL_VERSIONS.get(family, 0)
+
+
+def kernels(variant, problem, target) -> tuple:
+    """(kernel name, Resources) of each kernel `variant` launches; () without a model."""
+    model = MODELS.get(variant.family)
+    return model(variant, problem, target) if model else ()
 
 
 def resources(variant, problem, target) -> Resources | None:
-    model = MODELS.get(variant.family)
-    return model(variant, problem, target) if model else None
+    """The main kernel's Resources (fwd: the only one; bwd: the dK/dV kernel)."""
+    k = kernels(variant, problem, target)
+    return k[0][1] if k else None
 
 
 def check(variant, problem, target) -> Verdict:
     """Does `variant` fit `target` for `problem`? (structural features are the space's job)"""
-    r = resources(variant, problem, target)
-    if r is None:
-        return OK
-    if r.smem_bytes > target.smem_per_block:
-        return Verdict(False, f"shared memory: needs ~{r.smem_bytes} B, {target.short} allows "
-                              f"{target.smem_per_block} B per block")
-    cap = min(target.max_regs_per_thread, target.regs_per_sm // r.threads)
-    if r.regs_per_thread > cap * _SPILL_MARGIN:
-        return Verdict(False, f"registers: ~{r.regs_per_thread} per thread, {target.short} allows "
-                              f"{cap} at {r.threads} threads (certain to spill)")
+    for name, r in kernels(variant, problem, target):
+        if r.smem_bytes > target.smem_per_block:
+            return Verdict(False, f"shared memory: {name} needs ~{r.smem_bytes} B, "
+                                  f"{target.short} allows {target.smem_per_block} B per block")
+        cap = min(target.max_regs_per_thread, target.regs_per_sm // r.threads)
+        if r.regs_per_thread > cap * _SPILL_MARGIN:
+            return Verdict(False, f"registers: {name} needs ~{r.regs_per_thread} per thread, "
+                                  f"{target.short} allows {cap} at {r.threads} threads "
+                                  "(certain to spill)")
     return OK

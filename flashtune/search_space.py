@@ -178,7 +178,7 @@ class Space:
         blob = {"family": self.family, "target": self.target.short,
                 "params": [[p.name, list(p.values)] for p in self.params],
                 "pinned": [list(x) for x in self.pinned], "constraints": list(self.constraints),
-                "model": feasibility.MODEL_VERSION, "template": template_hash(self.family),
+                "model": feasibility.model_version(self.family), "template": template_hash(self.family),
                 "generator": GENERATOR_VERSION, "triton": ".".join(triton_version.split(".")[:2])}
         conditional = {p.name: p.when for p in self.params if p.when}
         if conditional:  # only where present, so the hashes of spaces without any stay put
