@@ -43,6 +43,14 @@ for step in ${STEPS:-fwdtests}; do
                 --db sqlite:////tmp/ft-tuned.db -o "$OUT/table.json" 2>&1 | tail -2 ;;
     tunedbench) FLASHTUNE_DB=sqlite:////tmp/ft-tuned.db timeout 300 python3 bench/fwd_bench.py 2>&1 \
                 | tee "$OUT/tunedbench.log" | tail -30 ;;
+    bwdtable) /usr/bin/time -f "bwd search wall %e s" timeout 330 flashtune search --gpu auto --family bwd \
+                --head-dim 64,128 --seqlen 1024,4096 --trials ${BWD_TRIALS:-16} --time-budget 300 \
+                --storage sqlite:////tmp/ft-bwd-optuna.db --db sqlite:////tmp/ft-bwd-tuned.db \
+                --progress lines 2>&1 | tee "$OUT/bwd_search.log" | grep -v "measured so far" | tail -16
+              flashtune db export --gpu "$(python3 -c "import torch;print(torch.cuda.get_device_name())")" \
+                --db sqlite:////tmp/ft-bwd-tuned.db -o "$OUT/bwd_table.json" 2>&1 | tail -2 ;;
+    gpusearchtests) timeout 240 python3 -m pytest -q -m gpu tests/test_search_bwd.py tests/test_search_gpu.py \
+                2>&1 | tail -5 ;;
     searchgpu) timeout 200 python3 -m pytest -q tests/test_search_gpu.py 2>&1 | tail -5 ;;
     *) echo "unknown step $step" ;;
   esac
