@@ -40,8 +40,11 @@ def plan(target: Target, families, dtypes, head_dims, causal, seqlens, batches=(
                 for c in causal:
                     for n in seqlens:
                         for b in (batches or (None,)):
-                            p = standard_problem(fam, dt, d, c, n, b, group)
-                            bk = Bucket.of(p)
+                            bk = Bucket.of(standard_problem(fam, dt, d, c, n, b, group))
+                            # measure the bucket's own head dim: D=96 shares the D=128 bucket
+                            # (one BLOCK_D), so asking for 96 tunes exactly what 128 tunes
+                            # instead of overwriting its record with other measurements
+                            p = standard_problem(fam, dt, bk.head_dim, c, n, b, group)
                             if bk.key not in out:
                                 out[bk.key] = PlannedBucket(bk, p, Space.build(fam, target, p))
     return list(out.values())

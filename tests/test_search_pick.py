@@ -23,3 +23,15 @@ def test_a_real_slowdown_never_wins_however_noisy_the_retime():
 def test_failed_retimes_are_skipped():
     assert pick([(COMPLEX, None, None), (SIMPLE, 2.0, 0.0)], noise=0.01)[0] == SIMPLE
     assert pick([(COMPLEX, None, None)], noise=0.01) is None
+
+
+def test_head_dims_sharing_a_bucket_plan_the_same_measurement():
+    # D=96 pads to the D=128 bucket: a search asked for 96 must measure (and overwrite) with
+    # exactly the problem a search for 128 measures, never with D=96 inputs
+    from flashtune import targets
+    from flashtune.search_plan import plan
+    h100 = targets.get("H100")
+    a = plan(h100, ("fwd",), ("bfloat16",), (96,), (False,), (1024,))
+    b = plan(h100, ("fwd",), ("bfloat16",), (128,), (False,), (1024,))
+    assert a[0].bucket == b[0].bucket and a[0].problem == b[0].problem
+    assert a[0].problem.head_dim == 128
