@@ -51,6 +51,13 @@ for step in ${STEPS:-fwdtests}; do
                 --db sqlite:////tmp/ft-bwd-tuned.db -o "$OUT/bwd_table.json" 2>&1 | tail -2 ;;
     gpusearchtests) timeout 240 python3 -m pytest -q -m gpu tests/test_search_bwd.py tests/test_search_gpu.py \
                 2>&1 | tail -5 ;;
+    workers)  nvidia-smi -L
+              for w in 1 2; do
+                /usr/bin/time -f "workers=$w wall %e s" timeout 280 flashtune search --gpu auto --workers $w \
+                  --fresh --head-dim 64,128 --seqlen 1024,4096 --causal both --trials ${TRIALS:-32} \
+                  --seed 0 --storage sqlite:////tmp/ft-w$w.db --db sqlite:////tmp/tuned-w$w.db \
+                  --progress lines 2>&1 | tee "$OUT/workers$w.log" | grep -v "^\[" | tail -14
+              done ;;
     searchgpu) timeout 200 python3 -m pytest -q tests/test_search_gpu.py 2>&1 | tail -5 ;;
     *) echo "unknown step $step" ;;
   esac
