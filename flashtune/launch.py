@@ -36,6 +36,12 @@ def descriptor_ok(*tensors: torch.Tensor) -> bool:
     return True
 
 
+def strides3(*tensors) -> tuple:
+    """The batch, head and row strides of each (B, H, N, D) tensor, flattened: the kernels'
+    stride arguments (the head-dim stride is 1 by validation)."""
+    return tuple(s for t in tensors for s in t.stride()[:3])
+
+
 def block_d(head_dim: int) -> int:
     return max(16, triton.next_power_of_2(head_dim))
 
@@ -57,8 +63,7 @@ class FwdPlan:
         self.lse_shape = (b, h, nq)
         self.descriptor = variant.loads == "descriptor"
         self.args = (1.0 / math.sqrt(d) if scale is None else float(scale),
-                     *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o_strides[:3],
-                     h, nq, nk)
+                     *strides3(q, k, v), *o_strides[:3], h, nq, nk)
         self.kwargs = dict(
             HEAD_DIM=d, BLOCK_D=block_d(d), BLOCK_M=variant.block_m, BLOCK_N=variant.block_n,
             IS_CAUSAL=causal, GROUP=h // k.shape[1], EVEN_N=nk % variant.block_n == 0,

@@ -7,7 +7,7 @@ import torch
 import triton
 
 from .codegen import Variant, load
-from .launch import _DOT_PRECISION, block_d
+from .launch import _DOT_PRECISION, block_d, strides3
 
 
 def _pre_m(bd: int, precise: bool = False) -> int:
@@ -47,11 +47,7 @@ def backward(dout, q, k, v, o, lse, causal: bool, scale: float | None, variant: 
     pre_m = _pre_m(bd, precise)
     mod.attn_bwd_preprocess[(triton.cdiv(nq, pre_m) * b * h,)](
         o, dout, lse, delta, lse2, r, q, k, v, scale,
-        o.stride(0), o.stride(1), o.stride(2),
-        dout.stride(0), dout.stride(1), dout.stride(2),
-        q.stride(0), q.stride(1), q.stride(2),
-        k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2),
+        *strides3(o, dout, q, k, v),
         h, nq, nk,
         HEAD_DIM=d, BLOCK_D=bd, PRE_M=pre_m, PRE_N=32, IS_CAUSAL=causal, GROUP=h // hk,
         PRECISE=precise, num_warps=4,
@@ -71,13 +67,7 @@ def backward(dout, q, k, v, o, lse, causal: bool, scale: float | None, variant: 
 
     mod.attn_bwd_dkdv[(triton.cdiv(nk, variant.block_n) * b * hk,)](
         q, k, v, dout, dk, dv, dq_acc, lse2, delta, r, scale,
-        q.stride(0), q.stride(1), q.stride(2),
-        k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2),
-        dout.stride(0), dout.stride(1), dout.stride(2),
-        dk.stride(0), dk.stride(1), dk.stride(2),
-        dv.stride(0), dv.stride(1), dv.stride(2),
-        dq_acc.stride(0), dq_acc.stride(1), dq_acc.stride(2),
+        *strides3(q, k, v, dout, dk, dv, dq_acc),
         h, nq, nk,
         HEAD_DIM=d, BLOCK_D=bd, BLOCK_M=variant.block_m, BLOCK_N=variant.block_n,
         IS_CAUSAL=causal, GROUP=h // hk, EVEN_M=nq % variant.block_m == 0,
@@ -90,11 +80,7 @@ def backward(dout, q, k, v, o, lse, causal: bool, scale: float | None, variant: 
     if variant.dq == "separate":
         mod.attn_bwd_dq[(triton.cdiv(nq, variant.block_m2) * b * h,)](
             q, k, v, dout, dq, lse2, delta, r, scale,
-            q.stride(0), q.stride(1), q.stride(2),
-            k.stride(0), k.stride(1), k.stride(2),
-            v.stride(0), v.stride(1), v.stride(2),
-            dout.stride(0), dout.stride(1), dout.stride(2),
-            dq.stride(0), dq.stride(1), dq.stride(2),
+            *strides3(q, k, v, dout, dq),
             h, nq, nk,
             HEAD_DIM=d, BLOCK_D=bd, BLOCK_M=variant.block_m2, BLOCK_N=variant.block_n2,
             IS_CAUSAL=causal, GROUP=h // hk, EVEN_M=nq % variant.block_m2 == 0,
