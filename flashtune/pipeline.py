@@ -1,8 +1,10 @@
 """Candidates flow: compile (a pool of worker processes) -> gate + timing (one worker per GPU).
 
-`submit` returns a future; the caller keeps about (compile workers + timing workers) in flight
-so the GPUs never wait for a compile. Inline mode runs the backend in the calling thread, for
-replayed measurements that need no isolation (sampler comparisons).
+`submit` returns a future; the caller keeps `depth` = compile workers + 2 x timing workers in
+flight: every compile worker busy, and every timing worker with a compiled candidate waiting
+behind the one it times, so a GPU never idles while the driver tells one result and asks for
+the next. Inline mode runs the backend in the calling thread, for replayed measurements that
+need no isolation (sampler comparisons).
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ class Pipeline:
         self._compilers: queue.Queue = queue.Queue()
         self._timers: queue.Queue = queue.Queue()
         self._all: list[Worker] = []
+        self._measured_on: dict = {}  # (problem, variant) keys -> the timing worker's index
         self.depth = 1
         if inline:
             return
@@ -36,25 +39,46 @@ class Pipeline:
             w = Worker(backend, "time", d)
             self._all.append(w)
             self._timers.put(w)
-        self.depth = compile_workers + len(devices)
+        self.depth = compile_workers + 2 * len(devices)
         self._pool = ThreadPoolExecutor(max_workers=self.depth + 1,
                                         thread_name_prefix="flashtune-pipeline")
 
     def start(self) -> "Pipeline":
-        """Start the timing workers now (their startup failures are the search's, not a
-        trial's) and report their environment; compile workers start on first use."""
+        """Start the timing workers now, all at once (their startup failures are the search's,
+        not a trial's), and report their environment. Compile workers start in the background
+        meanwhile; one that fails to start is started again on first use, where its error
+        becomes that trial's."""
         if self.inline:
             self.info = self.backend.environment()
             return self
-        timers = [self._timers.get() for _ in range(self._timers.qsize())]
+        compilers = _drain(self._compilers)
+        for w in compilers:
+            self._pool.submit(self._prestart, w)
+        timers = _drain(self._timers)
+        errors = []
         try:
-            for w in timers:
-                w.start()
+            with ThreadPoolExecutor(max_workers=max(1, len(timers)),
+                                    thread_name_prefix="flashtune-start") as ex:
+                for f in [ex.submit(w.start) for w in timers]:
+                    if f.exception() is not None:
+                        errors.append(f.exception())
         finally:
             for w in timers:
                 self._timers.put(w)
+        if errors:
+            self.close(kill=True)
+            raise errors[0]
         self.info = timers[0].info if timers else {}
         return self
+
+    def _prestart(self, w: Worker) -> None:
+        try:
+            if not self._stop.is_set():
+                w.start()
+        except Exception:  # noqa: BLE001 -- retried on first use, where it is reported
+            w.kill()
+        finally:
+            self._compilers.put(w)
 
     @property
     def restarts(self) -> int:
@@ -75,12 +99,16 @@ class Pipeline:
         except Exception as e:  # noqa: BLE001 -- a failing candidate is data
             return Outcome.fail("crash", f"{type(e).__name__}: {e}")
 
-    def _on(self, workers: queue.Queue, method: str, args, timeout: float, stage: str):
-        w = workers.get()
+    def _on(self, workers: queue.Queue, method: str, args, timeout: float, stage: str,
+            prefer=None):
+        w = _take(workers, prefer)
         try:
             if self._stop.is_set():
                 return Outcome.fail("interrupted", "search stopped")
-            return w.call(method, *args, timeout=timeout)
+            res = w.call(method, *args, timeout=timeout)
+            if method == "measure":
+                self._measured_on[(args[1].key, args[0].key)] = w.index
+            return res
         except WorkerLost as e:
             msg = str(e)
             if self._stop.is_set() or msg == "interrupted":
@@ -105,7 +133,16 @@ class Pipeline:
         if self.inline:
             return self.backend.retime(variants, problem, rounds)
         timeout = self.trial_timeout * (1 + len(variants))
-        res = self._on(self._timers, "retime", (variants, problem, rounds), timeout, "retime")
+        # on the timing worker that measured most of them: their kernels are loaded there
+        # already, and its inputs for this problem are made
+        votes: dict = {}
+        for v in variants:
+            d = self._measured_on.get((problem.key, v.key))
+            if d is not None:
+                votes[d] = votes.get(d, 0) + 1
+        prefer = max(votes, key=votes.get) if votes else None
+        res = self._on(self._timers, "retime", (variants, problem, rounds), timeout, "retime",
+                       prefer=prefer)
         if isinstance(res, Outcome):  # the worker died: fall back to the search's numbers
             return [None] * len(variants)
         return res
@@ -122,3 +159,26 @@ class Pipeline:
             w.close(kill=kill)
         if not self.inline:
             self._pool.shutdown(wait=not kill, cancel_futures=kill)
+
+
+def _drain(q: queue.Queue) -> list:
+    out = []
+    while True:
+        try:
+            out.append(q.get_nowait())
+        except queue.Empty:
+            return out
+
+
+def _take(workers: queue.Queue, prefer=None) -> Worker:
+    """The next free worker; with `prefer` (an index), that one if it is free now."""
+    if prefer is None:
+        return workers.get()
+    free = _drain(workers)
+    if not free:
+        return workers.get()
+    pick = next((w for w in free if w.index == prefer), free[0])
+    for w in free:
+        if w is not pick:
+            workers.put(w)
+    return pick

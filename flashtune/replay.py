@@ -60,9 +60,13 @@ def recorded_problems(path) -> list[Problem]:
 class ReplayBackend(Backend):
     path: str
     delay_s: float = 0.0   # per measurement (or the meta line's delay_s): a search that takes
-    #                        a while, for tests that interrupt one
+    #                        a while, for tests that interrupt one or time its workers
+    devices: int = 64      # how many timing workers ("GPUs") --workers may ask for
 
     name = "replay"
+
+    def setup(self, role: str, index: int) -> None:
+        object.__setattr__(self, "_index", index)  # which "GPU" this timing worker replays
 
     def _line(self, variant, problem) -> dict | None:
         return read_recording(self.path)[1].get((Bucket.of(problem).key, variant.name))
@@ -92,7 +96,8 @@ class ReplayBackend(Backend):
         if d.get("ms") is None:
             return Outcome.fail(d.get("stage") or "timing", d.get("reason") or "failed (replayed)",
                                 max_err=d.get("max_err"))
-        return Outcome(True, float(d["ms"]), max_err=d.get("max_err"))
+        return Outcome(True, float(d["ms"]), max_err=d.get("max_err"),
+                       notes=f"replayed on device {self.__dict__.get('_index', 0)}")
 
     def retime(self, variants, problem, rounds: int) -> list:
         out = []
@@ -111,7 +116,7 @@ class ReplayBackend(Backend):
         return env
 
     def device_count(self) -> int:
-        return 64
+        return self.devices
 
     def gpu(self) -> str:
         return read_recording(self.path)[0]["gpu"]

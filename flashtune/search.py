@@ -195,10 +195,25 @@ def search_bucket(bs: BucketStudy, pipeline: Pipeline, trials: int, deadline: fl
     max_asks = max_asks or 20 * trials + 200
     asks, idle_asks = 0, 0
     status = "done"
+
+    def settle(done) -> None:
+        for f in done:
+            trial, variant = inflight.pop(f)
+            outcome = f.result()
+            bs.tell(trial, variant, outcome)
+            for t in waiting.pop(variant.key, []):
+                bs.tell(t, variant, "duplicate" if not outcome.transient else outcome)
+            progress.trial(bs.measured(), bs.best_tflops())
+            if not outcome.ok and not outcome.transient:
+                bs.failures.append((variant.name, outcome.stage, outcome.reason))
+
     try:
         while True:
             if stop is not None and stop.is_set():
                 raise KeyboardInterrupt
+            # tell what is done before asking more: the sampler sees results as soon as they
+            # exist, and fewer of its proposals are lies (constant liar)
+            settle([f for f in inflight if f.done()])
             budget_left = bs.measured() + len(inflight) < min(trials, feasible)
             if until is not None and until(bs):
                 budget_left = False
@@ -224,15 +239,7 @@ def search_bucket(bs: BucketStudy, pipeline: Pipeline, trials: int, deadline: fl
             if not inflight:
                 break
             done, _ = wait(list(inflight), timeout=0.5, return_when=FIRST_COMPLETED)
-            for f in done:
-                trial, variant = inflight.pop(f)
-                outcome = f.result()
-                bs.tell(trial, variant, outcome)
-                for t in waiting.pop(variant.key, []):
-                    bs.tell(t, variant, "duplicate" if not outcome.transient else outcome)
-                progress.trial(bs.measured(), bs.best_tflops())
-                if not outcome.ok and not outcome.transient:
-                    bs.failures.append((variant.name, outcome.stage, outcome.reason))
+            settle(done)
     except KeyboardInterrupt:
         for trial, variant in inflight.values():
             bs.tell(trial, variant, Outcome.fail("interrupted", "Ctrl-C"))

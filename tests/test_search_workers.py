@@ -1,0 +1,69 @@
+"""--workers N on the CPU: replayed "GPUs" whose every measurement takes a while (the replay
+backend's delay_s, a sleep in the timing worker), so a bucket's wall time is timing-bound and
+should shrink about N-fold with N timing workers -- without losing or repeating a trial.
+"""
+import time
+
+import optuna
+from optuna.trial import TrialState
+
+from flashtune import targets
+from flashtune.pipeline import Pipeline
+from flashtune.replay import ReplayBackend
+from flashtune.sampler_eval import synthesize
+from flashtune.search import SearchConfig, plan_of, run_search
+from flashtune.search_progress import NoProgress
+from flashtune.search_study import make_storage, study_name
+
+H100 = targets.get("H100")
+BASE = dict(gpu="H100", families=("fwd",), head_dims=(64,), seqlens=(1024,), causal=(False,),
+            compile_workers=1, enqueue_default=False, seed=0, top_k=3, write_db=False)
+DELAY, TRIALS = 0.4, 10
+
+
+def _search(tmp_path, rec, workers):
+    cfg = SearchConfig(**dict(BASE, replay=rec, trials=TRIALS, workers=workers,
+                              storage=f"sqlite:///{tmp_path}/optuna-{workers}.db"))
+    t0 = time.monotonic()
+    res = run_search(cfg, progress=NoProgress())
+    (b,) = res.buckets
+    pb = plan_of(cfg, H100)[0]
+    study = optuna.load_study(study_name=study_name(pb.space, pb.bucket),
+                              storage=make_storage(cfg.storage))
+    measured = [t.user_attrs for t in study.get_trials(deepcopy=False,
+                                                       states=(TrialState.COMPLETE,))
+                if t.user_attrs.get("result", {}).get("measured")]
+    return b, measured, time.monotonic() - t0
+
+
+def test_two_timing_workers_halve_a_timing_bound_bucket(tmp_path):
+    rec = tmp_path / "rec.jsonl"
+    cfg = SearchConfig(**BASE)
+    synthesize(rec, H100, [pb.problem for pb in plan_of(cfg, H100)], fail_rate=0.0,
+               delay_s=DELAY)
+    one, m1, wall1 = _search(tmp_path, str(rec), 1)
+    two, m2, wall2 = _search(tmp_path, str(rec), 2)
+    for b, m in ((one, m1), (two, m2)):
+        names = [a["variant"] for a in m]
+        assert b.status == "done" and b.winner and b.measured == TRIALS
+        assert len(names) == len(set(names)) == TRIALS  # none lost, none measured twice
+    # every measurement sleeps DELAY in a timing worker: one worker cannot beat TRIALS x DELAY
+    assert one.wall_s >= TRIALS * DELAY * 0.95, one.wall_s
+    # both "GPUs" measured, and the bucket took about half as long (ideal: 0.5)
+    devices = {a["result"]["notes"] for a in m2}
+    assert devices == {"replayed on device 0", "replayed on device 1"}, devices
+    assert {a["result"]["notes"] for a in m1} == {"replayed on device 0"}
+    ratio = two.wall_s / one.wall_s
+    assert ratio <= 0.65, (f"2 workers: bucket {two.wall_s:.2f} s (search {wall2:.2f} s), "
+                           f"1 worker: {one.wall_s:.2f} s (search {wall1:.2f} s)")
+
+
+def test_depth_keeps_a_candidate_waiting_behind_each_timing_worker(tmp_path):
+    rec = tmp_path / "rec.jsonl"
+    synthesize(rec, H100, [pb.problem for pb in plan_of(SearchConfig(**BASE), H100)],
+               fail_rate=0.0)
+    p = Pipeline(ReplayBackend(str(rec)), devices=(0, 1, 2), compile_workers=2)
+    try:
+        assert p.depth == 2 + 2 * 3
+    finally:
+        p.close()
