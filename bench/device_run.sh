@@ -58,6 +58,11 @@ for step in ${STEPS:-fwdtests}; do
                   --seed 0 --storage sqlite:////tmp/ft-w$w.db --db sqlite:////tmp/tuned-w$w.db \
                   --progress lines 2>&1 | tee "$OUT/workers$w.log" | grep -v "^\[" | tail -14
               done ;;
+    bwdall)   timeout 330 python3 -m pytest -q tests/test_backward.py tests/test_compile.py 2>&1 \
+                | tee "$OUT/bwdall.log" | tail -6 ;;
+    quicksearch) /usr/bin/time -f "search wall %e s" timeout 120 flashtune search --gpu auto --fresh \
+                --head-dim 128 --seqlen 4096 --causal both --trials 16 --storage sqlite:////tmp/q.db \
+                --db sqlite:////tmp/qt.db --progress lines 2>&1 | grep -v "^\[" | tail -6 ;;
     searchgpu) timeout 200 python3 -m pytest -q tests/test_search_gpu.py 2>&1 | tail -5 ;;
     *) echo "unknown step $step" ;;
   esac
