@@ -61,18 +61,16 @@ def show(variant, path):
 def check(variants, gpu, head_dims, dtypes, causal, tails, fmt):
     """Compile VARIANTS (default: the built-in defaults) for a GPU without one: shared memory,
     registers and spills per kernel. Exits 1 if a kernel exceeds the target's shared memory."""
-    import os
-
-    from . import targets
+    from . import env, targets
     from .defaults import default_variant
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    from .problem import DTYPE_ALIASES
+    if env.interpreting():
         raise click.UsageError("kernels check compiles real kernels: unset TRITON_INTERPRET")
     from .compile_check import check_variant
     try:
         target = targets.get(gpu)
         ds = [int(d) for d in head_dims.split(",")]
-        names = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
-        dts = [names[t.strip()] for t in dtypes.split(",")]
+        dts = [DTYPE_ALIASES[t.strip().lower()] for t in dtypes.split(",")]
         chosen = [Variant.parse(v) for v in variants]
     except (KeyError, ValueError) as e:
         raise click.BadParameter(str(e)) from None

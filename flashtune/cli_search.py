@@ -7,9 +7,8 @@ import re
 import click
 
 from . import env
+from .problem import DTYPE_ALIASES
 
-_DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16",
-           "half": "float16", "fp32": "float32", "float32": "float32"}
 
 
 def _split(values, convert, name):
@@ -97,7 +96,7 @@ def search(gpu, families, dtypes, head_dims, causal, seqlens, batches, trials, s
             raise click.BadParameter(f"{f!r} has no search space; known: {', '.join(known)}",
                                      param_hint="--family")
     cfg = SearchConfig(
-        gpu=gpu, families=fams, dtypes=_split(dtypes, lambda s: _DTYPES[s.lower()], "--dtype"),
+        gpu=gpu, families=fams, dtypes=_split(dtypes, lambda s: DTYPE_ALIASES[s.lower()], "--dtype"),
         head_dims=_split(head_dims, int, "--head-dim"),
         causal={"both": (False, True), "true": (True,), "false": (False,)}[causal],
         seqlens=_split(seqlens, int, "--seqlen"), batches=_split(batches, int, "--batch"),

@@ -16,10 +16,9 @@ from . import launch, launch_bwd
 from .accuracy import compare
 from .defaults import default_variant
 from .measure_warmup import compile_only, max_shared
-from .problem import Problem
+from .problem import Problem, torch_dtype
 from .reference import reference, same_dtype_math
 
-_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 _GRADS = ("dq", "dk", "dv")
 
 
@@ -61,7 +60,7 @@ class BwdOps:
         """Compile every kernel of the variant for the GPU present without launching; returns
         the largest shared memory among them (each kernel must fit on its own)."""
         qs, ks = self.shapes(p)
-        dt = _DTYPES[p.dtype]
+        dt = torch_dtype(p.dtype)
         q, o, do = (torch.empty(qs, dtype=dt, device="meta") for _ in range(3))
         k, v = (torch.empty(ks, dtype=dt, device="meta") for _ in range(2))
         lse = torch.empty(qs[:3], dtype=torch.float32, device="meta")
@@ -83,7 +82,7 @@ class BwdOps:
         """(q, k, v, o, lse, do): random normal q, k, v, dO; O and LSE from the forward."""
         g = torch.Generator(device=self.device).manual_seed(seed)
         qs, ks = self.shapes(p)
-        dt = _DTYPES[p.dtype]
+        dt = torch_dtype(p.dtype)
         q, k, v, do = (torch.randn(s, dtype=dt, device=self.device, generator=g)
                        for s in (qs, ks, ks, qs))
         fwd = default_variant("fwd", p.head_dim, p.dtype)

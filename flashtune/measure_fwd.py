@@ -12,10 +12,9 @@ import torch
 from . import launch
 from .accuracy import compare
 from .measure_warmup import compile_only, max_shared
-from .problem import Problem
+from .problem import Problem, torch_dtype
 from .reference import reference, same_dtype_math
 
-_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 class FwdOps:
@@ -28,7 +27,7 @@ class FwdOps:
     def compile_ahead(self, variant, p: Problem) -> int:
         """Compile for the GPU present without launching; returns the kernel's shared memory."""
         qs, ks = self.shapes(p)
-        dt = _DTYPES[p.dtype]
+        dt = torch_dtype(p.dtype)
         q = torch.empty(qs, dtype=dt, device="meta")
         k = torch.empty(ks, dtype=dt, device="meta")
         with compile_only(launch) as h:
@@ -56,7 +55,7 @@ class FwdOps:
         """Random normal q, k, v (never zeros: zeros hide masking and scaling bugs)."""
         g = torch.Generator(device="cuda").manual_seed(seed)
         qs, ks = self.shapes(p)
-        dt = _DTYPES[p.dtype]
+        dt = torch_dtype(p.dtype)
         return tuple(torch.randn(s, dtype=dt, device="cuda", generator=g) for s in (qs, ks, ks))
 
     def run(self, variant, p: Problem, inputs):

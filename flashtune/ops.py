@@ -14,6 +14,7 @@ import torch
 from . import dispatch, launch, launch_bwd
 from .codegen import Variant
 from .defaults import default_variant
+from .problem import dtype_name
 
 
 # call signature -> launch.FwdPlan: a repeated call costs a tuple, a dict lookup and the launch.
@@ -61,8 +62,7 @@ def select_bwd(q, k, causal: bool, deterministic: bool) -> Variant:
     twin (same dK/dV tiles, the dQ kernel's tiles from the built-in defaults)."""
     variant = dispatch.select_for_call("bwd", q, k, causal)
     if deterministic and variant.dq != "separate":
-        dtype = str(q.dtype).removeprefix("torch.")
-        sep = default_variant("bwd", q.shape[3], dtype, dq="separate")
+        sep = default_variant("bwd", q.shape[3], dtype_name(q.dtype), dq="separate")
         variant = dataclasses.replace(variant, dq="separate", block_m2=sep.block_m2,
                                       block_n2=sep.block_n2, num_warps2=sep.num_warps2,
                                       num_stages2=sep.num_stages2)
@@ -131,18 +131,14 @@ def _attn_bwd_fake(grad_out, q, k, v, o, lse, causal, scale, deterministic):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
-def _forced_here():
-    # dispatch.force() is thread-local, but autograd runs CUDA backwards on its own thread:
-    # carry a variant forced around the forward over to the backward (debugging, benchmarks)
-    return getattr(getattr(dispatch, "_forced", None), "variant", None)
-
-
 def _setup_context(ctx, inputs, output):
     q, k, v, causal, scale, deterministic = inputs
     o, lse = output
     ctx.save_for_backward(q, k, v, o, lse)
     ctx.causal, ctx.scale, ctx.deterministic = causal, scale, deterministic
-    ctx.forced = _forced_here()
+    # dispatch.force() is thread-local, but autograd runs CUDA backwards on its own thread:
+    # carry a variant forced around the forward over to the backward (debugging, benchmarks)
+    ctx.forced = dispatch.forced_variant()
     ctx.mark_non_differentiable(lse)
 
 
@@ -151,7 +147,7 @@ def _backward(ctx, grad_o, grad_lse):
     if grad_o is None:
         return None, None, None, None, None, None
     forced = ctx.forced
-    if forced is not None and forced is not _forced_here():
+    if forced is not None and forced is not dispatch.forced_variant():
         with dispatch.force(forced):
             dq, dk, dv = attn_bwd(grad_o, q, k, v, o, lse, ctx.causal, ctx.scale,
                                   ctx.deterministic)

@@ -4,9 +4,24 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import torch
+
 from ._keys import stable_key
 
 DTYPES = ("float16", "bfloat16", "float32")
+# what the CLI's --dtype options accept, to the names above
+DTYPE_ALIASES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16",
+                 "half": "float16", "fp32": "float32", "float32": "float32"}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """torch.bfloat16 -> "bfloat16": the spelling Problem, Bucket and the tuned DB use."""
+    return str(dtype).removeprefix("torch.")
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """"bfloat16" -> torch.bfloat16."""
+    return getattr(torch, name)
 
 
 @dataclass(frozen=True)
@@ -29,7 +44,7 @@ class Problem:
     def of_call(cls, family: str, q, k, causal: bool) -> "Problem":
         """The problem of a call with q (B, H, Nq, D) and k (B, Hk, Nk, D)."""
         b, h, nq, d = q.shape
-        return cls(family, str(q.dtype).removeprefix("torch."), d, causal, h // k.shape[1],
+        return cls(family, dtype_name(q.dtype), d, causal, h // k.shape[1],
                    b, h, nq, k.shape[2])
 
     def flops(self) -> float:
