@@ -16,6 +16,26 @@ def _pre_m(bd: int, precise: bool = False) -> int:
     return max(16, min(32 if precise else 128, 8192 // bd))
 
 
+def kernel_params(variant: Variant, dtype: torch.dtype, head_dim: int, causal: bool, group: int,
+                  nq: int, nk: int) -> dict:
+    """{kernel: (constexprs, num_warps, num_stages)} of each kernel the bwd variant launches:
+    the one place that knows them (backward() and compile_check both use it)."""
+    bd = block_d(head_dim)
+    precise = dtype == torch.float32
+    common = dict(HEAD_DIM=head_dim, BLOCK_D=bd, IS_CAUSAL=causal, GROUP=group, PRECISE=precise)
+    tiles = dict(common, PAD_D=bd != head_dim, DOT_PRECISION=_DOT_PRECISION.get(dtype, "tf32"))
+    bm, bn = variant.block_m, variant.block_n
+    out = {"pre": (dict(common, PRE_M=_pre_m(bd, precise), PRE_N=32), 4, 3),
+           "dkdv": (dict(tiles, BLOCK_M=bm, BLOCK_N=bn, EVEN_M=nq % bm == 0, EVEN_N=nk % bn == 0,
+                         MASK_KEYS=variant.dq == "atomic" and nk % bn != 0),
+                    variant.num_warps, variant.num_stages)}
+    if variant.dq == "separate":
+        bm2, bn2 = variant.block_m2, variant.block_n2
+        out["dq"] = (dict(tiles, BLOCK_M=bm2, BLOCK_N=bn2, EVEN_M=nq % bm2 == 0,
+                          EVEN_N=nk % bn2 == 0), variant.num_warps2, variant.num_stages2)
+    return out
+
+
 def backward(dout, q, k, v, o, lse, causal: bool, scale: float | None, variant: Variant):
     """Run the bwd variant: returns (dq, dk, dv) in the dtype and layout of q, k, v.
 
@@ -32,10 +52,9 @@ def backward(dout, q, k, v, o, lse, causal: bool, scale: float | None, variant: 
                          "num_warps2 and num_stages2 (the dQ kernel's tiles)")
     b, h, nq, d = q.shape
     hk, nk = k.shape[1], k.shape[2]
-    bd = block_d(d)
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     mod = load(variant)
-    precision = _DOT_PRECISION.get(q.dtype, "tf32")
+    params = kernel_params(variant, q.dtype, d, causal, h // hk, nq, nk)
 
     # Delta = rowsum(dO * O) and LSE in base 2 (+inf for rows that see no key): float32, tiny.
     # float32 inputs (PRECISE): Delta and R = 1 / rowsum(P) from one pass over the keys instead
@@ -44,13 +63,11 @@ def backward(dout, q, k, v, o, lse, causal: bool, scale: float | None, variant: 
     delta = torch.empty((b, h, nq), dtype=torch.float32, device=q.device)
     lse2 = torch.empty_like(delta)
     r = torch.empty_like(delta) if precise else delta  # unused unless precise
-    pre_m = _pre_m(bd, precise)
-    mod.attn_bwd_preprocess[(triton.cdiv(nq, pre_m) * b * h,)](
+    consts, warps, stages = params["pre"]
+    mod.attn_bwd_preprocess[(triton.cdiv(nq, consts["PRE_M"]) * b * h,)](
         o, dout, lse, delta, lse2, r, q, k, v, scale,
         *strides3(o, dout, q, k, v),
-        h, nq, nk,
-        HEAD_DIM=d, BLOCK_D=bd, PRE_M=pre_m, PRE_N=32, IS_CAUSAL=causal, GROUP=h // hk,
-        PRECISE=precise, num_warps=4,
+        h, nq, nk, **consts, num_warps=warps, num_stages=stages,
     )
 
     dk = torch.empty_like(k)  # keeps the caller's layout when dense
@@ -65,28 +82,19 @@ def backward(dout, q, k, v, o, lse, causal: bool, scale: float | None, variant: 
     else:
         dq = dq_acc = torch.empty_like(q)
 
+    consts, warps, stages = params["dkdv"]
     mod.attn_bwd_dkdv[(triton.cdiv(nk, variant.block_n) * b * hk,)](
         q, k, v, dout, dk, dv, dq_acc, lse2, delta, r, scale,
         *strides3(q, k, v, dout, dk, dv, dq_acc),
-        h, nq, nk,
-        HEAD_DIM=d, BLOCK_D=bd, BLOCK_M=variant.block_m, BLOCK_N=variant.block_n,
-        IS_CAUSAL=causal, GROUP=h // hk, EVEN_M=nq % variant.block_m == 0,
-        EVEN_N=nk % variant.block_n == 0, PAD_D=bd != d,
-        MASK_KEYS=variant.dq == "atomic" and nk % variant.block_n != 0, PRECISE=precise,
-        DOT_PRECISION=precision,
-        num_warps=variant.num_warps, num_stages=variant.num_stages,
+        h, nq, nk, **consts, num_warps=warps, num_stages=stages,
     )
 
     if variant.dq == "separate":
+        consts, warps, stages = params["dq"]
         mod.attn_bwd_dq[(triton.cdiv(nq, variant.block_m2) * b * h,)](
             q, k, v, dout, dq, lse2, delta, r, scale,
             *strides3(q, k, v, dout, dq),
-            h, nq, nk,
-            HEAD_DIM=d, BLOCK_D=bd, BLOCK_M=variant.block_m2, BLOCK_N=variant.block_n2,
-            IS_CAUSAL=causal, GROUP=h // hk, EVEN_M=nq % variant.block_m2 == 0,
-            EVEN_N=nk % variant.block_n2 == 0, PAD_D=bd != d, PRECISE=precise,
-            DOT_PRECISION=precision,
-            num_warps=variant.num_warps2, num_stages=variant.num_stages2,
+            h, nq, nk, **consts, num_warps=warps, num_stages=stages,
         )
     elif dq_acc is not dq:
         dq.copy_(dq_acc)
