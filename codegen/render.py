@@ -4,7 +4,9 @@ Templates are plain Python with line directives for structure only:
 
     #%if <expr>      #%elif <expr>      #%else      #%endif
 
-where <expr> reads the variant's structural fields (Variant.structure()). Everything a
+where <expr> reads the variant's structural fields (Variant.structure()) and `interpret`
+(True when the source is for Triton's CPU interpreter, which needs a workaround the GPU
+kernels must not pay for). Everything a
 constexpr can express stays a constexpr in the template. Rendering keeps every line where it
 was -- dropped lines and directives become blank lines -- so a traceback's line number in a
 generated file is the line number in its template. The first line, `#%header`, becomes a
@@ -46,11 +48,12 @@ def _eval(expr: str, env: dict, where: str):
         raise TemplateError(f"{where}: cannot evaluate {expr!r}: {e}") from None
 
 
-def render(variant: Variant) -> str:
-    """The Triton source of `variant`: the same variant always gives the same bytes."""
+def render(variant: Variant, interpret: bool = False) -> str:
+    """The Triton source of `variant`: the same variant always gives the same bytes.
+    interpret: render for Triton's CPU interpreter (its `#%if interpret` blocks)."""
     name = TEMPLATES.get(variant.family)
     lines = template_text(variant.family).splitlines()
-    env = variant.structure()
+    env = dict(variant.structure(), interpret=interpret)
     out: list[str] = []
     # stack of (this branch active, some branch already taken, parent active)
     stack: list[tuple[bool, bool, bool]] = []
@@ -61,7 +64,7 @@ def render(variant: Variant) -> str:
         if s.startswith("#%"):
             word, _, expr = s[2:].partition(" ")
             if word == "header":
-                out.append(header(variant))
+                out.append(header(variant, interpret))
                 continue
             if word == "if":
                 taken = active and _eval(expr, env, where)
@@ -89,7 +92,24 @@ def render(variant: Variant) -> str:
     return "\n".join(out) + "\n"
 
 
-def header(variant: Variant) -> str:
+def header(variant: Variant, interpret: bool = False) -> str:
     return (f"# flashtune generator {GENERATOR_VERSION} | template {TEMPLATES[variant.family]} "
             f"{template_hash(variant.family)} (line numbers match the template) | "
-            f"variant {variant.name} {variant.to_json()}")
+            f"variant {variant.name} {variant.to_json()}"
+            + (" | for Triton's interpreter" if interpret else ""))
+
+
+def _code_lines(src: str):
+    # what executes: no header, comments or blank lines (a template edit that leaves a variant's
+    # code alone, e.g. a new `#%if` branch another variant takes, keeps its kernel hash)
+    for line in src.splitlines()[1:]:
+        s = line.strip()
+        if s and not s.startswith("#"):
+            yield line.rstrip()
+
+
+@lru_cache(maxsize=1024)
+def kernel_hash(variant: Variant) -> str:
+    """Hash of the code the variant runs on a GPU: what a timing measured. A tuned record whose
+    kernel hash differs from the current one was measured on another kernel (stale)."""
+    return hashlib.sha256("\n".join(_code_lines(render(variant))).encode()).hexdigest()[:16]

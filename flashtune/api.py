@@ -12,7 +12,8 @@ __all__ = ["attention", "forward"]
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
-              scale: float | None = None, deterministic: bool = False) -> torch.Tensor:
+              scale: float | None = None, deterministic: bool = False,
+              return_lse: bool = False):
     """Exact attention softmax(q k^T * scale) v, FlashAttention-2 style, differentiable.
 
     q: (batch, heads, seqlen_q, head_dim); k, v: (batch, kv_heads, seqlen_k, head_dim) with
@@ -25,12 +26,20 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     output and a float32 log-sum-exp per query row are saved for the backward.
     deterministic: accumulate dQ without atomics (a separate dQ kernel), so that the backward
     gives bit-identical results run to run.
+    return_lse: also return the row log-sum-exp, (O, LSE) with LSE float32 (batch, heads,
+    seqlen_q), natural log, -inf for a row that sees no key: what flash_attn's softmax_lse gives
+    ring / context-parallel attention to merge partial results. Gradients flow through O; the
+    LSE is not differentiable.
     """
     check_qkv(q, k, v, causal, scale)
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
     if (torch.compiler.is_compiling() or (torch.is_grad_enabled() and
                                           (q.requires_grad or k.requires_grad or v.requires_grad))):
         # through the registered op: autograd, torch.compile and CUDA graphs see one node
-        return attn_fwd(q, k, v, causal, scale, deterministic)[0]
-    return run_forward(q, k, v, causal, scale)[0]  # inference: skip the op's dispatch overhead
+        out = attn_fwd(q, k, v, causal, scale, deterministic)
+    else:
+        out = run_forward(q, k, v, causal, scale)  # inference: skip the op's dispatch overhead
+    return out if return_lse else out[0]

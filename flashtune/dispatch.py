@@ -14,7 +14,6 @@ database file. A bad table or DB is logged once and skipped; it never fails a ca
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import threading
@@ -45,16 +44,31 @@ _warned: set = set()
 
 
 # -- forcing a config, for debugging ------------------------------------------------------------
-@contextlib.contextmanager
-def force(variant: Variant | str):
-    """Run every call inside the block with `variant` (a Variant, its name or JSON): debugging."""
-    v = Variant.parse(variant) if isinstance(variant, str) else variant
-    prev = getattr(_forced, "variant", None)
-    _forced.variant = v
-    try:
-        yield v
-    finally:
-        _forced.variant = prev
+class force:
+    """Pin `variant` (a Variant, its name or JSON) for every call of this thread: debugging.
+
+        flashtune.force("fwd-m128-n64-w8-s3")          # pinned until force(None)
+        with flashtune.force("fwd-m64-n32-w4-s2"):     # pinned for the block, then as before
+            ...
+
+    The name is read at once: a bad one raises ValueError here, not at the next call."""
+    __slots__ = ("variant", "_prev")
+
+    def __init__(self, variant: Variant | str | None):
+        if isinstance(variant, str):
+            variant = Variant.parse(variant)
+        elif variant is not None and not isinstance(variant, Variant):
+            raise TypeError(f"force() takes a Variant, a variant name or JSON, or None; got "
+                            f"{type(variant).__name__}")
+        self.variant = variant
+        self._prev = getattr(_forced, "variant", None)
+        _forced.variant = variant
+
+    def __enter__(self) -> Variant | None:
+        return self.variant
+
+    def __exit__(self, *exc) -> None:
+        _forced.variant = self._prev
 
 
 @lru_cache(maxsize=8)

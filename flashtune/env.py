@@ -35,3 +35,12 @@ def gpu_override() -> str | None:
 
 def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def triton_interprets() -> bool:
+    """Whether Triton itself was imported in interpreter mode. Triton decides when a @triton.jit
+    function is defined, its own library included (tl.cdiv, ...), so TRITON_INTERPRET=1 set after
+    `import triton` cannot take effect in this process."""
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
+    return isinstance(tl.cdiv, InterpretedFunction)

@@ -11,6 +11,10 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
 
 
+def _cpu_ok() -> bool:
+    return env.interpreting() and env.triton_interprets()
+
+
 def check_qkv(q, k, v, causal, scale) -> None:
     """Raise a clear error for bad input. The common all-good case is one cheap expression
     (this runs on every call); the detailed checks below run only when it fails."""
@@ -21,7 +25,7 @@ def check_qkv(q, k, v, causal, scale) -> None:
                 and ks[1] and not qs[1] % ks[1]
                 and q.dtype in SUPPORTED_DTYPES and q.dtype == k.dtype == v.dtype
                 and q.get_device() == k.get_device() == v.get_device()
-                and (q.is_cuda or (q.device.type == "cpu" and env.interpreting()))
+                and (q.is_cuda or (q.device.type == "cpu" and _cpu_ok()))
                 and q.stride(3) == k.stride(3) == v.stride(3) == 1
                 and (causal is True or causal is False)
                 and (scale is None or (type(scale) is float and 0 < scale < math.inf))
@@ -77,5 +81,10 @@ def _check_qkv_in_detail(q, k, v, causal, scale) -> None:
         raise ValueError("q, k, v are CPU tensors: flashtune's kernels run on CUDA GPUs. To run on "
                          "the CPU (slowly, for tests), set TRITON_INTERPRET=1 in the environment "
                          "before importing flashtune")
+    if q.device.type == "cpu" and not env.triton_interprets():
+        raise RuntimeError("q, k, v are CPU tensors and TRITON_INTERPRET=1 is set, but it was set "
+                           "after Triton was imported, so Triton's interpreter is off in this "
+                           "process: set TRITON_INTERPRET=1 before importing flashtune or triton "
+                           "(e.g. in the shell: TRITON_INTERPRET=1 python ...)")
     if q.device.type not in ("cpu", "cuda"):
         raise ValueError(f"q is on {q.device}: expected a CUDA device")

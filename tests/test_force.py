@@ -1,0 +1,62 @@
+"""flashtune.force: a call pins until force(None), a `with` block pins for the block, a bad name
+fails at once."""
+import pytest
+import torch
+
+import flashtune
+from flashtune import dispatch
+from flashtune.codegen import Variant
+
+from _check import assert_matches_reference, qkv
+
+NAME = "fwd-m32-n16-w4-s1"
+
+
+@pytest.fixture(autouse=True)
+def _unpin():
+    yield
+    flashtune.force(None)
+
+
+def test_call_pins_until_undone():
+    pinned = flashtune.force(NAME)
+    assert pinned.variant == Variant.parse(NAME) == dispatch.forced_variant()
+    assert dispatch.forced_variant() == Variant.parse(NAME)  # still pinned after the call
+    flashtune.force(None)
+    assert dispatch.forced_variant() is None
+
+
+def test_with_pins_for_the_block_and_restores():
+    flashtune.force(NAME)
+    with flashtune.force("fwd-m64-n32-w4-s2") as v:
+        assert v.name == "fwd-m64-n32-w4-s2" == dispatch.forced_variant().name
+    assert dispatch.forced_variant().name == NAME
+    flashtune.force(None)
+    with flashtune.force(NAME):
+        pass
+    assert dispatch.forced_variant() is None
+
+
+def test_pinned_variant_runs(device, monkeypatch):
+    used = []
+    real = dispatch.select_for_call
+    monkeypatch.setattr(dispatch, "select_for_call",
+                        lambda *a: used.append(r := real(*a)) or r)
+    flashtune.force(NAME)
+    q, k, v = qkv(1, 2, 1, 40, 50, 32, torch.float16, device)
+    assert_matches_reference(q, k, v, causal=True)
+    assert used and all(u.name == NAME for u in used)
+
+
+@pytest.mark.parametrize("bad,exc,words", [
+    ("garbage", ValueError, ["garbage"]),
+    ("fwd-m128-n64-w8", ValueError, ["lacks", "num_stages"]),
+    ("fwd-m100-n64-w8-s3", ValueError, ["block_m", "power of two"]),
+    ("fwd-m128-n64-w8-s3-loads=tma", ValueError, ["loads"]),
+    (42, TypeError, ["force()", "int"]),
+])
+def test_bad_name_fails_at_once(bad, exc, words):
+    with pytest.raises(exc) as e:
+        flashtune.force(bad)
+    assert all(w in str(e.value) for w in words), str(e.value)
+    assert dispatch.forced_variant() is None  # nothing was pinned
