@@ -22,7 +22,8 @@ from .variant import Variant
 
 GENERATOR_VERSION = "0.1.0"
 TEMPLATE_DIR = Path(__file__).parent / "templates"
-TEMPLATES = {"fwd": "attn_fwd.py.tmpl", "bwd": "attn_bwd.py.tmpl"}
+TEMPLATES = {"fwd": "attn_fwd.py.tmpl", "bwd": "attn_bwd.py.tmpl",
+             "splitkv": "attn_splitkv.py.tmpl"}
 
 
 class TemplateError(ValueError):

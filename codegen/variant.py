@@ -5,18 +5,20 @@ import dataclasses
 import json
 from dataclasses import dataclass
 
-from flashtune._keys import as_json, stable_key
+import hashlib
 
 # Each family has one template in codegen/templates/. Structural fields change the rendered text;
 # the rest reach the kernel as constexprs (BLOCK_M, ...) or launch knobs (num_warps, num_stages).
-FAMILIES = ("fwd", "bwd")
+FAMILIES = ("fwd", "bwd", "splitkv")
 LOADS = ("pointer", "descriptor")
 DQ_SCHEMES = ("none", "separate", "atomic")
 
 # Short spellings used in variant names: fwd-m128-n64-w8-s3
 _ABBREV = {"block_m": "m", "block_n": "n", "num_warps": "w", "num_stages": "s",
-           "block_m2": "mq", "block_n2": "nq", "num_warps2": "wq", "num_stages2": "sq"}
+           "block_m2": "mq", "block_n2": "nq", "num_warps2": "wq", "num_stages2": "sq",
+           "num_splits": "sp"}
 _FROM_ABBREV = {v: k for k, v in _ABBREV.items()}
+_ALWAYS = ("family", "block_m", "block_n", "num_warps", "num_stages")  # in every name and dict
 
 
 def _pow2(x: int) -> bool:
@@ -44,6 +46,11 @@ class Variant:
     block_n2: int = 0
     num_warps2: int = 0
     num_stages2: int = 0
+    # splitkv only: programs that share the keys of one (sequence, kv head); 0 = as many as fill
+    # the GPU (decided at launch from the SM count and the batch)
+    num_splits: int = 0
+    # structural: packed variable-length sequences (cu_seqlens) instead of a dense batch
+    varlen: bool = False
 
     def __post_init__(self):
         if self.family not in FAMILIES:
@@ -65,14 +72,25 @@ class Variant:
             v = getattr(self, f)
             if v and not _pow2(v):
                 raise ValueError(f"Variant.{f} must be 0 or a power of two, got {v!r}")
+        if not isinstance(self.num_splits, int) or self.num_splits < 0:
+            raise ValueError(f"Variant.num_splits must be an int >= 0, got {self.num_splits!r}")
+        if self.num_splits and self.family != "splitkv":
+            raise ValueError(f"Variant.num_splits is a splitkv field; family {self.family!r} "
+                             "needs 0")
 
     # -- stable identity -------------------------------------------------------------------
+    # Fields at their default are left out of the dict, the JSON and the key: a field added
+    # later (with a default that keeps the old kernel) changes no existing variant's key or text.
+    def to_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if f.name in _ALWAYS or getattr(self, f.name) != f.default}
+
     @property
     def key(self) -> str:
-        return stable_key(self)
+        return hashlib.sha256(self.to_json().encode()).hexdigest()
 
     def to_json(self) -> str:
-        return as_json(self)
+        return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
 
     @classmethod
     def from_dict(cls, d: dict) -> "Variant":
@@ -88,8 +106,7 @@ class Variant:
         parts = [self.family]
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            if f.name == "family" or (f.name not in ("block_m", "block_n", "num_warps", "num_stages")
-                                      and v == f.default):
+            if f.name == "family" or (f.name not in _ALWAYS and v == f.default):
                 continue
             if f.name in _ABBREV:
                 parts.append(f"{_ABBREV[f.name]}{v}")
@@ -124,11 +141,12 @@ class Variant:
                 raise ValueError(f"variant name {text!r}: cannot read {tok!r} "
                                  f"(expected one of {sorted(_FROM_ABBREV)} followed by a number)")
             values[_FROM_ABBREV[head]] = int(digits)
-        missing = [f for f in ("block_m", "block_n", "num_warps", "num_stages") if f not in values]
+        missing = [f for f in _ALWAYS[1:] if f not in values]
         if missing:
             raise ValueError(f"variant name {text!r} lacks {missing}")
         return cls(**values)
 
     def structure(self) -> dict:
         """The fields that change the rendered text (the template's `#%if` conditions read these)."""
-        return {"causal_split": self.causal_split, "loads": self.loads, "dq": self.dq}
+        return {"causal_split": self.causal_split, "loads": self.loads, "dq": self.dq,
+                "varlen": self.varlen}

@@ -53,7 +53,7 @@ class Record:
         return {
             "gpu": self.gpu,
             "bucket": dataclasses.asdict(self.bucket),
-            "variant": dataclasses.asdict(self.variant),
+            "variant": self.variant.to_dict(),
             "median_ms": self.median_ms,
             "throughput": self.throughput,
             "unit": self.unit,
