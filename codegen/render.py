@@ -22,8 +22,15 @@ from .variant import Variant
 
 GENERATOR_VERSION = "0.1.0"
 TEMPLATE_DIR = Path(__file__).parent / "templates"
-TEMPLATES = {"fwd": "attn_fwd.py.tmpl", "bwd": "attn_bwd.py.tmpl",
-             "splitkv": "attn_splitkv.py.tmpl"}
+
+
+def template_name(family: str) -> str:
+    """The template file of a kernel family, as its flashtune/families/ entry names it."""
+    from flashtune.families import get
+    try:
+        return get(family).template
+    except KeyError as e:
+        raise TemplateError(f"no template: {e.args[0]}") from None
 
 
 class TemplateError(ValueError):
@@ -32,9 +39,7 @@ class TemplateError(ValueError):
 
 @lru_cache(maxsize=None)
 def template_text(family: str) -> str:
-    if family not in TEMPLATES:
-        raise TemplateError(f"no template for kernel family {family!r}; known: {sorted(TEMPLATES)}")
-    return (TEMPLATE_DIR / TEMPLATES[family]).read_text()
+    return (TEMPLATE_DIR / template_name(family)).read_text()
 
 
 @lru_cache(maxsize=None)
@@ -52,7 +57,7 @@ def _eval(expr: str, env: dict, where: str):
 def render(variant: Variant, interpret: bool = False) -> str:
     """The Triton source of `variant`: the same variant always gives the same bytes.
     interpret: render for Triton's CPU interpreter (its `#%if interpret` blocks)."""
-    name = TEMPLATES.get(variant.family)
+    name = template_name(variant.family)
     lines = template_text(variant.family).splitlines()
     env = dict(variant.structure(), interpret=interpret)
     out: list[str] = []
@@ -94,7 +99,7 @@ def render(variant: Variant, interpret: bool = False) -> str:
 
 
 def header(variant: Variant, interpret: bool = False) -> str:
-    return (f"# flashtune generator {GENERATOR_VERSION} | template {TEMPLATES[variant.family]} "
+    return (f"# flashtune generator {GENERATOR_VERSION} | template {template_name(variant.family)} "
             f"{template_hash(variant.family)} (line numbers match the template) | "
             f"variant {variant.name} {variant.to_json()}"
             + (" | for Triton's interpreter" if interpret else ""))

@@ -5,8 +5,8 @@ import json
 
 import click
 
-from .codegen import FAMILIES, TEMPLATES, Variant, render, source_path, template_hash
-from .codegen.render import GENERATOR_VERSION, TEMPLATE_DIR
+from .codegen import Variant, render, source_path, template_hash
+from .codegen.render import GENERATOR_VERSION
 
 
 @click.group()
@@ -18,21 +18,23 @@ def kernels():
 @click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table")
 def list_(fmt):
     """List the kernel families, their structural choices and tunables."""
+    from .families import all_families
     from .search_spaces import describe_family  # the search space says what each family can vary
     rows = []
-    for f in FAMILIES:
-        if not (TEMPLATE_DIR / TEMPLATES[f]).exists():
-            continue
+    for fam in all_families():
         try:
-            rows.append(describe_family(f))
+            row = describe_family(fam.name)
         except KeyError:  # a template without a search space yet: show what the template is
-            rows.append({"family": f, "template": TEMPLATES[f], "choices": {}, "example": "-"})
+            row = {"family": fam.name, "template": fam.template, "choices": {}, "example": "-"}
+        rows.append(dict(row, doc=fam.doc, kernels=list(fam.kernels),
+                         interpreter=fam.interpreter, min_sm=fam.min_capability))
     if fmt == "json":
         click.echo(json.dumps(rows, indent=2, sort_keys=True))
         return
     click.echo(f"flashtune generator {GENERATOR_VERSION}")
     for r in rows:
-        click.echo(f"\n{r['family']}: template {r['template']} ({template_hash(r['family'])})")
+        click.echo(f"\n{r['family']}: {r['doc']}\n  template       {r['template']} "
+                   f"({template_hash(r['family'])}), kernels {', '.join(r['kernels'])}")
         for k, vals in r["choices"].items():
             click.echo(f"  {k:<14} {', '.join(str(v) for v in vals)}")
         click.echo(f"  example        {r['example']}")

@@ -172,21 +172,26 @@ def bwd_kernels(variant, problem, target) -> tuple:
     return k["attn_bwd_dkdv"], k.get("attn_bwd_dq")
 
 
-# family -> resource model: (kernel, Resources) per kernel the variant launches, each of which
-# must fit on its own; a family without one is pruned by its constraints alone
-MODELS = {"fwd": lambda v, p, t: (("attn_fwd", _fwd(v, p, t)),), "bwd": _bwd}
-# part of a space's hash, per family: a new model of one family starts new studies of it only
-MODEL_VERSIONS = {"fwd": MODEL_VERSION, "bwd": 1}
+def fwd_kernels(variant, problem, target) -> tuple:
+    """(kernel, Resources) of the fwd family's one kernel."""
+    return (("attn_fwd", _fwd(variant, problem, target)),)
+
+
+bwd_kernels_all = _bwd  # the bwd family's model: dK/dV, and the dQ kernel for dq="separate"
 
 
 def model_version(family: str) -> int:
-    return MODEL_VERSIONS.get(family, 0)
+    """Part of a space's hash (the family's feasibility_version): a new model of one family
+    starts new studies of it only."""
+    from .families import get
+    return get(family).feasibility_version
 
 
 def kernels(variant, problem, target) -> tuple:
-    """(kernel name, Resources) of each kernel `variant` launches; () without a model."""
-    model = MODELS.get(variant.family)
-    return model(variant, problem, target) if model else ()
+    """(kernel name, Resources) of each kernel `variant` launches, each of which must fit on its
+    own; () for a family without a model (pruned by its space's constraints alone)."""
+    from .families import get
+    return get(variant.family).resources(variant, problem, target)
 
 
 def resources(variant, problem, target) -> Resources | None:

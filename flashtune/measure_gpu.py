@@ -14,7 +14,6 @@ from dataclasses import dataclass
 
 from .measure import Backend, Outcome
 
-FAMILY_MODULES = (("fwd", "flashtune.measure_fwd"), ("bwd", "flashtune.measure_bwd"))
 _RESOURCE_ERRORS = ("OutOfResources", "CompilationError", "PTXASError")
 
 
@@ -29,21 +28,26 @@ class GpuBackend(Backend):
     bench_ms: float = 60.0           # timing budget per candidate
     retime_reps: int = 5
     seed: int = 0
-    # family -> module with OPS (flashtune/measure_fwd.py, measure_bwd.py). bench/faults.py swaps in a module
-    # that misbehaves on purpose; production never changes it.
-    family_modules: tuple = FAMILY_MODULES
+    # (family, module with OPS) pairs that replace the registry's measuring ops: bench/faults.py
+    # swaps in a module that misbehaves on purpose; production leaves it empty.
+    family_modules: tuple = ()
 
     name = "gpu"
 
     def supports(self, family: str) -> bool:
-        return family in dict(self.family_modules)
+        from .families import names
+        mods = dict(self.family_modules)
+        return family in mods if mods else family in names()
 
     def _ops(self, family: str):
         mods = dict(self.family_modules)
-        if family not in mods:
-            raise KeyError(f"no measuring function for kernel family {family!r}; known: "
-                           f"{sorted(mods)} (flashtune/measure_gpu.py FAMILY_MODULES)")
-        return importlib.import_module(mods[family]).OPS
+        if mods:
+            if family not in mods:
+                raise KeyError(f"no measuring function for kernel family {family!r}; known: "
+                               f"{sorted(mods)}")
+            return importlib.import_module(mods[family]).OPS
+        from .families import get
+        return get(family).ops
 
     # -- worker setup ----------------------------------------------------------------------
     def setup(self, role: str, index: int) -> None:

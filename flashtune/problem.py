@@ -26,7 +26,7 @@ def torch_dtype(name: str) -> torch.dtype:
 
 @dataclass(frozen=True)
 class Problem:
-    family: str      # kernel family: "fwd", "bwd"
+    family: str      # kernel family (flashtune/families/): "fwd", "bwd", ...
     dtype: str       # "float16" | "bfloat16" | "float32"
     head_dim: int
     causal: bool
@@ -52,7 +52,8 @@ class Problem:
         f = 4.0 * self.batch * self.heads * self.seqlen_q * self.seqlen_k * self.head_dim
         if self.causal:
             f /= 2
-        return f * (2.5 if self.family == "bwd" else 1.0)
+        from .families import get
+        return f * get(self.family).flops_factor
 
 
 def _log2_bucket(n: int) -> int:

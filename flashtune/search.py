@@ -262,7 +262,7 @@ def run_search(cfg: SearchConfig, *, backend=None, db=None, progress=None,
     missing = [f for f in cfg.families if not backend.supports(f)]
     if missing:
         raise ValueError(f"--family {', '.join(missing)}: the {backend.name} backend has no "
-                         "measuring function for it (flashtune/measure_gpu.py FAMILY_MODULES)")
+                         "measuring function for it (its flashtune/families/ entry)")
     progress = progress or make_progress()
     cw = cfg.compile_workers or max(1, min(16, (os.cpu_count() or 2) - cfg.workers))
     pipeline = Pipeline(backend, devices=tuple(range(cfg.workers)), compile_workers=cw,

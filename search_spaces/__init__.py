@@ -51,11 +51,11 @@ def _check(space: dict, path: Path) -> None:
 
 def describe_family(family: str) -> dict:
     """What `flashtune kernels list` prints: the family's choices and an example variant name."""
-    from flashtune.codegen import TEMPLATES, Variant
+    from flashtune.codegen import Variant, template_name
 
     space = load_space(family)
     p = space["params"]
     example = Variant(family, block_m=p["block_m"][-2], block_n=p["block_n"][-2],
                       num_warps=p["num_warps"][1], num_stages=p["num_stages"][2],
                       **({"dq": p["dq"][0]} if "dq" in p else {}))
-    return {"family": family, "template": TEMPLATES[family], "choices": p, "example": example.name}
+    return {"family": family, "template": template_name(family), "choices": p, "example": example.name}

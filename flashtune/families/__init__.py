@@ -1,0 +1,112 @@
+"""The kernel family registry: one entry per schedule of the attention computation.
+
+A family's whole story lives in its module here (flashtune/families/<name>.py): template, the
+Variant fields it uses and their rules, defaults, search space, feasibility model, bucket rule,
+how it is launched, measured and compiled without a GPU, and whether it can run here. The
+dispatcher, the search, `kernels list/show/check` and the CLI iterate this registry; adding a
+family is its own files plus one line in _MODULES.
+
+The registry is light (no Triton, no torch at import): the heavy parts of a family are named as
+"module:attribute" and imported when first used, so codegen and the CLI can read it cheaply.
+"""
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+__all__ = ["Family", "get", "names", "all_families"]
+
+# the families, in the order the CLI lists them
+_MODULES = ("fwd", "bwd")
+
+
+def _resolve(ref: str):
+    mod, _, attr = ref.partition(":")
+    return getattr(importlib.import_module(mod), attr)
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    doc: str                        # one line for `kernels list`
+    template: str                   # codegen/templates/<template>
+    kernels: tuple                  # the @triton.jit entry points the family launches
+    fields: tuple                   # Variant fields beyond block_m/n, num_warps/stages it uses
+    defaults: str                   # "module:fn": fn(head_dim, dtype, *, arch=None, **kw) -> Variant
+    measure: str                    # "module:OBJ": how the search gates and times it (measure.py)
+    compile_check: str              # "module:fn": kernels compiled for a target without a GPU
+    feasibility: str = ""           # "module:fn": (kernel, Resources) per kernel; "" = none
+    feasibility_version: int = 0    # part of a space's hash: a new model starts new studies
+    flops_factor: float = 1.0       # of the forward's FLOPs (bwd: 2.5, DESIGN's convention)
+    throughput_unit: str = "TFLOP/s"
+    interpreter: bool = True        # runs in Triton's interpreter (CPU tests)
+    min_capability: int = 80        # sm_XX the template needs
+    rules: tuple = field(default=())  # (field, allowed values, why) per own field with a rule
+    seeds: str = ""                 # "module:fn": more variants a search measures first
+
+    def default(self, head_dim: int, dtype: str, **kw):
+        return _resolve(self.defaults)(head_dim, dtype, **kw)
+
+    def seed_variants(self, head_dim: int, dtype: str, **kw) -> list:
+        """Variants a search measures first (good points for TPE): the default, then seeds."""
+        first = [self.default(head_dim, dtype, **kw)]
+        if self.seeds:
+            first += _resolve(self.seeds)(head_dim, dtype, **kw)
+        return list(dict.fromkeys(first))
+
+    @property
+    def ops(self):
+        return _resolve(self.measure)
+
+    def resources(self, variant, problem, target) -> tuple:
+        return _resolve(self.feasibility)(variant, problem, target) if self.feasibility else ()
+
+    def check_compile(self, variant, head_dim, dtype, causal, tails, capability, usage) -> dict:
+        return _resolve(self.compile_check)(variant, head_dim, dtype, causal, tails,
+                                            capability, usage)
+
+    def cannot_run(self, *, capability: int | None, interpreting: bool) -> str:
+        """Why this family cannot run here ("" when it can)."""
+        if interpreting and not self.interpreter:
+            return f"the {self.name} family does not run in Triton's interpreter"
+        if capability is not None and capability < self.min_capability:
+            return (f"the {self.name} family needs sm_{self.min_capability} or newer, "
+                    f"this GPU is sm_{capability}")
+        return ""
+
+    def check_variant(self, variant) -> None:
+        """Fields other families own must keep their defaults; own fields their allowed values."""
+        import dataclasses
+        own = set(self.fields) | _CORE
+        for f in dataclasses.fields(variant):
+            if f.name not in own and getattr(variant, f.name) != f.default:
+                raise ValueError(f"Variant.{f.name}={getattr(variant, f.name)!r} does not fit "
+                                 f"family {self.name!r} (which uses {sorted(self.fields)})")
+        for name, allowed, why in self.rules:
+            if getattr(variant, name) not in allowed:
+                raise ValueError(f"Variant.{name}={getattr(variant, name)!r} does not fit family "
+                                 f"{self.name!r}: {why}")
+
+
+_CORE = {"family", "block_m", "block_n", "num_warps", "num_stages"}
+
+
+@lru_cache(maxsize=None)
+def _registry() -> dict:
+    return {n: importlib.import_module(f"{__name__}.{n}").FAMILY for n in _MODULES}
+
+
+def names() -> tuple:
+    return _MODULES
+
+
+def all_families() -> list:
+    return list(_registry().values())
+
+
+def get(name: str) -> Family:
+    fam = _registry().get(name)
+    if fam is None:
+        raise KeyError(f"unknown kernel family {name!r}; known: {', '.join(_MODULES)}")
+    return fam
