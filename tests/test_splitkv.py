@@ -255,3 +255,15 @@ def test_bad_inputs_name_the_argument_and_write_nothing(device):
             flashtune.attention_with_kvcache(*args, **kwargs)
         for c, c0 in zip(caches, before):
             assert torch.equal(c, c0), f"case {i} ({name}: {info.value}) wrote to the cache"
+
+
+def test_search_space_builds():
+    from flashtune.problem import Problem
+    from flashtune.search_space import Space
+    from flashtune.targets import get
+    p = Problem("splitkv", "bfloat16", 128, False, 4, 1, 32, 1, 32768)
+    space = Space.build("splitkv", get("H100"), p)
+    names = {v.name for v in space.feasible}
+    assert "splitkv-m16-n64-w4-s3" in names and "splitkv-m16-n64-w4-s3-sp16" in names
+    assert all(v.family == "splitkv" and not v.paged for v in space.feasible)
+    assert ("loads", "descriptor", "tma") in Space.build("splitkv", get("A100"), p).dropped
