@@ -51,6 +51,9 @@ class Variant:
     num_splits: int = 0
     # structural: packed variable-length sequences (cu_seqlens) instead of a dense batch
     varlen: bool = False
+    # structural, splitkv only: the KV cache is paged ((num_pages, page_size, Hk, D) addressed
+    # through a block table) instead of one (B, Ncache, Hk, D) tensor
+    paged: bool = False
 
     def __post_init__(self):
         if self.family not in FAMILIES:
@@ -77,6 +80,8 @@ class Variant:
         if self.num_splits and self.family != "splitkv":
             raise ValueError(f"Variant.num_splits is a splitkv field; family {self.family!r} "
                              "needs 0")
+        if self.paged and self.family != "splitkv":
+            raise ValueError(f"Variant.paged is a splitkv field; family {self.family!r} needs False")
 
     # -- stable identity -------------------------------------------------------------------
     # Fields at their default are left out of the dict, the JSON and the key: a field added
@@ -149,4 +154,4 @@ class Variant:
     def structure(self) -> dict:
         """The fields that change the rendered text (the template's `#%if` conditions read these)."""
         return {"causal_split": self.causal_split, "loads": self.loads, "dq": self.dq,
-                "varlen": self.varlen}
+                "varlen": self.varlen, "paged": self.paged}

@@ -1,0 +1,230 @@
+"""Decode benchmark: flashtune.attention_with_kvcache (split-KV), contiguous and paged, beside
+SDPA's flash and cuDNN backends on the same data in the same run.
+
+    python bench/decode_bench.py --out decode.jsonl [--batches 1,8,32,64]
+        [--seqlens 2048,4096,...,131072] [--heads 32/8,8/1] [--dim 128] [--pages 64,256]
+        [--variant splitkv-m64-n64-w4-s3] [--num-splits 0,8,32] [--max-gib 20] [--quick]
+
+One query token per sequence (Nq = 1), every sequence of the batch with Nk cached keys, bf16.
+GB/s = (bytes of K and V the problem reads, B * Nk * Hk * D * 2 tensors * 2 bytes) / median time
+(triton.testing.do_bench, L2 flushed). The paged cache is the contiguous cache's own memory cut
+into pages and addressed through a shuffled block table (same bytes, scattered order: the output
+differs from the contiguous one, the traffic does not). A peer that fails (unsupported shape,
+out of memory) is written as a row with its error and skipped. Targets (the issue): >= cuDNN
+and >= 2,600 GB/s at B=1, Nk >= 32k; paged within 5% of contiguous.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+
+import torch
+import triton
+
+import flashtune
+from flashtune.launch_splitkv import SplitKVPlan, default_variant
+
+
+def _sync():
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def _empty_cache():
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _ints(text):
+    return [int(x) for x in text.split(",") if x]
+
+
+def _paged(variant, page):
+    """The variant the API runs for this cache (kvcache._variant's rules, on a cache whose
+    layout suits TMA: paged follows the call, BLOCK_N divides the page)."""
+    d = variant.to_dict()
+    if page is not None:
+        d["paged"] = True
+        if page % d["block_n"]:
+            d["block_n"] = min(d["block_n"], page & -page)
+    return variant.__class__.from_dict(d)
+
+
+DEVICE = "cuda"
+
+
+def bench_ms(fn) -> float:
+    if DEVICE != "cuda":  # --device cpu: a smoke test of this script in the interpreter
+        import statistics
+        import time
+        times = []
+        for _ in range(3):
+            t = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t) * 1e3)
+        return statistics.median(times)
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def sdpa_peer(backend_name, q, kc, vc):
+    """SDPA on the same cache: q (B, 1, Hq, D) -> (B, Hq, 1, D); the cache (B, N, Hk, D) viewed
+    as (B, Hk, N, D) without a copy. GQA through enable_gqa where the backend takes it, else
+    the K/V heads repeated (more bytes read: noted in the row)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    backend = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}[backend_name]
+    qt, kt, vt = q.transpose(1, 2), kc.transpose(1, 2), vc.transpose(1, 2)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    group = qt.shape[1] // kt.shape[1]
+    if group == 1:
+        def run():
+            with sdpa_kernel(backend):
+                return sdpa(qt, kt, vt)
+        run()
+        return run, "none"
+    try:
+        def run():
+            with sdpa_kernel(backend):
+                return sdpa(qt, kt, vt, enable_gqa=True)
+        run()
+        _sync()
+        return run, "enable_gqa"
+    except Exception:  # noqa: BLE001 -- try the repeated heads
+        kr, vr = kt.repeat_interleave(group, 1), vt.repeat_interleave(group, 1)
+
+        def run():
+            with sdpa_kernel(backend):
+                return sdpa(qt, kr, vr)
+        run()
+        _sync()
+        return run, "repeat_interleave"
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True, help="JSON lines file to write")
+    ap.add_argument("--batches", type=_ints, default=[1, 8, 32, 64])
+    ap.add_argument("--seqlens", type=_ints,
+                    default=[2048, 4096, 8192, 16384, 32768, 65536, 131072])
+    ap.add_argument("--heads", default="32/8,8/1", help="Hq/Hk pairs")
+    ap.add_argument("--dim", type=int, default=128)
+    ap.add_argument("--pages", type=_ints, default=[64, 256], help="page sizes of the paged runs")
+    ap.add_argument("--variant", default=None, help="force this splitkv variant (default: built-in)")
+    ap.add_argument("--num-splits", type=_ints, default=None,
+                    help="also time these num_splits (0 = auto) of the variant, contiguous")
+    ap.add_argument("--max-gib", type=float, default=20.0, help="skip caches larger than this")
+    ap.add_argument("--quick", action="store_true", help="B in 1,32; Nk in 4k,32k,128k")
+    ap.add_argument("--device", default="cuda",
+                    help="cpu: smoke-test this script (TRITON_INTERPRET=1, tiny sizes)")
+    args = ap.parse_args(argv)
+    global DEVICE
+    DEVICE = args.device
+    if args.quick:
+        args.batches, args.seqlens = [1, 32], [4096, 32768, 131072]
+    dtype, d = torch.bfloat16, args.dim
+    base = flashtune.codegen.Variant.parse(args.variant) if args.variant else default_variant(d)
+    props = (torch.cuda.get_device_properties(0) if DEVICE == "cuda"
+             else argparse.Namespace(name="cpu", multi_processor_count=0))
+    out = open(args.out, "w")
+
+    def write(row):
+        out.write(json.dumps(row) + "\n")
+        out.flush()
+
+    write({"kind": "env", "device": props.name, "sm_count": props.multi_processor_count,
+           "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
+           "python": platform.python_version(), "variant": base.name})
+    print(f"{'B':>3} {'Hq/Hk':>6} {'Nk':>7} {'impl':<28} {'ms':>9} {'GB/s':>8}")
+    for heads in args.heads.split(","):
+        hq, hk = (int(x) for x in heads.split("/"))
+        for b in args.batches:
+            for nk in args.seqlens:
+                kv_bytes = 2 * b * nk * hk * d * torch.finfo(dtype).bits // 8
+                cfg = dict(B=b, Hq=hq, Hk=hk, Nk=nk, D=d, dtype="bfloat16", kv_bytes=kv_bytes)
+                if kv_bytes > args.max_gib * 2**30:
+                    write({"kind": "skip", **cfg, "why": f"cache over --max-gib {args.max_gib}"})
+                    continue
+                try:
+                    q = torch.randn(b, 1, hq, d, dtype=dtype, device=DEVICE)
+                    kc = torch.randn(b, nk, hk, d, dtype=dtype, device=DEVICE)
+                    vc = torch.randn_like(kc)
+                except torch.OutOfMemoryError as e:
+                    write({"kind": "skip", **cfg, "why": f"OOM allocating: {str(e)[:100]}"})
+                    _empty_cache()
+                    continue
+                seqlens = torch.full((b,), nk, dtype=torch.int32, device=DEVICE)
+                runs = [("flashtune", base, None)]
+                for s in args.num_splits or []:
+                    runs.append((f"flashtune-sp{s}", base.__class__.from_dict(
+                        {**base.to_dict(), "num_splits": s}), None))
+                for page in args.pages:
+                    if nk % page == 0:
+                        runs.append((f"flashtune-paged{page}", base, page))
+                ref = None
+                results = {}
+                for name, variant, page in runs:
+                    try:
+                        if page is None:
+                            kk, vv, bt = kc, vc, None
+                        else:
+                            kk, vv = kc.view(-1, page, hk, d), vc.view(-1, page, hk, d)
+                            bt = torch.randperm(kk.shape[0], device=DEVICE).to(torch.int32)
+                            bt = bt.view(b, nk // page)
+
+                        def fn(kk=kk, vv=vv, bt=bt, variant=variant):
+                            with flashtune.force(variant):
+                                return flashtune.attention_with_kvcache(
+                                    q, kk, vv, cache_seqlens=seqlens, block_table=bt)
+                        o = fn()
+                        if page is None and ref is None:
+                            ref = o
+                        ms = bench_ms(fn)
+                        # the kernels alone (no validation sync, no variant choice): what the
+                        # API's host-side checks cost is ms - ms_kernels
+                        plan = SplitKVPlan(q, kk, False, None, _paged(variant, page), nk)
+                        ms_k = bench_ms(lambda: plan.run(q, kk, vv, seqlens, bt))
+                        row = {"kind": "result", **cfg, "impl": name, "page": page, "ms": ms,
+                               "gbps": kv_bytes / ms / 1e6, "ms_kernels": ms_k,
+                               "gbps_kernels": kv_bytes / ms_k / 1e6, "variant": variant.name,
+                               "num_splits": plan.num_splits, "block_m": plan.block_m}
+                    except Exception as e:  # noqa: BLE001 -- a failing run is a row, not a crash
+                        row = {"kind": "error", **cfg, "impl": name, "page": page,
+                               "error": f"{type(e).__name__}: {str(e)[:200]}"}
+                    results[name] = row
+                for peer in ("flash", "cudnn"):
+                    name = f"sdpa-{peer}"
+                    try:
+                        fn, gqa = sdpa_peer(peer, q, kc, vc)
+                        o = fn().transpose(1, 2)
+                        ms = bench_ms(fn)
+                        row = {"kind": "result", **cfg, "impl": name, "ms": ms,
+                               "gbps": kv_bytes / ms / 1e6, "gqa": gqa}
+                        if ref is not None:
+                            row["max_abs_diff_vs_flashtune"] = (o.float() - ref.float()).abs().max().item()
+                    except Exception as e:  # noqa: BLE001
+                        row = {"kind": "error", **cfg, "impl": name,
+                               "error": f"{type(e).__name__}: {str(e)[:200]}"}
+                    results[name] = row
+                    _empty_cache()
+                best_peer = max((r["gbps"] for n, r in results.items()
+                                 if n.startswith("sdpa") and "gbps" in r), default=None)
+                for name, row in results.items():
+                    if best_peer and "gbps" in row:
+                        row["vs_best_sdpa"] = row["gbps"] / best_peer
+                    if row.get("page") and "gbps" in row and "gbps" in results["flashtune"]:
+                        row["vs_contiguous"] = row["gbps"] / results["flashtune"]["gbps"]
+                    write(row)
+                    shown = (f"{row['ms']:9.4f} {row['gbps']:8.0f}"
+                             + (f"  kernels {row['gbps_kernels']:6.0f} GB/s"
+                                if "gbps_kernels" in row else "") if "gbps" in row
+                             else f"  failed: {row['error'][:60]}")
+                    print(f"{b:>3} {heads:>6} {nk:>7} {name:<28} {shown}", flush=True)
+                del q, kc, vc, ref
+                _empty_cache()
+    out.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,253 @@
+"""Public API: flashtune.attention_with_kvcache -- decoding over a (paged) KV cache with the
+split-KV (Flash-Decoding) kernels. Inference only: no autograd."""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+from . import dispatch, env
+from .launch_splitkv import SplitKVPlan, default_variant, descriptor_ok
+from .validate import MAX_HEAD_DIM, MIN_HEAD_DIM, SUPPORTED_DTYPES
+
+__all__ = ["attention_with_kvcache"]
+
+PAGE_MULTIPLE = 16
+
+
+def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
+                           cache_seqlens, k: torch.Tensor | None = None,
+                           v: torch.Tensor | None = None,
+                           block_table: torch.Tensor | None = None, causal: bool = False,
+                           scale: float | None = None, return_lse: bool = False):
+    """Attention of q over a KV cache, flash_attn_with_kvcache's layout and meaning.
+
+    q: (batch, seqlen_q, heads, head_dim). k_cache, v_cache: (batch, seqlen_cache, kv_heads,
+    head_dim), or -- with block_table (batch, max_pages) int32 -- paged (num_pages, page_size,
+    kv_heads, head_dim), page_size a multiple of 16, key j of sequence b at page
+    block_table[b, j // page_size], row j % page_size. heads a multiple of kv_heads (GQA/MQA).
+    cache_seqlens: int32 tensor (batch,) or an int: the keys already in each sequence's cache.
+    k, v (optional, together): (batch, seqlen_new, kv_heads, head_dim), written into the cache in
+    place at positions cache_seqlens[b] .. cache_seqlens[b] + seqlen_new - 1 before attending;
+    attention then covers cache_seqlens[b] + seqlen_new keys (cache_seqlens itself is not
+    updated, as in flash_attn). causal: bottom-right aligned per sequence: query token i of a
+    sequence with L keys sees key j iff j <= i + L - seqlen_q. A query that sees no key (e.g. an
+    empty cache) returns zeros, and LSE -inf. scale defaults to 1/sqrt(head_dim).
+    Returns O (batch, seqlen_q, heads, head_dim) in q's dtype; with return_lse=True also the LSE
+    (batch, heads, seqlen_q) float32, natural log.
+    Inference only: the result carries no gradient (like flash_attn_with_kvcache).
+    Validation reads cache_seqlens and block_table on the host (a device->host sync) so that no
+    bad value can make a kernel read or write out of bounds; all checks run before the cache is
+    written or any kernel launched.
+    """
+    seqlens, total, max_total = _validate(q, k_cache, v_cache, cache_seqlens, k, v, block_table,
+                                          causal, scale, return_lse)
+    paged = block_table is not None
+    with torch.no_grad():
+        if k is not None and k.shape[1]:
+            _append(k_cache, v_cache, k, v, seqlens, block_table)
+        if q.numel():
+            if paged and block_table.stride(1) != 1:
+                block_table = block_table.contiguous()
+            plan = SplitKVPlan(q, k_cache, causal, scale, _variant(q, k_cache, v_cache, paged),
+                               max_total)
+            o, lse = plan.run(q, k_cache, v_cache, total, block_table)
+        else:
+            o = torch.empty_like(q)
+            lse = torch.empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32,
+                              device=q.device)
+    return (o, lse) if return_lse else o
+
+
+def _variant(q, k_cache, v_cache, paged: bool):
+    forced = dispatch.forced_variant()
+    if forced is not None and forced.family == "splitkv":
+        variant = forced
+    else:
+        variant = default_variant(q.shape[3], q.dtype)
+    if variant.paged != paged:
+        variant = dataclasses.replace(variant, paged=paged)
+    if paged:
+        page = k_cache.shape[1]
+        step = page & -page  # largest power of two dividing the page (>= 16 by validation)
+        if page % variant.block_n:
+            # a key block must lie in one page
+            variant = dataclasses.replace(variant, block_n=min(variant.block_n, step))
+    if variant.loads == "descriptor" and not descriptor_ok(k_cache, v_cache, paged):
+        variant = dataclasses.replace(variant, loads="pointer")
+    return variant
+
+
+def _append(k_cache, v_cache, k, v, seqlens, block_table):
+    b, n_new = k.shape[:2]
+    pos = seqlens.to(torch.int64)[:, None] + torch.arange(n_new, device=k.device)  # (B, Nnew)
+    if block_table is None:
+        rows = torch.arange(b, device=k.device)[:, None].expand(b, n_new)
+        k_cache[rows, pos] = k
+        v_cache[rows, pos] = v
+    else:
+        page_size = k_cache.shape[1]
+        pages = torch.gather(block_table.to(torch.int64), 1, pos // page_size)
+        k_cache[pages, pos % page_size] = k
+        v_cache[pages, pos % page_size] = v
+
+
+# -- validation ----------------------------------------------------------------------------------
+def _check_tensor(name, t, dims: int, layout: str):
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != dims:
+        raise ValueError(f"{name} must have {dims} dims {layout}, got shape {tuple(t.shape)}")
+
+
+def _validate(q, k_cache, v_cache, cache_seqlens, k, v, block_table, causal, scale, return_lse):
+    """Raise a clear error naming the bad argument. Returns (cache_seqlens as an int32 tensor on
+    q's device, the total keys per sequence as one, the largest total as a host int)."""
+    _check_tensor("q", q, 4, "(batch, seqlen_q, heads, head_dim)")
+    paged = block_table is not None
+    cache_layout = ("(num_pages, page_size, kv_heads, head_dim)" if paged
+                    else "(batch, seqlen_cache, kv_heads, head_dim)")
+    _check_tensor("k_cache", k_cache, 4, cache_layout)
+    _check_tensor("v_cache", v_cache, 4, cache_layout)
+    if q.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"q.dtype must be float16, bfloat16 or float32, got {q.dtype}")
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.dtype != q.dtype:
+            raise TypeError(f"{name}.dtype ({t.dtype}) must match q.dtype ({q.dtype})")
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device} but q is on {q.device}")
+    if k_cache.shape != v_cache.shape:
+        raise ValueError(f"k_cache and v_cache must have the same shape, got k_cache "
+                         f"{tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)}")
+    b, nq, h, d = q.shape
+    hk = k_cache.shape[2]
+    if k_cache.shape[3] != d:
+        raise ValueError(f"head_dim differs: q has {d}, k_cache and v_cache have "
+                         f"{k_cache.shape[3]}")
+    if not MIN_HEAD_DIM <= d <= MAX_HEAD_DIM:
+        raise ValueError(f"q's head_dim {d} is not supported: expected "
+                         f"{MIN_HEAD_DIM}..{MAX_HEAD_DIM}")
+    if hk == 0 or h % hk:
+        raise ValueError(f"q heads ({h}) must be a positive multiple of the k_cache/v_cache "
+                         f"heads ({hk}) (grouped-query attention)")
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.numel() and t.stride(3) != 1:
+            raise ValueError(f"{name} must have a contiguous last dim (stride 1), got strides "
+                             f"{tuple(t.stride())}")
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+    if scale is not None:
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+            raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
+        if not (math.isfinite(scale) and scale > 0):
+            raise ValueError(f"scale must be a finite positive number, got {scale}")
+    _check_device(q)
+
+    # new keys and values
+    if (k is None) != (v is None):
+        raise ValueError("k and v must be given together (new keys and values to append)")
+    n_new = 0
+    if k is not None:
+        for name, t in (("k", k), ("v", v)):
+            _check_tensor(name, t, 4, "(batch, seqlen_new, kv_heads, head_dim)")
+            if t.dtype != k_cache.dtype:
+                raise TypeError(f"{name}.dtype ({t.dtype}) must match the cache's "
+                                f"({k_cache.dtype})")
+            if t.device != q.device:
+                raise ValueError(f"{name} is on {t.device} but q is on {q.device}")
+        if k.shape != v.shape:
+            raise ValueError(f"k and v must have the same shape, got k {tuple(k.shape)} and v "
+                             f"{tuple(v.shape)}")
+        if k.shape[0] != b or k.shape[2] != hk or k.shape[3] != d:
+            raise ValueError(f"k and v must be (batch={b}, seqlen_new, kv_heads={hk}, "
+                             f"head_dim={d}), got {tuple(k.shape)}")
+        n_new = k.shape[1]
+
+    # paging
+    if paged:
+        if not isinstance(block_table, torch.Tensor):
+            raise TypeError(f"block_table must be a torch.Tensor, got "
+                            f"{type(block_table).__name__}")
+        if block_table.dtype != torch.int32:
+            raise TypeError(f"block_table.dtype must be torch.int32, got {block_table.dtype}")
+        if block_table.dim() != 2 or block_table.shape[0] != b:
+            raise ValueError(f"block_table must be (batch={b}, max_pages), got "
+                             f"{tuple(block_table.shape)}")
+        if block_table.device != q.device:
+            raise ValueError(f"block_table is on {block_table.device} but q is on {q.device}")
+        page_size = k_cache.shape[1]
+        if page_size == 0 or page_size % PAGE_MULTIPLE:
+            raise ValueError(f"page size (k_cache.shape[1]) must be a positive multiple of "
+                             f"{PAGE_MULTIPLE}, got {page_size}")
+        capacity = block_table.shape[1] * page_size
+        where = f"the {block_table.shape[1]} pages of a block_table row x page size {page_size}"
+    else:
+        if k_cache.shape[0] != b:
+            raise ValueError(f"k_cache and v_cache must have q's batch ({b}), got "
+                             f"{k_cache.shape[0]}")
+        capacity = k_cache.shape[1]
+        where = f"the cache's {capacity} positions (k_cache.shape[1])"
+
+    # cache_seqlens
+    if isinstance(cache_seqlens, bool):
+        raise TypeError("cache_seqlens must be an int or an int32 tensor (batch,), got bool")
+    if isinstance(cache_seqlens, int):
+        host = torch.full((b,), cache_seqlens, dtype=torch.int64)
+        seqlens = torch.full((b,), cache_seqlens, dtype=torch.int32, device=q.device)
+    elif isinstance(cache_seqlens, torch.Tensor):
+        if cache_seqlens.dtype != torch.int32:
+            raise TypeError(f"cache_seqlens.dtype must be torch.int32, got {cache_seqlens.dtype}")
+        if cache_seqlens.shape != (b,):
+            raise ValueError(f"cache_seqlens must have shape (batch,) = ({b},), got "
+                             f"{tuple(cache_seqlens.shape)}")
+        if cache_seqlens.device != q.device:
+            raise ValueError(f"cache_seqlens is on {cache_seqlens.device} but q is on "
+                             f"{q.device}")
+        seqlens = cache_seqlens
+        host = cache_seqlens.to("cpu", torch.int64)  # device->host sync: bounds before launch
+    else:
+        raise TypeError(f"cache_seqlens must be an int or an int32 tensor (batch,), got "
+                        f"{type(cache_seqlens).__name__}")
+    if b and int(host.min()) < 0:
+        i = int(host.argmin())
+        raise ValueError(f"cache_seqlens[{i}] = {int(host[i])} is negative")
+    if b and int(host.max()) > capacity:
+        i = int(host.argmax())
+        raise ValueError(f"cache_seqlens[{i}] = {int(host[i])} is beyond {where}")
+    total_host = host + n_new
+    if b and int(total_host.max()) > capacity:
+        i = int(total_host.argmax())
+        raise ValueError(f"appending k/v ({n_new} new keys) at cache_seqlens[{i}] = "
+                         f"{int(host[i])} goes past {where}")
+    if paged and b:
+        # every page a sequence uses (cached and appended keys) must exist
+        page_size = k_cache.shape[1]
+        num_pages = k_cache.shape[0]
+        used = (total_host + page_size - 1) // page_size  # (B,)
+        bt = block_table.to("cpu")  # device->host sync
+        col = torch.arange(bt.shape[1])[None, :]
+        bad = (col < used[:, None]) & ((bt < 0) | (bt >= num_pages))
+        if bool(bad.any()):
+            bi, pi = (int(x) for x in bad.nonzero()[0])
+            raise ValueError(f"block_table[{bi}, {pi}] = {int(bt[bi, pi])} is out of range: "
+                             f"pages are 0..{num_pages - 1} (k_cache.shape[0] = {num_pages})")
+    total = (seqlens + n_new if n_new else seqlens).contiguous()
+    max_total = int(total_host.max()) if b else 0
+    return seqlens, total, max_total
+
+
+def _check_device(q):
+    if q.device.type == "cpu":
+        if not env.interpreting():
+            raise ValueError("q is a CPU tensor: flashtune's kernels run on CUDA GPUs. To run on "
+                             "the CPU (slowly, for tests), set TRITON_INTERPRET=1 in the "
+                             "environment before importing flashtune")
+        if not env.triton_interprets():
+            raise RuntimeError("q is a CPU tensor and TRITON_INTERPRET=1 is set, but it was set "
+                               "after Triton was imported, so Triton's interpreter is off: set "
+                               "it before importing flashtune or triton")
+    elif q.device.type != "cuda":
+        raise ValueError(f"q is on {q.device}: expected a CUDA device")

@@ -1,0 +1,148 @@
+"""Launch the splitkv family (Flash-Decoding over a KV cache): the partial kernel over
+(sequence, kv head, row tile) x splits, then the combine kernel. Grid, strides, constexprs and
+the launch-time num_splits rule; which variant runs is decided by the caller (kvcache.py)."""
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+
+import torch
+import triton
+
+from .codegen import Variant, load
+from .launch import _DOT_PRECISION, _need_allocator, block_d
+
+# Provisional defaults until measured (no GPU measurement chose them yet; the split count is
+# decided at launch, see auto_num_splits). Keyed by the largest head dim each serves.
+DEFAULTS = {
+    64: Variant("splitkv", block_m=64, block_n=128, num_warps=4, num_stages=3),
+    128: Variant("splitkv", block_m=64, block_n=64, num_warps=4, num_stages=3),
+    256: Variant("splitkv", block_m=64, block_n=32, num_warps=4, num_stages=2),
+}
+
+MIN_BLOCKS_PER_SPLIT = 4   # a split streams at least this many BLOCK_N blocks (when it can)
+MAX_SPLITS = 128
+CPU_SMS = 4                # the interpreter has no SMs: auto picks as if there were 4
+COMBINE_BLOCK_R = 16       # rows per combine program (not tuned: the combine moves little)
+
+
+def default_variant(head_dim: int, dtype: torch.dtype | None = None) -> Variant:
+    """The built-in splitkv variant for a head dim (dtype: the same table for now)."""
+    for d in sorted(DEFAULTS):
+        if head_dim <= d:
+            return DEFAULTS[d]
+    return DEFAULTS[max(DEFAULTS)]
+
+
+@lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return CPU_SMS
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def auto_num_splits(programs: int, max_seqlen: int, block_n: int, sms: int) -> int:
+    """num_splits=0: enough programs for about two waves of the GPU's SMs, each split streaming
+    at least MIN_BLOCKS_PER_SPLIT key blocks, at most MAX_SPLITS.
+      programs: partial-kernel programs per split (batch * kv_heads * row tiles).
+    E.g. H100 (132 SMs), B=1, Hk=8, 32k keys, BLOCK_N=64 -> min(cdiv(264, 8)=33, 512 // 4) = 33
+    splits of 1024 keys; B=64, Hk=8 -> 512 programs >= 2 waves -> 1 split (no combine)."""
+    blocks = triton.cdiv(max(max_seqlen, 1), block_n)
+    want = triton.cdiv(2 * sms, max(programs, 1))
+    return max(1, min(want, blocks // MIN_BLOCKS_PER_SPLIT, MAX_SPLITS))
+
+
+def clamp_num_splits(num_splits: int, max_seqlen: int, block_n: int) -> int:
+    """An explicit num_splits, at most one split per key block of the longest sequence."""
+    return max(1, min(num_splits, triton.cdiv(max(max_seqlen, 1), block_n)))
+
+
+def row_block(variant: Variant, group: int, nq: int) -> int:
+    """BLOCK_M: the tile's rows hold GROUP heads x Nq tokens, rounded up to a power of two
+    >= 16 (tl.dot's minimum), at most the variant's block_m (more rows: more row tiles)."""
+    return min(variant.block_m, max(16, triton.next_power_of_2(group * nq)))
+
+
+def descriptor_ok(k_cache: torch.Tensor, v_cache: torch.Tensor, paged: bool) -> bool:
+    """TMA needs 16-byte aligned bases and strides; the paged descriptor reads all pages of a kv
+    head as one matrix, so the pages must follow each other (page stride = page_size rows)."""
+    for t in (k_cache, v_cache):
+        s = t.stride()
+        if t.data_ptr() & 15 or ((s[0] | s[1] | s[2]) * t.element_size()) & 15:
+            return False
+        if paged and s[0] != t.shape[1] * s[1]:
+            return False
+    return True
+
+
+class SplitKVPlan:
+    """One splitkv launch: q (B, Nq, Hq, D); caches (B, Ncache, Hk, D) or, paged,
+    (num_pages, page_size, Hk, D) with block_table (B, max_pages) int32; seqlens (B,) int32 on
+    q's device, the keys each sequence attends to. max_seqlen (a host int) sizes the splits."""
+
+    def __init__(self, q, k_cache, causal: bool, scale: float | None, variant: Variant,
+                 max_seqlen: int):
+        b, nq, h, d = q.shape
+        hk = k_cache.shape[2]
+        group = h // hk
+        self.variant = variant
+        self.paged = variant.paged
+        mod = load(variant)
+        self.partial, self.combine = mod.attn_splitkv_partial, mod.attn_splitkv_combine
+        self.block_m = row_block(variant, group, nq)
+        num_m = triton.cdiv(group * nq, self.block_m)
+        programs = b * hk * num_m
+        if variant.num_splits == 0:
+            self.num_splits = auto_num_splits(programs, max_seqlen, variant.block_n,
+                                              sm_count(q.device))
+        else:
+            self.num_splits = clamp_num_splits(variant.num_splits, max_seqlen, variant.block_n)
+        self.grid = (programs, self.num_splits)
+        self.shape = (b, nq, h, d)
+        self.scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+        self.kwargs = dict(
+            HEAD_DIM=d, BLOCK_D=block_d(d), BLOCK_M=self.block_m, BLOCK_N=variant.block_n,
+            IS_CAUSAL=causal, GROUP=group, PAGE=k_cache.shape[1] if self.paged else 0,
+            DOT_PRECISION=_DOT_PRECISION.get(q.dtype, "tf32"), PRECISE=q.dtype == torch.float32,
+            num_warps=variant.num_warps, num_stages=variant.num_stages)
+
+    def run(self, q, k_cache, v_cache, seqlens, block_table=None):
+        """Returns O (q's shape, dtype and layout) and LSE (B, Hq, Nq) float32."""
+        b, nq, h, d = self.shape
+        hk = k_cache.shape[2]
+        s = self.num_splits
+        o = torch.empty_like(q)
+        lse = torch.empty((b, h, nq), dtype=torch.float32, device=q.device)
+        if s == 1:  # the partial kernel writes the result itself: no scratch, no combine
+            o_dst, l_dst = o, lse
+            o_strides = (*o.stride()[:3], 0)
+            l_strides = (h * nq, 1, nq, 0)
+        else:
+            rows = b * h * nq
+            o_dst = torch.empty((rows, s, d), dtype=torch.float32, device=q.device)
+            l_dst = torch.empty((rows, s), dtype=torch.float32, device=q.device)
+            o_strides = (h * nq * s * d, s * d, nq * s * d, d)
+            l_strides = (h * nq * s, s, nq * s, 1)
+        if self.variant.loads == "descriptor":
+            _need_allocator()
+        bt = block_table if self.paged else seqlens
+        self.partial[self.grid](
+            q, k_cache, v_cache, bt, seqlens, o_dst, l_dst, self.scale,
+            q.stride(0), q.stride(1), q.stride(2),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+            bt.stride(0),
+            *o_strides, *l_strides,
+            hk, nq, s, k_cache.shape[0] if self.paged else 0,
+            **self.kwargs)
+        if s > 1:
+            rows = b * h * nq
+            self.combine[(triton.cdiv(rows, COMBINE_BLOCK_R),)](
+                o_dst, l_dst, o, lse, rows, h, nq, s,
+                o.stride(0), o.stride(1), o.stride(2),
+                HEAD_DIM=d, BLOCK_D=block_d(d), BLOCK_R=COMBINE_BLOCK_R, num_warps=4)
+        return o, lse

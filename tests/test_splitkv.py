@@ -1,0 +1,269 @@
+"""Split-KV (Flash-Decoding) kernels and flashtune.attention_with_kvcache, against the float64
+reference on the equivalent dense problem of each sequence. Tiny shapes: the interpreter is slow."""
+import pytest
+import torch
+
+import flashtune
+from flashtune.accuracy import compare
+from flashtune.codegen import Variant, render
+from flashtune.launch_splitkv import auto_num_splits, clamp_num_splits
+from flashtune.reference import reference, same_dtype_math
+
+DTYPES = [torch.float16, torch.float32, torch.bfloat16]
+SMALL = "splitkv-m16-n16-w4-s1"  # BLOCK_N 16: several key blocks in a tiny cache
+
+
+def variant(num_splits=0, extra=""):
+    return SMALL + (f"-sp{num_splits}" if num_splits else "") + extra
+
+
+def make(b, nq, hq, hk, d, cap, dtype, device):
+    q = torch.randn(b, nq, hq, d, dtype=dtype, device=device)
+    kc = torch.randn(b, cap, hk, d, dtype=dtype, device=device)
+    vc = torch.randn(b, cap, hk, d, dtype=dtype, device=device)
+    return q, kc, vc
+
+
+def check(q, kc, vc, lengths, out, causal=False, lse=None, scale=None):
+    """out (B, Nq, Hq, D) against the reference of each sequence over its first lengths[b] keys
+    of the contiguous caches kc, vc (B, N, Hk, D)."""
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert torch.isfinite(out).all()
+    for b, n in enumerate(lengths):
+        qb = q[b:b + 1].transpose(1, 2)
+        kb, vb = (t[b:b + 1, :n].transpose(1, 2) for t in (kc, vc))
+        ob = out[b:b + 1].transpose(1, 2)
+        if n == 0:
+            assert (ob == 0).all(), f"sequence {b} has no keys: expected zeros"
+            if lse is not None:
+                assert (lse[b] == float("-inf")).all()
+            continue
+        ref, ref_lse = reference(qb, kb, vb, causal=causal, scale=scale, return_lse=True)
+        rep = compare(ob, ref, same_dtype_math(qb, kb, vb, causal=causal, scale=scale))
+        assert rep.ok, f"sequence {b} (L={n}): {rep}"
+        if lse is not None:
+            assert lse.dtype == torch.float32 and lse.shape == (q.shape[0], q.shape[2], q.shape[1])
+            ok = torch.isfinite(ref_lse)
+            assert torch.equal(torch.isfinite(lse[b:b + 1].double().cpu()), ok.cpu())
+            torch.testing.assert_close(lse[b:b + 1].double().cpu()[ok], ref_lse.cpu()[ok],
+                                       atol=1e-4, rtol=1e-4)
+
+
+def run(q, kc, vc, seqlens, var=variant(), **kw):
+    with flashtune.force(var):
+        return flashtune.attention_with_kvcache(q, kc, vc, cache_seqlens=seqlens, **kw)
+
+
+# -- numerics ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("num_splits", [1, 2, 3, 7])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_splits_match_reference(num_splits, dtype, device):
+    # 7 splits of 100 keys in blocks of 16: splits 4..6 of the first sequence and 3..6 of the
+    # second have no keys (and must add nothing, no NaN)
+    q, kc, vc = make(2, 1, 4, 2, 32, 112, dtype, device)
+    lengths = [100, 37]
+    seqlens = torch.tensor(lengths, dtype=torch.int32, device=device)
+    out, lse = run(q, kc, vc, seqlens, variant(num_splits), return_lse=True)
+    check(q, kc, vc, lengths, out, lse=lse)
+
+
+@pytest.mark.parametrize("hq,hk", [(2, 2), (8, 2), (4, 1)])  # groups 1, 4 and MQA
+def test_gqa_groups(hq, hk, device):
+    q, kc, vc = make(1, 1, hq, hk, 16, 70, torch.float16, device)
+    out = run(q, kc, vc, 70, variant(3))
+    check(q, kc, vc, [70], out)
+
+
+@pytest.mark.parametrize("nq", [1, 3])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_causal_bottom_right(nq, dtype, device):
+    # lengths 2 < nq: the first query tokens of that sequence see no key (zeros)
+    q, kc, vc = make(3, nq, 4, 2, 16, 64, dtype, device)
+    lengths = [64, 33, 2]
+    out, lse = run(q, kc, vc, torch.tensor(lengths, dtype=torch.int32, device=device),
+                   variant(3), causal=True, return_lse=True)
+    check(q, kc, vc, lengths, out, causal=True, lse=lse)
+
+
+def test_ragged_with_empty_and_single_key(device):
+    q, kc, vc = make(3, 2, 2, 1, 16, 48, torch.float16, device)
+    lengths = [0, 1, 45]
+    out, lse = run(q, kc, vc, torch.tensor(lengths, dtype=torch.int32, device=device),
+                   variant(2), return_lse=True)
+    check(q, kc, vc, lengths, out, lse=lse)
+
+
+def test_auto_num_splits_runs(device):
+    q, kc, vc = make(1, 1, 2, 1, 16, 80, torch.float32, device)
+    out = run(q, kc, vc, 80, variant(0), scale=0.3)
+    check(q, kc, vc, [80], out, scale=0.3)
+
+
+def test_matches_split_q_attention(device):
+    q, kc, vc = make(2, 3, 4, 2, 32, 40, torch.float16, device)
+    out = run(q, kc, vc, 40, variant(3), causal=True)
+    dense = flashtune.attention(q.transpose(1, 2), kc.transpose(1, 2), vc.transpose(1, 2),
+                                causal=True).transpose(1, 2)
+    torch.testing.assert_close(out, dense, atol=2e-3, rtol=2e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_append_in_place(dtype, device):
+    q, kc, vc = make(2, 3, 4, 2, 16, 48, dtype, device)
+    k_new, v_new = (torch.randn(2, 3, 2, 16, dtype=dtype, device=device) for _ in range(2))
+    lengths = [5, 40]
+    before_k, before_v = kc.clone(), vc.clone()
+    out = run(q, kc, vc, torch.tensor(lengths, dtype=torch.int32, device=device), variant(2),
+              k=k_new, v=v_new, causal=True)
+    expect_k, expect_v = before_k.clone(), before_v.clone()
+    for b, s in enumerate(lengths):
+        expect_k[b, s:s + 3] = k_new[b]
+        expect_v[b, s:s + 3] = v_new[b]
+    assert torch.equal(kc, expect_k) and torch.equal(vc, expect_v)
+    check(q, kc, vc, [n + 3 for n in lengths], out, causal=True)
+
+
+def to_paged(kc, vc, page, generator_seed=0):
+    """The contiguous caches (B, N, Hk, D) as pages in shuffled order, plus one spare page
+    (NaN: a kernel that reads it fails)."""
+    b, n, hk, d = kc.shape
+    per = n // page
+    g = torch.Generator().manual_seed(generator_seed)
+    perm = torch.randperm(b * per + 1, generator=g)
+    block_table = perm[:b * per].view(b, per).to(torch.int32).to(kc.device)
+    kp = torch.full((b * per + 1, page, hk, d), float("nan"), dtype=kc.dtype, device=kc.device)
+    vp = kp.clone()
+    for i in range(b):
+        for j in range(per):
+            kp[block_table[i, j]] = kc[i, j * page:(j + 1) * page]
+            vp[block_table[i, j]] = vc[i, j * page:(j + 1) * page]
+    return kp, vp, block_table
+
+
+@pytest.mark.parametrize("loads", ["pointer", "descriptor"])
+def test_paged_equals_contiguous(loads, device):
+    q, kc, vc = make(2, 2, 4, 2, 16, 64, torch.float16, device)
+    k_new, v_new = (torch.randn(2, 2, 2, 16, dtype=torch.float16, device=device) for _ in range(2))
+    lengths = torch.tensor([30, 50], dtype=torch.int32, device=device)
+    # NaN past each sequence's keys (after the append): a kernel that lets them in fails
+    for b, n in enumerate(lengths.tolist()):
+        kc[b, n + 2:] = float("nan")
+        vc[b, n + 2:] = float("nan")
+    kp, vp, bt = to_paged(kc, vc, 16)
+    extra = "" if loads == "pointer" else "-loads=descriptor"
+    ref = run(q, kc, vc, lengths, variant(2, extra), k=k_new, v=v_new, causal=True)
+    out = run(q, kp, vp, lengths, variant(2, extra), k=k_new, v=v_new, causal=True,
+              block_table=bt)
+    torch.testing.assert_close(out, ref, atol=0, rtol=0)
+    # the appended keys landed in the right pages
+    for b in range(2):
+        for t in range(2):
+            pos = int(lengths[b]) + t
+            assert torch.equal(kp[bt[b, pos // 16], pos % 16], k_new[b, t])
+            assert torch.equal(vp[bt[b, pos // 16], pos % 16], v_new[b, t])
+    check(q, kc, vc, [32, 52], out, causal=True)
+
+
+def test_descriptor_loads_contiguous(device):
+    q, kc, vc = make(2, 1, 4, 2, 32, 64, torch.bfloat16, device)
+    lengths = [64, 21]
+    out = run(q, kc, vc, torch.tensor(lengths, dtype=torch.int32, device=device),
+              variant(3, "-loads=descriptor"))
+    check(q, kc, vc, lengths, out)
+
+
+# -- the num_splits rule and the renders ---------------------------------------------------------
+def test_num_splits_rule():
+    # H100: B=1, Hk=8, 32k keys, BLOCK_N=64 -> about two waves of 132 SMs
+    assert auto_num_splits(8, 32768, 64, 132) == 33
+    assert auto_num_splits(512, 32768, 64, 132) == 1   # enough programs already
+    assert auto_num_splits(8, 256, 64, 132) == 1       # 4 blocks: one split
+    assert auto_num_splits(1, 1 << 20, 64, 132) == 128  # capped
+    assert auto_num_splits(8, 0, 64, 132) == 1
+    assert clamp_num_splits(7, 40, 16) == 3 and clamp_num_splits(7, 0, 16) == 1
+
+
+def test_renders():
+    for name in (SMALL, SMALL + "-loads=descriptor", SMALL + "-paged=true",
+                 SMALL + "-loads=descriptor-paged=true"):
+        v = Variant.parse(name)
+        gpu, cpu = render(v), render(v, interpret=True)
+        assert "_interp_tile" not in gpu and "_interp_tile" in cpu
+        assert len(gpu.splitlines()) == len(cpu.splitlines())
+        assert ("block_table" in gpu.lower()) and (("page * stride_kp" in gpu)
+                                                  == (v.paged and v.loads == "pointer"))
+    assert Variant.parse(SMALL + "-sp3-paged=true").name == SMALL + "-sp3-paged=true"
+    with pytest.raises(ValueError, match="paged"):
+        Variant("fwd", 64, 64, 4, 2, paged=True)
+    # the default (contiguous) variants keep their names and keys
+    assert "paged" not in Variant.parse(SMALL).to_dict()
+
+
+# -- bad input: a clear error naming the argument, before anything is written or launched -------
+def _bad_cases(device):
+    f16 = torch.float16
+    b, cap, hk, d = 2, 32, 2, 16
+    q = torch.randn(b, 1, 4, d, dtype=f16, device=device)
+    kc = torch.randn(b, cap, hk, d, dtype=f16, device=device)
+    vc = torch.randn_like(kc)
+    kn = torch.randn(b, 2, hk, d, dtype=f16, device=device)
+    vn = torch.randn_like(kn)
+    sl = torch.tensor([3, 10], dtype=torch.int32, device=device)
+    kp = torch.randn(5, 16, hk, d, dtype=f16, device=device)
+    vp = torch.randn_like(kp)
+    bt = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32, device=device)
+    i32 = dict(dtype=torch.int32, device=device)
+    base = dict(q=q, k_cache=kc, v_cache=vc, cache_seqlens=sl, k=kn, v=vn)
+    paged = dict(base, k_cache=kp, v_cache=vp, block_table=bt)
+    return [
+        ("cache_seqlens", dict(base, cache_seqlens=torch.tensor([3, 33], **i32))),
+        ("cache_seqlens", dict(base, cache_seqlens=torch.tensor([-1, 3], **i32))),
+        ("cache_seqlens", dict(base, cache_seqlens=-2)),
+        ("cache_seqlens", dict(base, cache_seqlens=sl.long())),
+        ("cache_seqlens", dict(base, cache_seqlens=torch.tensor([3, 4, 5], **i32))),
+        ("cache_seqlens", dict(base, cache_seqlens=3.0)),
+        ("cache_seqlens", dict(paged, cache_seqlens=torch.tensor([3, 33], **i32))),
+        ("appending k/v", dict(base, cache_seqlens=torch.tensor([3, 31], **i32))),  # past cap
+        ("appending k/v", dict(paged, cache_seqlens=torch.tensor([31, 3], **i32))),  # pages
+        ("block_table", dict(paged, block_table=torch.tensor([[5, 1], [2, 3]], **i32))),
+        ("block_table", dict(paged, block_table=torch.tensor([[0, 1], [-1, 3]], **i32))),
+        ("block_table", dict(paged, block_table=bt.long())),
+        ("block_table", dict(paged, block_table=bt[:1])),
+        ("page size", dict(paged, k_cache=kp[:, :8], v_cache=vp[:, :8])),
+        ("v_cache", dict(base, v_cache=vc[:, :16])),
+        ("k_cache", dict(base, k_cache=kc.float(), v_cache=vc.float())),
+        ("v_cache", dict(base, v_cache=vc.bfloat16())),
+        ("k_cache", dict(base, k_cache=kc[:1], v_cache=vc[:1])),
+        ("head_dim", dict(base, q=torch.randn(b, 1, 4, 32, dtype=f16, device=device))),
+        ("q.dtype", dict(base, q=q.to(torch.int8))),
+        ("k.dtype", dict(base, k=kn.float())),
+        ("k and v", dict(base, v=None)),
+        ("k and v", dict(base, v=vn[:, :1])),
+        ("k and v", dict(base, k=kn[:, :, :1], v=vn[:, :, :1])),
+        ("heads", dict(base, q=torch.randn(b, 1, 3, d, dtype=f16, device=device))),
+        ("causal", dict(base, causal=1)),
+        ("scale", dict(base, scale=-1.0)),
+    ]
+
+
+def test_bad_inputs_name_the_argument_and_write_nothing(device):
+    for i, (name, kwargs) in enumerate(_bad_cases(device)):
+        caches = [kwargs["k_cache"], kwargs["v_cache"]]
+        before = [c.clone() for c in caches]
+        args = [kwargs.pop(n) for n in ("q", "k_cache", "v_cache")]
+        with pytest.raises((ValueError, TypeError), match=name) as info:
+            flashtune.attention_with_kvcache(*args, **kwargs)
+        for c, c0 in zip(caches, before):
+            assert torch.equal(c, c0), f"case {i} ({name}: {info.value}) wrote to the cache"
+
+
+def test_search_space_builds():
+    from flashtune.problem import Problem
+    from flashtune.search_space import Space
+    from flashtune.targets import get
+    p = Problem("splitkv", "bfloat16", 128, False, 4, 1, 32, 1, 32768)
+    space = Space.build("splitkv", get("H100"), p)
+    names = {v.name for v in space.feasible}
+    assert "splitkv-m16-n64-w4-s3" in names and "splitkv-m16-n64-w4-s3-sp16" in names
+    assert all(v.family == "splitkv" and not v.paged for v in space.feasible)
+    assert ("loads", "descriptor", "tma") in Space.build("splitkv", get("A100"), p).dropped
