@@ -40,11 +40,13 @@ def ptxas_usage(ptx: str, arch: str = "sm_90a") -> dict:
 
 
 def compile_for(fn, constexprs: dict, dtype: str, num_warps: int, num_stages: int, *,
-                capability: int = 90, f32_ptrs: frozenset = frozenset(), usage: bool = False) -> dict:
+                capability: int = 90, f32_ptrs: frozenset = frozenset(), usage: bool = False,
+                types: dict | None = None) -> dict:
     """Compile a @triton.jit kernel of a generated module for compute capability `capability`.
 
     Arguments named in UPPER case are tensors (of `dtype`, or float32 for LSE-like buffers and
-    `f32_ptrs`), `sm_scale` is a float, the rest int32 -- the generated templates' convention.
+    `f32_ptrs`), `sm_scale` is a float, the rest int32 -- the generated templates' convention;
+    `types` names the arguments that break it ({"SEQLENS": "*i32", "HK": "i32", ...}).
     Returns {"smem": bytes, "ptx": text} (+ regs/spill_bytes with usage=True); raises what
     Triton raises (CompilationError, out of resources) for a config that cannot build."""
     import triton
@@ -52,9 +54,14 @@ def compile_for(fn, constexprs: dict, dtype: str, num_warps: int, num_stages: in
     from triton.compiler import ASTSource
 
     sig, attrs = {}, {}
+    types = types or {}
     for i, name in enumerate(fn.arg_names):
         if name in constexprs:
             sig[name] = "constexpr"
+        elif name in types:
+            sig[name] = types[name]
+            if types[name].startswith("*") or name.startswith("stride"):
+                attrs[(i,)] = [["tt.divisibility", 16]]
         elif name[0].isupper() and name not in _SCALARS_I32:
             sig[name] = "*fp32" if name in _F32_PTRS | f32_ptrs else _PTR[dtype]
             attrs[(i,)] = [["tt.divisibility", 16]]

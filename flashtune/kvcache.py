@@ -8,7 +8,8 @@ import math
 import torch
 
 from . import dispatch, env
-from .launch_splitkv import SplitKVPlan, default_variant, descriptor_ok
+from .launch_splitkv import SplitKVPlan, descriptor_ok
+from .problem import Problem, dtype_name
 from .validate import MAX_HEAD_DIM, MIN_HEAD_DIM, SUPPORTED_DTYPES
 
 __all__ = ["attention_with_kvcache"]
@@ -50,8 +51,8 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         if q.numel():
             if paged and block_table.stride(1) != 1:
                 block_table = block_table.contiguous()
-            plan = SplitKVPlan(q, k_cache, causal, scale, _variant(q, k_cache, v_cache, paged),
-                               max_total)
+            plan = SplitKVPlan(q, k_cache, causal, scale,
+                               _variant(q, k_cache, v_cache, paged, causal, max_total), max_total)
             o, lse = plan.run(q, k_cache, v_cache, total, block_table)
         else:
             o = torch.empty_like(q)
@@ -60,12 +61,13 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     return (o, lse) if return_lse else o
 
 
-def _variant(q, k_cache, v_cache, paged: bool):
-    forced = dispatch.forced_variant()
-    if forced is not None and forced.family == "splitkv":
-        variant = forced
-    else:
-        variant = default_variant(q.shape[3], q.dtype)
+def _variant(q, k_cache, v_cache, paged: bool, causal: bool, max_total: int):
+    """The dispatcher's splitkv variant for this call (forced, tuned DB, or the default), fitted
+    to the cache: paged or not, a key block inside one page, TMA only where it can address."""
+    b, nq, h, d = q.shape
+    problem = Problem("splitkv", dtype_name(q.dtype), d, causal, h // k_cache.shape[2], b, h, nq,
+                      max(1, max_total))
+    variant = dispatch.select(problem)
     if variant.paged != paged:
         variant = dataclasses.replace(variant, paged=paged)
     if paged:

@@ -56,7 +56,7 @@ class Problem:
         return f * get(self.family).flops_factor
 
 
-def _log2_bucket(n: int) -> int:
+def log2_bucket(n: int) -> int:
     """Nearest power of two on a log scale (>= 1): 1000, 1024 and 1400 share 1024; 1500 -> 2048.
     The boundary is the geometric midpoint 2**(k + 0.5), so a bucket holds the sizes whose
     tile counts are closest to its own."""
@@ -65,7 +65,7 @@ def _log2_bucket(n: int) -> int:
     return lo if n * n < 2 * lo * lo else lo << 1  # n < lo*sqrt(2), in integers
 
 
-def _head_dim_bucket(d: int) -> int:
+def head_dim_bucket(d: int) -> int:
     """The padded head dim the kernel computes with (BLOCK_D = next power of two, >= 16): it sets
     the shared memory and registers of a tile, so head dims 80, 96 and 128 share one config."""
     return max(16, 1 << (max(1, int(d)) - 1).bit_length())
@@ -96,10 +96,9 @@ class Bucket:
 
     @classmethod
     def of(cls, p: Problem) -> "Bucket":
-        sq = _log2_bucket(p.seqlen_q)
-        bh = min(_log2_bucket(p.batch * p.heads), max(1, _ROWS_SATURATE // sq))
-        return cls(p.family, p.dtype, _head_dim_bucket(p.head_dim), p.causal, p.group > 1,
-                   sq, _log2_bucket(p.seqlen_k), bh)
+        """The bucket of `p` by its family's rule (flashtune/families/)."""
+        from .families import get
+        return get(p.family).bucket_of(p)
 
     def same_kernel_class(self, other: "Bucket") -> bool:
         """Whether a config tuned for `other` may serve `self`: the fields that decide which
@@ -116,3 +115,12 @@ class Bucket:
             (self.seqlen_q, other.seqlen_q), (self.seqlen_k, other.seqlen_k),
             (self.batch_heads, other.batch_heads)))
         return d + (0.5 if self.gqa != other.gqa else 0.0)
+
+
+def dense_bucket(p: Problem) -> Bucket:
+    """The dense families' bucket rule (fwd, bwd): seqlens on a log scale, batch*heads clamped
+    where the grid saturates the GPU."""
+    sq = log2_bucket(p.seqlen_q)
+    bh = min(log2_bucket(p.batch * p.heads), max(1, _ROWS_SATURATE // sq))
+    return Bucket(p.family, p.dtype, head_dim_bucket(p.head_dim), p.causal, p.group > 1,
+                  sq, log2_bucket(p.seqlen_k), bh)

@@ -1,7 +1,10 @@
 """What a search covers: buckets from the CLI's dtypes x head dims x causal x seqlens x batches,
-each with the representative problem that gets timed, and its space on the target."""
+each with the representative problem that gets timed, and its space on the target. Each family
+says how those become problems (its `grid`): the dense families the standard grid, splitkv the
+decode grid."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from .problem import Bucket, Problem
@@ -29,22 +32,30 @@ class PlannedBucket:
     space: Space
 
 
-def plan(target: Target, families, dtypes, head_dims, causal, seqlens, batches=(),
-         group: int = 1) -> list[PlannedBucket]:
+def standard_grid(family: str, dtype: str, head_dim: int, causal: bool, seqlens=(),
+                  batches=()) -> list[Problem]:
+    """DESIGN.md's standard grid: query = key length, B*N = 16k tokens unless batches given."""
+    return [standard_problem(family, dtype, head_dim, causal, n, b)
+            for n in (seqlens or STANDARD_SEQLENS) for b in (batches or (None,))]
+
+
+def plan(target: Target, families, dtypes, head_dims, causal, seqlens=(), batches=()
+         ) -> list[PlannedBucket]:
     """One entry per distinct bucket, in the order given (problems that share a bucket are
-    tuned once, with the first)."""
+    tuned once, with the first). Empty seqlens/batches: each family's own grid."""
+    from .families import get
     out: dict[str, PlannedBucket] = {}
     for fam in families:
+        grid = get(fam).grid_of
         for dt in dtypes:
             for d in head_dims:
                 for c in causal:
-                    for n in seqlens:
-                        for b in (batches or (None,)):
-                            bk = Bucket.of(standard_problem(fam, dt, d, c, n, b, group))
-                            # measure the bucket's own head dim: D=96 shares the D=128 bucket
-                            # (one BLOCK_D), so asking for 96 tunes exactly what 128 tunes
-                            # instead of overwriting its record with other measurements
-                            p = standard_problem(fam, dt, bk.head_dim, c, n, b, group)
-                            if bk.key not in out:
-                                out[bk.key] = PlannedBucket(bk, p, Space.build(fam, target, p))
+                    for p0 in grid(dt, d, c, seqlens, batches):
+                        bk = Bucket.of(p0)
+                        # measure the bucket's own head dim: D=96 shares the D=128 bucket
+                        # (one BLOCK_D), so asking for 96 tunes exactly what 128 tunes
+                        # instead of overwriting its record with other measurements
+                        p = dataclasses.replace(p0, head_dim=bk.head_dim)
+                        if bk.key not in out:
+                            out[bk.key] = PlannedBucket(bk, p, Space.build(fam, target, p))
     return list(out.values())

@@ -18,7 +18,7 @@ from functools import lru_cache
 __all__ = ["Family", "get", "names", "all_families"]
 
 # the families, in the order the CLI lists them
-_MODULES = ("fwd", "bwd")
+_MODULES = ("fwd", "bwd", "splitkv")
 
 
 def _resolve(ref: str):
@@ -39,11 +39,29 @@ class Family:
     feasibility: str = ""           # "module:fn": (kernel, Resources) per kernel; "" = none
     feasibility_version: int = 0    # part of a space's hash: a new model starts new studies
     flops_factor: float = 1.0       # of the forward's FLOPs (bwd: 2.5, DESIGN's convention)
-    throughput_unit: str = "TFLOP/s"
+    # how a call's speed is judged: "TFLOP/s" (FLOPs, DESIGN's convention) or "GB/s" (bytes
+    # moved, decoding: K and V read once), with `work` the amount per call ("" = FLOPs)
+    unit: str = "TFLOP/s"
+    work: str = ""
+    bucket: str = "flashtune.problem:dense_bucket"  # "module:fn": Problem -> Bucket
+    # "module:fn": (family, dtype, head_dim, causal, seqlens, batches) -> the problems a search
+    # tunes (empty seqlens/batches: the family's own grid)
+    grid: str = "flashtune.search_plan:standard_grid"
     interpreter: bool = True        # runs in Triton's interpreter (CPU tests)
     min_capability: int = 80        # sm_XX the template needs
     rules: tuple = field(default=())  # (field, allowed values, why) per own field with a rule
     seeds: str = ""                 # "module:fn": more variants a search measures first
+
+    def throughput(self, problem, ms: float) -> float:
+        """Speed of one call of `problem` taking `ms`, in self.unit."""
+        work = _resolve(self.work)(problem) if self.work else problem.flops()
+        return work / (ms * 1e-3) / (1e9 if self.unit == "GB/s" else 1e12)
+
+    def grid_of(self, dtype: str, head_dim: int, causal: bool, seqlens=(), batches=()) -> list:
+        return _resolve(self.grid)(self.name, dtype, head_dim, causal, seqlens, batches)
+
+    def bucket_of(self, problem):
+        return _resolve(self.bucket)(problem)
 
     def default(self, head_dim: int, dtype: str, **kw):
         return _resolve(self.defaults)(head_dim, dtype, **kw)

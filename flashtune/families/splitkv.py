@@ -1,0 +1,90 @@
+"""splitkv: Flash-Decoding over a KV cache. The keys of one (sequence, kv head) are split over
+num_splits programs that write partial O and LSE in float32, merged exactly by a combine kernel;
+the GROUP q heads of a kv head and the few query tokens of a step share one tile's rows, so each
+K/V element is read once per group. Template attn_splitkv.py.tmpl; launched by
+flashtune/launch_splitkv.py (SplitKVPlan, the auto num_splits rule, provisional defaults);
+measured by flashtune/measure_splitkv.py; space search_spaces/splitkv.json. Judged in GB/s of
+K and V read (DESIGN's decode convention)."""
+from __future__ import annotations
+
+from . import Family
+
+FAMILY = Family(
+    name="splitkv",
+    doc="Flash-Decoding: keys split over programs, exact combine; GQA heads share tile rows",
+    template="attn_splitkv.py.tmpl",
+    kernels=("attn_splitkv_partial", "attn_splitkv_combine"),
+    fields=("loads", "num_splits", "paged"),
+    defaults="flashtune.families.splitkv:default",
+    measure="flashtune.measure_splitkv:OPS",
+    compile_check="flashtune.families.splitkv:compile_check",
+    unit="GB/s",
+    work="flashtune.families.splitkv:kv_bytes",
+    bucket="flashtune.families.splitkv:bucket",
+    grid="flashtune.families.splitkv:decode_grid",
+)
+
+# the decode grid (issue 9's benchmark grid): one query token, keys 2k..128k, batch 1..64,
+# GQA 32 q / 8 kv heads and MQA 8 / 1
+DECODE_SEQLENS = (2048, 8192, 32768, 131072)
+DECODE_BATCHES = (1, 8, 32, 64)
+DECODE_HEADS = ((32, 8), (8, 1))
+
+
+def decode_grid(family, dtype: str, head_dim: int, causal: bool, seqlens=(), batches=()):
+    from ..problem import Problem
+    return [Problem(family, dtype, head_dim, causal, h // hk, b, h, 1, n)
+            for h, hk in DECODE_HEADS for n in (seqlens or DECODE_SEQLENS)
+            for b in (batches or DECODE_BATCHES)]
+
+
+def default(head_dim: int, dtype: str, *, arch=None, **kw):
+    from ..launch_splitkv import default_variant
+    return default_variant(head_dim)
+
+
+def kv_bytes(p) -> float:
+    """K and V read once: 2 * B * Hk * Nk * D * element size."""
+    from ..feasibility import dtype_bytes
+    return 2.0 * p.batch * (p.heads // p.group) * p.seqlen_k * p.head_dim * dtype_bytes(p.dtype)
+
+
+def bucket(p):
+    """What decides the best split-KV config: the rows of one tile (GROUP q heads x Nq tokens),
+    the keys per sequence, and the programs before splitting (batch x kv heads). They go into
+    Bucket's seqlen_q, seqlen_k and batch_heads fields, on the same log scale."""
+    from ..problem import Bucket, head_dim_bucket, log2_bucket
+    causal = p.causal and p.seqlen_q > 1  # one query token sees every key either way
+    return Bucket(p.family, p.dtype, head_dim_bucket(p.head_dim), causal, p.group > 1,
+                  log2_bucket(p.group * p.seqlen_q), log2_bucket(p.seqlen_k),
+                  log2_bucket(p.batch * (p.heads // p.group)))
+
+
+def compile_check(variant, head_dim: int, dtype: str, causal: bool, tails: bool, cap: int,
+                  usage: bool) -> dict:
+    """Both kernels compiled for `cap` without a GPU, with the launcher's constexprs (tails: GQA
+    4 and 3 query tokens, so the row masks are compiled in)."""
+    import torch
+
+    from ..codegen import load
+    from ..codegen.aot import compile_for
+    from ..launch import block_d
+    from ..launch_splitkv import COMBINE_BLOCK_R, SplitKVPlan
+    from ..problem import torch_dtype
+    dt = torch_dtype(dtype)
+    nq, group = (3, 4) if tails else (1, 8)
+    q = torch.empty(2, nq, 8, head_dim, dtype=dt, device="meta")
+    k = torch.empty(2, 4096, 8 // group, head_dim, dtype=dt, device="meta")
+    plan = SplitKVPlan(q, k, causal, None, variant, 4096)
+    consts = {n: v for n, v in plan.kwargs.items() if n not in ("num_warps", "num_stages")}
+    mod = load(variant)
+    # the partial kernel writes float32 scratch (O, LSE) when the keys are split
+    ints = {"BLOCK_TABLE": "*i32", "SEQLENS": "*i32", "HK": "i32", "O": "*fp32"}
+    out = {"partial": compile_for(mod.attn_splitkv_partial, consts, dtype, variant.num_warps,
+                                  variant.num_stages, capability=cap, usage=usage, types=ints)}
+    out["combine"] = compile_for(mod.attn_splitkv_combine,
+                                 dict(HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim),
+                                      BLOCK_R=COMBINE_BLOCK_R), dtype, 4, 3, capability=cap,
+                                 usage=usage, types={"O_PART": "*fp32", "LSE_PART": "*fp32",
+                                                     "H": "i32"})
+    return out

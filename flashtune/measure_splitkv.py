@@ -1,0 +1,76 @@
+"""How the GPU backend measures the splitkv family (the same contract as measure_fwd.py): a
+decode step over a contiguous KV cache, every sequence at the bucket's key count, random
+inputs, gated against the float64 reference of the equivalent dense problem."""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from . import launch_splitkv
+from .accuracy import compare
+from .measure_warmup import compile_only, max_shared
+from .problem import Problem, torch_dtype
+from .reference import reference, same_dtype_math
+
+
+class SplitKVOps:
+    family = "splitkv"
+
+    def __init__(self, device: str = "cuda"):
+        self.device = device  # "cpu" runs the same path in Triton's interpreter (tests)
+
+    def shapes(self, p: Problem):
+        """q (B, Nq, H, D) and the caches (B, Nk, Hk, D): flash_attn_with_kvcache's layout."""
+        return ((p.batch, p.seqlen_q, p.heads, p.head_dim),
+                (p.batch, p.seqlen_k, p.heads // p.group, p.head_dim))
+
+    def _plan(self, variant, p: Problem, q, k):
+        return launch_splitkv.SplitKVPlan(q, k, p.causal, None, variant, p.seqlen_k)
+
+    def compile_ahead(self, variant, p: Problem) -> int:
+        qs, ks = self.shapes(p)
+        dt = torch_dtype(p.dtype)
+        q = torch.empty(qs, dtype=dt, device="meta")
+        k = torch.empty(ks, dtype=dt, device="meta")
+        seqlens = torch.empty(p.batch, dtype=torch.int32, device="meta")
+        with compile_only(launch_splitkv) as h:
+            self._plan(variant, p, q, k).run(q, k, torch.empty_like(k), seqlens)
+        return max_shared(h)
+
+    def gate_problem(self, p: Problem) -> Problem:
+        # batch is not a kernel argument, but it changes the auto split count: keep 2 sequences
+        return dataclasses.replace(p, batch=min(p.batch, 2))
+
+    def inputs(self, p: Problem, seed: int = 0):
+        g = torch.Generator(device=self.device).manual_seed(seed)
+        qs, ks = self.shapes(p)
+        dt = torch_dtype(p.dtype)
+        q, k, v = (torch.randn(s, dtype=dt, device=self.device, generator=g)
+                   for s in (qs, ks, ks))
+        seqlens = torch.full((p.batch,), p.seqlen_k, dtype=torch.int32, device=self.device)
+        return q, k, v, seqlens
+
+    def run(self, variant, p: Problem, inputs):
+        q, k, v, seqlens = inputs
+        return self._plan(variant, p, q, k).run(q, k, v, seqlens)[0]
+
+    def _gate_heads(self, p: Problem) -> int:
+        return min(p.heads, 2 * p.group)
+
+    def gate_view(self, out, p: Problem):
+        return out[:, :, :self._gate_heads(p)].transpose(1, 2)
+
+    def reference(self, p: Problem, inputs):
+        h = self._gate_heads(p)
+        q, k, v, _ = inputs
+        q, k, v = (t.transpose(1, 2) for t in (q[:, :, :h], k[:, :, :h // p.group],
+                                               v[:, :, :h // p.group]))
+        return (reference(q, k, v, causal=p.causal),
+                same_dtype_math(q, k, v, causal=p.causal))
+
+    def check(self, out, p: Problem, ref):
+        return compare(self.gate_view(out, p), *ref)
+
+
+OPS = SplitKVOps()
