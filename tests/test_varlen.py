@@ -281,3 +281,30 @@ def test_varlen_code_only_in_varlen_renders(name):
             assert not any(word in ln.lower() for ln in code), (word, interpret)
         assert "CU_SEQLENS_Q" in packed_src and "make_tensor_descriptor" not in packed_src
         assert len(dense.splitlines()) == len(packed_src.splitlines())  # line numbers match
+
+
+@pytest.mark.slow
+def test_varlen_renders_compile_for_sm90():
+    # the GPU (non-interpreter) render of each kernel, compiled for Hopper without a GPU, in a
+    # process of its own (this one imported Triton in interpreter mode); ~25 s with a cold cache
+    import json
+    import os
+    import subprocess
+    import sys
+    code = ("import dataclasses, json\n"
+            "from flashtune.codegen import Variant\n"
+            "from flashtune.compile_check import check_variant\n"
+            "out = {}\n"
+            "for n in ('fwd-m128-n64-w8-s2', 'fwd-m64-n32-w4-s2-causal_split=false',\n"
+            "          'bwd-m32-n128-w8-s2-dq=separate-mq128-nq64-wq8-sq2',\n"
+            "          'bwd-m32-n128-w8-s3-dq=atomic'):\n"
+            "    v = dataclasses.replace(Variant.parse(n), varlen=True)\n"
+            "    out[v.name] = check_variant(v, 128, 'bfloat16', tails=True, usage=False)\n"
+            "print(json.dumps(out))\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "TRITON_INTERPRET": "0"})
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    res = json.loads(r.stdout.strip().splitlines()[-1])
+    assert len(res) == 4 and all(0 < k["smem"] <= 232448 for v in res.values() for k in v.values())
+    assert set(res["bwd-m32-n128-w8-s2-dq=separate-mq128-nq64-wq8-sq2-varlen=true"]) == \
+        {"pre", "dkdv", "dq"}
