@@ -11,6 +11,7 @@ from pathlib import Path
 
 _PTR = {"float16": "*fp16", "bfloat16": "*bf16", "float32": "*fp32"}
 _F32_PTRS = {"LSE", "LSE2", "Delta", "R"}   # float32 whatever the inputs' dtype
+_I32_PTRS = {"CU_SEQLENS_Q", "CU_SEQLENS_K"}  # varlen renders' sequence offsets
 _SCALARS_I32 = ("H", "Nq", "Nk")
 
 
@@ -63,7 +64,8 @@ def compile_for(fn, constexprs: dict, dtype: str, num_warps: int, num_stages: in
             if types[name].startswith("*") or name.startswith("stride"):
                 attrs[(i,)] = [["tt.divisibility", 16]]
         elif name[0].isupper() and name not in _SCALARS_I32:
-            sig[name] = "*fp32" if name in _F32_PTRS | f32_ptrs else _PTR[dtype]
+            sig[name] = ("*i32" if name in _I32_PTRS else
+                         "*fp32" if name in _F32_PTRS | f32_ptrs else _PTR[dtype])
             attrs[(i,)] = [["tt.divisibility", 16]]
         elif name == "sm_scale":
             sig[name] = "fp32"

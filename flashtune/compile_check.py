@@ -9,7 +9,7 @@ import torch
 
 from .codegen import Variant, load
 from .codegen.aot import compile_for
-from .launch import FwdPlan
+from .launch import FwdPlan, fwd_params
 from .problem import torch_dtype
 
 
@@ -20,10 +20,13 @@ def _fwd(variant: Variant, head_dim: int, dtype: str, causal: bool, tails: bool,
     n, group = (1000, 4) if tails else (1024, 1)
     q = torch.empty(2, 8, n, head_dim, dtype=torch_dtype(dtype), device="meta")
     k = torch.empty(2, 8 // group, n, head_dim, dtype=torch_dtype(dtype), device="meta")
-    plan = FwdPlan(q, k, k, causal, None, variant)
-    consts = {n: v for n, v in plan.kwargs.items() if n not in ("num_warps", "num_stages")}
-    return {"fwd": compile_for(plan.kernel, consts, dtype, variant.num_warps, variant.num_stages,
-                               capability=cap, usage=usage)}
+    if variant.varlen:  # what launch.forward_varlen passes
+        kwargs = fwd_params(variant, torch_dtype(dtype), head_dim, causal, group, even_n=False)
+    else:
+        kwargs = FwdPlan(q, k, k, causal, None, variant).kwargs
+    consts = {n: v for n, v in kwargs.items() if n not in ("num_warps", "num_stages")}
+    return {"fwd": compile_for(load(variant).attn_fwd, consts, dtype, variant.num_warps,
+                               variant.num_stages, capability=cap, usage=usage)}
 
 
 def _bwd(variant: Variant, head_dim: int, dtype: str, causal: bool, tails: bool, cap: int,
@@ -32,7 +35,8 @@ def _bwd(variant: Variant, head_dim: int, dtype: str, causal: bool, tails: bool,
     mod = load(variant)
     # tails: ragged seqlens and GQA, so every mask is compiled in
     n, group = (1000, 4) if tails else (1024, 1)
-    params = kernel_params(variant, torch_dtype(dtype), head_dim, causal, group, n, n)
+    params = kernel_params(variant, torch_dtype(dtype), head_dim, causal, group, n, n,
+                           varlen=variant.varlen)
     fns = {"pre": "attn_bwd_preprocess", "dkdv": "attn_bwd_dkdv", "dq": "attn_bwd_dq"}
     dq_f32 = frozenset({"DQ"}) if variant.dq == "atomic" else frozenset()
     return {k: compile_for(getattr(mod, fns[k]), consts, dtype, warps, stages, capability=cap, usage=usage,

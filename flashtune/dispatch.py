@@ -24,12 +24,12 @@ from pathlib import Path
 from . import env
 from .codegen import Variant
 from .defaults import default_variant
-from .problem import Bucket, Problem
+from .problem import Bucket, Problem, dtype_name
 from .tuned_db.events import on_write
 from .tuned_db.record import Record
 
-__all__ = ["select", "select_for_call", "pointer_twin", "explain", "force", "clear_cache",
-           "configure", "Explanation"]
+__all__ = ["select", "select_for_call", "select_varlen", "pointer_twin", "varlen_twin", "explain",
+           "force", "clear_cache", "configure", "Explanation"]
 
 log = logging.getLogger("flashtune.dispatch")
 
@@ -137,6 +137,26 @@ def _select_slow(problem: Problem) -> Variant:
 def pointer_twin(variant: Variant) -> Variant:
     """The pointer-load twin of a descriptor variant, for inputs TMA cannot address."""
     return dataclasses.replace(variant, loads="pointer")
+
+
+@lru_cache(maxsize=256)
+def varlen_twin(variant: Variant) -> Variant:
+    """The same tiles rendered for packed variable-length sequences (pointer loads only)."""
+    return dataclasses.replace(variant, varlen=True, loads="pointer")
+
+
+def select_varlen(family: str, q, k, batch: int, max_seqlen_q: int, max_seqlen_k: int,
+                  causal: bool) -> Variant:
+    """select() for a varlen call on packed q (total_q, H, D), k (total_k, Hk, D): the variant of
+    the dense problem with `batch` sequences of the longest lengths (what the grid covers), made
+    varlen (a forced variant of `family` too)."""
+    total_q, h, d = q.shape
+    forced = forced_variant()
+    if forced is not None and forced.family == family:
+        return varlen_twin(forced)
+    problem = Problem(family, dtype_name(q.dtype), d, causal, h // k.shape[1], batch, h,
+                      max_seqlen_q, max_seqlen_k)
+    return varlen_twin(select(problem))
 
 
 # -- explain ------------------------------------------------------------------------------------

@@ -46,6 +46,32 @@ def block_d(head_dim: int) -> int:
     return max(16, triton.next_power_of_2(head_dim))
 
 
+def _scale(scale: float | None, head_dim: int) -> float:
+    return 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+
+
+def fwd_params(variant: Variant, dtype: torch.dtype, head_dim: int, causal: bool, group: int,
+               even_n: bool) -> dict:
+    """The fwd kernel's constexprs and launch knobs (dense and varlen launches share them)."""
+    return dict(
+        HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), BLOCK_M=variant.block_m,
+        BLOCK_N=variant.block_n, IS_CAUSAL=causal, GROUP=group, EVEN_N=even_n,
+        DOT_PRECISION=_DOT_PRECISION.get(dtype, "tf32"), PRECISE=dtype == torch.float32,
+        num_warps=variant.num_warps, num_stages=variant.num_stages)
+
+
+def packed_view(t: torch.Tensor) -> torch.Tensor:
+    """A packed (total, heads, D) tensor as the (1, heads, total, D) view whose head and row
+    strides the kernels take (stride_*b is unused by varlen renders)."""
+    return t.transpose(0, 1).unsqueeze(0)
+
+
+def check_varlen_variant(variant: Variant) -> None:
+    if not variant.varlen or variant.loads != "pointer":
+        raise ValueError(f"variant {variant.name}: a varlen launch needs varlen=True and pointer "
+                         "loads (use dispatch.varlen_twin)")
+
+
 class FwdPlan:
     """Everything about one fwd launch that depends only on the call's shapes, strides, dtype,
     causal and scale -- built once per such call signature, so a repeated call pays for two
@@ -62,13 +88,9 @@ class FwdPlan:
         self.grid = (triton.cdiv(nq, variant.block_m) * b * h,)
         self.lse_shape = (b, h, nq)
         self.descriptor = variant.loads == "descriptor"
-        self.args = (1.0 / math.sqrt(d) if scale is None else float(scale),
-                     *strides3(q, k, v), *o_strides[:3], h, nq, nk)
-        self.kwargs = dict(
-            HEAD_DIM=d, BLOCK_D=block_d(d), BLOCK_M=variant.block_m, BLOCK_N=variant.block_n,
-            IS_CAUSAL=causal, GROUP=h // k.shape[1], EVEN_N=nk % variant.block_n == 0,
-            DOT_PRECISION=_DOT_PRECISION.get(q.dtype, "tf32"), PRECISE=q.dtype == torch.float32,
-            num_warps=variant.num_warps, num_stages=variant.num_stages)
+        self.args = (_scale(scale, d), *strides3(q, k, v), *o_strides[:3], h, nq, nk)
+        self.kwargs = fwd_params(variant, q.dtype, d, causal, h // k.shape[1],
+                                 even_n=nk % variant.block_n == 0)
 
     def run(self, q, k, v):
         o = torch.empty_like(q)  # keeps q's layout when dense: (B, N, H, D) views stay so
@@ -82,3 +104,22 @@ class FwdPlan:
 def forward(q, k, v, causal: bool, scale: float | None, variant: Variant):
     """Run the fwd variant: returns O (q's dtype, (B, H, Nq, D)) and LSE (float32, (B, H, Nq))."""
     return FwdPlan(q, k, v, causal, scale, variant).run(q, k, v)
+
+
+def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
+                   causal: bool, scale: float | None, variant: Variant):
+    """Run a varlen fwd variant on packed q (total_q, H, D), k, v (total_k, Hk, D) with int32
+    cu_seqlens (batch + 1) already validated: returns O (like q) and LSE (float32, (H, total_q)).
+    The grid covers max_seqlen_q; blocks past their sequence's end exit at once."""
+    check_varlen_variant(variant)
+    total_q, h, d = q.shape
+    batch = cu_seqlens_q.shape[0] - 1
+    o = torch.empty_like(q)
+    lse = torch.empty((h, total_q), dtype=torch.float32, device=q.device)
+    kernel = load(variant).attn_fwd
+    grid = (triton.cdiv(max_seqlen_q, variant.block_m) * batch * h,)
+    kernel[grid](q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, _scale(scale, d),
+                 *strides3(packed_view(q), packed_view(k), packed_view(v), packed_view(o)),
+                 h, max_seqlen_q, max_seqlen_k, total_q,
+                 **fwd_params(variant, q.dtype, d, causal, h // k.shape[1], even_n=False))
+    return o, lse

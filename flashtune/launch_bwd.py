@@ -7,7 +7,7 @@ import torch
 import triton
 
 from .codegen import Variant, load
-from .launch import _DOT_PRECISION, block_d, strides3
+from .launch import _DOT_PRECISION, block_d, check_varlen_variant, packed_view, strides3
 
 
 def _pre_m(bd: int, precise: bool = False) -> int:
@@ -17,31 +17,31 @@ def _pre_m(bd: int, precise: bool = False) -> int:
 
 
 def kernel_params(variant: Variant, dtype: torch.dtype, head_dim: int, causal: bool, group: int,
-                  nq: int, nk: int) -> dict:
+                  nq: int | None, nk: int | None, *, varlen: bool = False) -> dict:
     """{kernel: (constexprs, num_warps, num_stages)} of each kernel the bwd variant launches:
-    the one place that knows them (backward() and compile_check both use it)."""
+    the one place that knows them (backward(), backward_varlen() and compile_check use it).
+    varlen: sequence lengths vary per program, so no tile is known to be even (nq, nk unused)."""
     bd = block_d(head_dim)
     precise = dtype == torch.float32
     common = dict(HEAD_DIM=head_dim, BLOCK_D=bd, IS_CAUSAL=causal, GROUP=group, PRECISE=precise)
     tiles = dict(common, PAD_D=bd != head_dim, DOT_PRECISION=_DOT_PRECISION.get(dtype, "tf32"))
+
+    def even(n, block):
+        return not varlen and n % block == 0
+
     bm, bn = variant.block_m, variant.block_n
     out = {"pre": (dict(common, PRE_M=_pre_m(bd, precise), PRE_N=32), 4, 3),
-           "dkdv": (dict(tiles, BLOCK_M=bm, BLOCK_N=bn, EVEN_M=nq % bm == 0, EVEN_N=nk % bn == 0,
-                         MASK_KEYS=variant.dq == "atomic" and nk % bn != 0),
+           "dkdv": (dict(tiles, BLOCK_M=bm, BLOCK_N=bn, EVEN_M=even(nq, bm), EVEN_N=even(nk, bn),
+                         MASK_KEYS=variant.dq == "atomic" and not even(nk, bn)),
                     variant.num_warps, variant.num_stages)}
     if variant.dq == "separate":
         bm2, bn2 = variant.block_m2, variant.block_n2
-        out["dq"] = (dict(tiles, BLOCK_M=bm2, BLOCK_N=bn2, EVEN_M=nq % bm2 == 0,
-                          EVEN_N=nk % bn2 == 0), variant.num_warps2, variant.num_stages2)
+        out["dq"] = (dict(tiles, BLOCK_M=bm2, BLOCK_N=bn2, EVEN_M=even(nq, bm2),
+                          EVEN_N=even(nk, bn2)), variant.num_warps2, variant.num_stages2)
     return out
 
 
-def backward(dout, q, k, v, o, lse, causal: bool, scale: float | None, variant: Variant):
-    """Run the bwd variant: returns (dq, dk, dv) in the dtype and layout of q, k, v.
-
-    dout, q, o: (B, H, Nq, D); k, v: (B, Hk, Nk, D); lse: float32 (B, H, Nq), natural log.
-    Every tensor has a contiguous last dim; the caller handles the empty cases.
-    """
+def _check_variant(variant: Variant) -> None:
     if variant.family != "bwd":
         raise ValueError(f"backward needs a 'bwd' variant, got {variant.name}")
     if variant.loads != "pointer":
@@ -50,24 +50,59 @@ def backward(dout, q, k, v, o, lse, causal: bool, scale: float | None, variant: 
                                          and variant.num_warps2 and variant.num_stages2):
         raise ValueError(f"bwd variant {variant.name}: dq='separate' needs block_m2, block_n2, "
                          "num_warps2 and num_stages2 (the dQ kernel's tiles)")
+
+
+def backward(dout, q, k, v, o, lse, causal: bool, scale: float | None, variant: Variant):
+    """Run the bwd variant: returns (dq, dk, dv) in the dtype and layout of q, k, v.
+
+    dout, q, o: (B, H, Nq, D); k, v: (B, Hk, Nk, D); lse: float32 (B, H, Nq), natural log.
+    Every tensor has a contiguous last dim; the caller handles the empty cases.
+    """
+    _check_variant(variant)
     b, h, nq, d = q.shape
     hk, nk = k.shape[1], k.shape[2]
+    params = kernel_params(variant, q.dtype, d, causal, h // hk, nq, nk)
+    return _launch(variant, params, dout, q, k, v, o, lse, causal, scale, views=lambda t: t,
+                   rows=(b, h, nq), seq_args=(), sizes=(h, nq, nk), batch=b, max_q=nq, max_k=nk)
+
+
+def backward_varlen(dout, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int,
+                    max_seqlen_k: int, causal: bool, scale: float | None, variant: Variant):
+    """Run a varlen bwd variant on packed tensors: dout, q, o (total_q, H, D); k, v (total_k, Hk,
+    D); lse float32 (H, total_q); int32 cu_seqlens (batch + 1), validated by the caller, who also
+    handles the empty cases. Returns (dq, dk, dv) like q, k, v."""
+    _check_variant(variant)
+    check_varlen_variant(variant)
+    total_q, h, d = q.shape
+    params = kernel_params(variant, q.dtype, d, causal, h // k.shape[1], None, None, varlen=True)
+    return _launch(variant, params, dout, q, k, v, o, lse, causal, scale, views=packed_view,
+                   rows=(h, total_q), seq_args=(cu_seqlens_q, cu_seqlens_k),
+                   sizes=(h, max_seqlen_q, max_seqlen_k, total_q),
+                   batch=cu_seqlens_q.shape[0] - 1, max_q=max_seqlen_q, max_k=max_seqlen_k)
+
+
+def _launch(variant, params, dout, q, k, v, o, lse, causal, scale, *, views, rows, seq_args, sizes,
+            batch, max_q, max_k):
+    """The three launches, dense or varlen: `views` turns a tensor into the (B, H, N, D) view
+    whose strides the kernels take, `rows` is the shape of the per-row float32 buffers (LSE's),
+    `seq_args` the cu_seqlens pointers (varlen renders), `sizes` the kernels' trailing ints, and
+    the grids cover batch x heads x cdiv(max_q or max_k, block)."""
+    h, hk, d = views(q).shape[1], views(k).shape[1], q.shape[-1]
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     mod = load(variant)
-    params = kernel_params(variant, q.dtype, d, causal, h // hk, nq, nk)
 
     # Delta = rowsum(dO * O) and LSE in base 2 (+inf for rows that see no key): float32, tiny.
     # float32 inputs (PRECISE): Delta and R = 1 / rowsum(P) from one pass over the keys instead
     # (see the template's header)
     precise = q.dtype == torch.float32
-    delta = torch.empty((b, h, nq), dtype=torch.float32, device=q.device)
+    delta = torch.empty(rows, dtype=torch.float32, device=q.device)
     lse2 = torch.empty_like(delta)
     r = torch.empty_like(delta) if precise else delta  # unused unless precise
     consts, warps, stages = params["pre"]
-    mod.attn_bwd_preprocess[(triton.cdiv(nq, consts["PRE_M"]) * b * h,)](
-        o, dout, lse, delta, lse2, r, q, k, v, scale,
-        *strides3(o, dout, q, k, v),
-        h, nq, nk, **consts, num_warps=warps, num_stages=stages,
+    mod.attn_bwd_preprocess[(triton.cdiv(max_q, consts["PRE_M"]) * batch * h,)](
+        o, dout, lse, delta, lse2, r, q, k, v, *seq_args, scale,
+        *strides3(*map(views, (o, dout, q, k, v))),
+        *sizes, **consts, num_warps=warps, num_stages=stages,
     )
 
     dk = torch.empty_like(k)  # keeps the caller's layout when dense
@@ -78,23 +113,23 @@ def backward(dout, q, k, v, o, lse, causal: bool, scale: float | None, variant: 
             dq = dq_acc = torch.zeros_like(q)
         else:
             dq = torch.empty_like(q)
-            dq_acc = torch.zeros((b, h, nq, d), dtype=torch.float32, device=q.device)
+            dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     else:
         dq = dq_acc = torch.empty_like(q)
 
     consts, warps, stages = params["dkdv"]
-    mod.attn_bwd_dkdv[(triton.cdiv(nk, variant.block_n) * b * hk,)](
-        q, k, v, dout, dk, dv, dq_acc, lse2, delta, r, scale,
-        *strides3(q, k, v, dout, dk, dv, dq_acc),
-        h, nq, nk, **consts, num_warps=warps, num_stages=stages,
+    mod.attn_bwd_dkdv[(triton.cdiv(max_k, variant.block_n) * batch * hk,)](
+        q, k, v, dout, dk, dv, dq_acc, lse2, delta, r, *seq_args, scale,
+        *strides3(*map(views, (q, k, v, dout, dk, dv, dq_acc))),
+        *sizes, **consts, num_warps=warps, num_stages=stages,
     )
 
     if variant.dq == "separate":
         consts, warps, stages = params["dq"]
-        mod.attn_bwd_dq[(triton.cdiv(nq, variant.block_m2) * b * h,)](
-            q, k, v, dout, dq, lse2, delta, r, scale,
-            *strides3(q, k, v, dout, dq),
-            h, nq, nk, **consts, num_warps=warps, num_stages=stages,
+        mod.attn_bwd_dq[(triton.cdiv(max_q, variant.block_m2) * batch * h,)](
+            q, k, v, dout, dq, lse2, delta, r, *seq_args, scale,
+            *strides3(*map(views, (q, k, v, dout, dq))),
+            *sizes, **consts, num_warps=warps, num_stages=stages,
         )
     elif dq_acc is not dq:
         dq.copy_(dq_acc)

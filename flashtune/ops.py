@@ -61,13 +61,30 @@ def select_bwd(q, k, causal: bool, deterministic: bool) -> Variant:
     """The dispatcher's bwd variant; deterministic=True swaps an atomic-dQ one for its separate
     twin (same dK/dV tiles, the dQ kernel's tiles from the built-in defaults)."""
     variant = dispatch.select_for_call("bwd", q, k, causal)
-    if deterministic and variant.dq != "separate":
-        sep = default_variant("bwd", q.shape[3], dtype_name(q.dtype), dq="separate")
-        variant = dataclasses.replace(variant, dq="separate", block_m2=sep.block_m2,
-                                      block_n2=sep.block_n2, num_warps2=sep.num_warps2,
-                                      num_stages2=sep.num_stages2)
+    if deterministic:
+        variant = separate_twin(variant, q.shape[3], q.dtype)
     # the bwd template has pointer loads only: a descriptor variant runs as its pointer twin
     return dispatch.pointer_twin(variant) if variant.loads == "descriptor" else variant
+
+
+def separate_twin(variant: Variant, head_dim: int, dtype: torch.dtype) -> Variant:
+    """A bwd variant with a deterministic (dq="separate") dQ: an atomic one gets the dQ kernel's
+    tiles of the built-in defaults, its dK/dV tiles unchanged."""
+    if variant.dq == "separate":
+        return variant
+    sep = default_variant("bwd", head_dim, dtype_name(dtype), dq="separate")
+    return dataclasses.replace(variant, dq="separate", block_m2=sep.block_m2,
+                               block_n2=sep.block_n2, num_warps2=sep.num_warps2,
+                               num_stages2=sep.num_stages2)
+
+
+def call_forced(forced, fn, *args):
+    """fn(*args) with `forced` (a variant force()d around the forward, or None) pinned again:
+    dispatch.force() is thread-local, but autograd runs CUDA backwards on its own thread."""
+    if forced is not None and forced is not dispatch.forced_variant():
+        with dispatch.force(forced):
+            return fn(*args)
+    return fn(*args)
 
 
 def check_grad_output(grad_out, o) -> None:
@@ -146,13 +163,8 @@ def _backward(ctx, grad_o, grad_lse):
     q, k, v, o, lse = ctx.saved_tensors
     if grad_o is None:
         return None, None, None, None, None, None
-    forced = ctx.forced
-    if forced is not None and forced is not dispatch.forced_variant():
-        with dispatch.force(forced):
-            dq, dk, dv = attn_bwd(grad_o, q, k, v, o, lse, ctx.causal, ctx.scale,
-                                  ctx.deterministic)
-    else:
-        dq, dk, dv = attn_bwd(grad_o, q, k, v, o, lse, ctx.causal, ctx.scale, ctx.deterministic)
+    dq, dk, dv = call_forced(ctx.forced, attn_bwd, grad_o, q, k, v, o, lse, ctx.causal,
+                             ctx.scale, ctx.deterministic)
     need = ctx.needs_input_grad
     return (dq if need[0] else None, dk if need[1] else None, dv if need[2] else None,
             None, None, None)

@@ -38,12 +38,24 @@ def check_qkv(q, k, v, causal, scale) -> None:
 
 
 def _check_qkv_in_detail(q, k, v, causal, scale) -> None:
+    check_tensors(q, k, v, "(batch, heads, seqlen, head_dim)")
+    check_causal_scale(causal, scale)
+    b = q.shape[0]
+    if k.shape[0] != b or v.shape[0] != b:
+        raise ValueError(f"batch sizes differ: q {b}, k {k.shape[0]}, v {v.shape[0]}")
+    check_heads(q, k, v, head_axis=1)
+    check_device(q)
+
+
+# The pieces below are shared with validate_varlen (packed (total, heads, head_dim) tensors).
+def check_tensors(q, k, v, dims: str) -> None:
+    """Type, number of dims (`dims` names them), dtype and device of q, k, v."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != 4:
-            raise ValueError(f"{name} must have 4 dims (batch, heads, seqlen, head_dim), "
-                             f"got shape {tuple(t.shape)}")
+        ndim = dims.count(",") + 1
+        if t.dim() != ndim:
+            raise ValueError(f"{name} must have {ndim} dims {dims}, got shape {tuple(t.shape)}")
         if t.dtype not in SUPPORTED_DTYPES:
             raise TypeError(f"{name}.dtype must be float16, bfloat16 or float32, got {t.dtype}")
     for name, t in (("k", k), ("v", v)):
@@ -52,6 +64,9 @@ def _check_qkv_in_detail(q, k, v, causal, scale) -> None:
         if t.device != q.device:
             raise ValueError(f"{name} is on {t.device} but q is on {q.device}: "
                              "q, k and v must be on one device")
+
+
+def check_causal_scale(causal, scale) -> None:
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
     if scale is not None:
@@ -59,24 +74,31 @@ def _check_qkv_in_detail(q, k, v, causal, scale) -> None:
             raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
         if not (math.isfinite(scale) and scale > 0):
             raise ValueError(f"scale must be a finite positive number, got {scale}")
-    b, h, _, d = q.shape
-    if k.shape[0] != b or v.shape[0] != b:
-        raise ValueError(f"batch sizes differ: q {b}, k {k.shape[0]}, v {v.shape[0]}")
+
+
+def check_heads(q, k, v, head_axis: int) -> None:
+    """k and v alike, one head_dim in 16..256, q heads a multiple of k/v heads, head_dim last
+    and contiguous."""
+    d = q.shape[-1]
     if k.shape != v.shape:
         raise ValueError(f"k and v must have the same shape, got k {tuple(k.shape)} "
                          f"and v {tuple(v.shape)}")
-    if k.shape[3] != d:
-        raise ValueError(f"head_dim differs: q has {d}, k and v have {k.shape[3]}")
+    if k.shape[-1] != d:
+        raise ValueError(f"head_dim differs: q has {d}, k and v have {k.shape[-1]}")
     if not MIN_HEAD_DIM <= d <= MAX_HEAD_DIM:
         raise ValueError(f"head_dim {d} is not supported: expected {MIN_HEAD_DIM}..{MAX_HEAD_DIM}")
-    hk = k.shape[1]
+    h, hk = q.shape[head_axis], k.shape[head_axis]
     if hk == 0 or h % hk:
         raise ValueError(f"q heads ({h}) must be a positive multiple of k/v heads ({hk}) "
                          "(grouped-query attention)")
     for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.numel() and t.stride(3) != 1:
+        if t.numel() and t.stride(-1) != 1:
             raise ValueError(f"{name} must have a contiguous last dim (stride 1), got strides "
                              f"{tuple(t.stride())}: call {name}.contiguous() or keep head_dim last")
+
+
+def check_device(q) -> None:
+    """q's device can run the kernels (CUDA, or the CPU in Triton's interpreter)."""
     if q.device.type == "cpu" and not env.interpreting():
         raise ValueError("q, k, v are CPU tensors: flashtune's kernels run on CUDA GPUs. To run on "
                          "the CPU (slowly, for tests), set TRITON_INTERPRET=1 in the environment "

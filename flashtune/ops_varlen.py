@@ -1,0 +1,108 @@
+"""torch.library ops `flashtune::attn_varlen_fwd` / `flashtune::attn_varlen_bwd` (packed
+variable-length sequences) and their autograd formula, as ops.py does for the dense ops.
+
+The offsets' values are checked here, in the ops' real implementations (one device->host copy
+of cu_seqlens per call, see validate_varlen), so that torch.compile traces the public function
+without a sync and still no kernel ever launches on bad offsets.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from . import dispatch, launch, launch_bwd
+from .ops import call_forced, check_grad_output, separate_twin
+from .validate_varlen import check_cu_seqlens_values
+
+
+def run_forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
+                       causal: bool, scale):
+    """Validated shapes -> (O like q, LSE float32 (H, total_q)). Checks the offsets' values."""
+    total_q, h, _ = q.shape
+    check_cu_seqlens_values(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, total_q,
+                            k.shape[0])
+    if total_q == 0 or k.shape[0] == 0:
+        # no query, or no key anywhere: zeros (a row that sees no key returns zeros), LSE = -inf
+        return (torch.zeros_like(q),
+                torch.full((h, total_q), float("-inf"), dtype=torch.float32, device=q.device))
+    batch = cu_seqlens_q.shape[0] - 1
+    variant = dispatch.select_varlen("fwd", q, k, batch, max_seqlen_q, max_seqlen_k, causal)
+    return launch.forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                 causal, scale, variant)
+
+
+def run_backward_varlen(grad_out, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int,
+                        max_seqlen_k: int, causal: bool, scale, deterministic: bool = False):
+    """(dO, saved tensors) -> (dq, dk, dv) like q, k, v. The offsets were checked by the forward."""
+    check_grad_output(grad_out, o)
+    if q.shape[0] == 0 or k.shape[0] == 0:
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    if grad_out.stride(-1) != 1:
+        grad_out = grad_out.contiguous()  # e.g. the expanded ones of out.sum().backward()
+    batch = cu_seqlens_q.shape[0] - 1
+    variant = dispatch.select_varlen("bwd", q, k, batch, max_seqlen_q, max_seqlen_k, causal)
+    if deterministic:
+        variant = separate_twin(variant, q.shape[2], q.dtype)
+    return launch_bwd.backward_varlen(grad_out, q, k, v, o, lse.contiguous(), cu_seqlens_q,
+                                      cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale,
+                                      variant)
+
+
+# -- torch.library registration ------------------------------------------------------------------
+
+@torch.library.custom_op("flashtune::attn_varlen_fwd", mutates_args=())
+def attn_varlen_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                    cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
+                    causal: bool, scale: Optional[float],
+                    deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    # `deterministic` is unused here; it rides along so the autograd formula can read it
+    o, lse = run_forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                causal, scale)
+    return o, lse
+
+
+@attn_varlen_fwd.register_fake
+def _attn_varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                          scale, deterministic):
+    return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+
+
+@torch.library.custom_op("flashtune::attn_varlen_bwd", mutates_args=())
+def attn_varlen_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    o: torch.Tensor, lse: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                    cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
+                    causal: bool, scale: Optional[float],
+                    deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return run_backward_varlen(grad_out, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k,
+                               max_seqlen_q, max_seqlen_k, causal, scale, deterministic)
+
+
+@attn_varlen_bwd.register_fake
+def _attn_varlen_bwd_fake(grad_out, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                          max_seqlen_k, causal, scale, deterministic):
+    check_grad_output(grad_out, o)
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, deterministic = inputs
+    o, lse = output
+    ctx.save_for_backward(q, k, v, o, lse, cu_q, cu_k)
+    ctx.args = (max_q, max_k, causal, scale, deterministic)
+    ctx.forced = dispatch.forced_variant()  # carried to the backward's thread (ops.call_forced)
+    ctx.mark_non_differentiable(lse)
+
+
+def _backward(ctx, grad_o, grad_lse):
+    if grad_o is None:
+        return (None,) * 10
+    q, k, v, o, lse, cu_q, cu_k = ctx.saved_tensors
+    dq, dk, dv = call_forced(ctx.forced, attn_varlen_bwd, grad_o, q, k, v, o, lse, cu_q, cu_k,
+                             *ctx.args)
+    need = ctx.needs_input_grad
+    return (dq if need[0] else None, dk if need[1] else None, dv if need[2] else None,
+            *(None,) * 7)
+
+
+attn_varlen_fwd.register_autograd(_backward, setup_context=_setup_context)
