@@ -75,4 +75,5 @@ def default_variant(family: str, head_dim: int, dtype: str, *, dq: str | None = 
     if family == "bwd":
         table = _BWD_F32 if dtype == "float32" else _BWD
         return table[head_dim_class(head_dim)][dq or BWD_DQ_DEFAULT]
-    raise KeyError(f"no built-in default for kernel family {family!r}")
+    from .families import get  # the other families keep their defaults in their own home
+    return get(family).default(head_dim, dtype)
