@@ -90,9 +90,15 @@ def _forced_variant() -> tuple[Variant | None, str]:
 
 
 # -- the hot path -------------------------------------------------------------------------------
+def _serves(variant: Variant, family: str) -> bool:
+    """Whether `variant` can serve a call of `family` (its own, or one its family serves)."""
+    from .families import get
+    return variant.family == family or family in get(variant.family).serves
+
+
 def select(problem: Problem) -> Variant:
     forced = forced_variant()
-    if forced is not None and forced.family == problem.family:
+    if forced is not None and _serves(forced, problem.family):
         return forced
     v = _memo.get(problem)
     if v is None:
@@ -112,7 +118,7 @@ def select_for_call(family: str, q, k, causal: bool) -> Variant:
     """select() for the tensors of a call. A hit is one tuple and one dict lookup: no Problem
     is built (that dataclass costs more than the rest of the lookup)."""
     forced = forced_variant()
-    if forced is not None and forced.family == family:
+    if forced is not None and _serves(forced, family):
         return forced
     ks = k.shape
     key = (family, q.dtype, q.shape, ks[1], ks[2], causal)
@@ -126,11 +132,36 @@ def select_for_call(family: str, q, k, causal: bool) -> Variant:
 
 
 def _select_slow(problem: Problem) -> Variant:
-    v = _explain_bucket(problem).variant
+    v = _compete(problem).variant
     if len(_memo) >= _MEMO_MAX:
         _memo.clear()  # a stream of distinct shapes: the per-bucket results stay, refill is cheap
     _memo[problem] = v
     return v
+
+
+def _compete(problem: Problem) -> "Explanation":
+    """Families compete for a problem: `problem.family`'s own answer, or that of a family that
+    also serves it (splitkv serves dense forwards), whichever the tuned records say is faster
+    for this problem; without records for both, the rival family's measured heuristic."""
+    from .families import all_families, get
+    ex = _explain_bucket(problem)
+    for rival in all_families():
+        if problem.family not in rival.serves:
+            continue
+        rp = dataclasses.replace(problem, family=rival.name)
+        rex = _explain_bucket(rp)
+        if ex.record is not None and rex.record is not None and rex.distance == 0:
+            mine = get(problem.family).estimate_ms(problem, ex.record)
+            theirs = rival.estimate_ms(rp, rex.record)
+            why = (f"{rival.name} {rex.variant.name} ~{theirs:.3g} ms vs {problem.family} "
+                   f"{ex.variant.name} ~{mine:.3g} ms (tuned records)")
+            better = theirs < mine
+        else:
+            better = rival.prefers(problem)
+            why = f"{rival.name} {'preferred' if better else 'not preferred'} by its heuristic"
+        winner = rex if better else ex
+        ex = dataclasses.replace(winner, problem=problem, notes=winner.notes + (f"competed: {why}",))
+    return ex
 
 
 @lru_cache(maxsize=256)
@@ -223,9 +254,9 @@ def explain(problem, k=None, v=None, *, causal: bool = False, family: str = "fwd
     if not isinstance(problem, Problem):
         problem = Problem.of_call(family, problem, k, causal)
     forced, origin = _forced_variant()
-    if forced is not None and forced.family == problem.family:
+    if forced is not None and _serves(forced, problem.family):
         return Explanation(problem, Bucket.of(problem), forced, "forced", origin, _levels().gpu)
-    return dataclasses.replace(_explain_bucket(problem), problem=problem)
+    return dataclasses.replace(_compete(problem), problem=problem)
 
 
 # -- the slow path: read the levels once, choose per bucket ---------------------------------------

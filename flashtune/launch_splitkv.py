@@ -3,6 +3,7 @@
 the launch-time num_splits rule; which variant runs is decided by the caller (kvcache.py)."""
 from __future__ import annotations
 
+import dataclasses
 import math
 from functools import lru_cache
 
@@ -146,3 +147,30 @@ class SplitKVPlan:
                 o.stride(0), o.stride(1), o.stride(2),
                 HEAD_DIM=d, BLOCK_D=block_d(d), BLOCK_R=COMBINE_BLOCK_R, num_warps=4)
         return o, lse
+
+
+class DensePlan:
+    """splitkv serving a dense forward call: q (B, H, Nq, D), k/v (B, Hk, Nk, D) in SDPA's
+    layout, viewed (no copy) as the (B, N, H, D) cache layout the kernels take, every sequence
+    holding all Nk keys. run(q, k, v) -> (O in q's layout, LSE (B, H, Nq)), as launch.FwdPlan."""
+    __slots__ = ("variant", "plan", "descriptor", "_seqlens")
+
+    def __init__(self, q, k, v, causal: bool, scale: float | None, variant: Variant):
+        if variant.loads == "descriptor" and not descriptor_ok(k.transpose(1, 2),
+                                                               v.transpose(1, 2), False):
+            variant = dataclasses.replace(variant, loads="pointer")
+        self.variant = variant
+        self.plan = SplitKVPlan(q.transpose(1, 2), k.transpose(1, 2), causal, scale, variant,
+                                k.shape[2])
+        # ops.run_forward checks each call's base addresses for TMA (strides: above, once)
+        self.descriptor = variant.loads == "descriptor"
+        self._seqlens = {}
+
+    def run(self, q, k, v):
+        key = q.device
+        seqlens = self._seqlens.get(key)
+        if seqlens is None:
+            seqlens = self._seqlens[key] = torch.full((q.shape[0],), k.shape[2],
+                                                      dtype=torch.int32, device=q.device)
+        o, lse = self.plan.run(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), seqlens)
+        return o.transpose(1, 2), lse

@@ -45,7 +45,10 @@ def run_forward(q, k, v, causal: bool, scale, variant=None):
     return _plan(q, k, v, causal, scale, variant).run(q, k, v)
 
 
-def _plan(q, k, v, causal, scale, variant: Variant) -> launch.FwdPlan:
+def _plan(q, k, v, causal, scale, variant: Variant):
+    if variant.family != "fwd":  # a family that serves dense forwards (splitkv), its own plan
+        from .families import get
+        return get(variant.family).plan_for(q, k, v, causal, scale, variant)
     if variant.loads == "descriptor" and not launch.descriptor_ok(q, k, v):
         variant = dispatch.pointer_twin(variant)
     return launch.FwdPlan(q, k, v, causal, scale, variant)

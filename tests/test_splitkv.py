@@ -267,3 +267,35 @@ def test_search_space_builds():
     assert "splitkv-m16-n64-w4-s3" in names and "splitkv-m16-n64-w4-s3-sp16" in names
     assert all(v.family == "splitkv" and not v.paged for v in space.feasible)
     assert ("loads", "descriptor", "tma") in Space.build("splitkv", get("A100"), p).dropped
+
+
+# -- splitkv serving dense forwards (families compete in the dispatcher) -------------------------
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("nq,h,hk", [(1, 8, 2), (3, 4, 4), (2, 6, 1)])
+def test_dense_attention_routes_decode_shapes_to_splitkv(nq, h, hk, causal, device):
+    import flashtune
+    from flashtune.accuracy import compare
+    from flashtune.reference import reference, same_dtype_math
+    q = torch.randn(2, h, nq, 64, dtype=torch.float16, device=device)
+    k = torch.randn(2, hk, 150, 64, dtype=torch.float16, device=device)
+    v = torch.randn_like(k)
+    ex = flashtune.explain(q, k, v, causal=causal)
+    assert ex.variant.family == "splitkv" and any("competed" in n for n in ex.notes), str(ex)
+    o, lse = flashtune.attention(q, k, v, causal=causal, return_lse=True)
+    assert o.shape == q.shape and o.stride() == q.stride() and lse.shape == q.shape[:3]
+    report = compare(o, reference(q, k, v, causal=causal), same_dtype_math(q, k, v, causal=causal))
+    assert report.ok, str(report)
+    # a training-shaped call stays with the split-Q family
+    assert flashtune.explain(torch.randn(2, h, 128, 64), k, v).variant.family == "fwd"
+
+
+def test_forced_splitkv_serves_dense_forward_and_backward_matches_reference(device):
+    import flashtune
+    from test_backward import assert_grads_match
+    q = torch.randn(1, 4, 2, 32, dtype=torch.float16, device=device)
+    k = torch.randn(1, 2, 70, 32, dtype=torch.float16, device=device)
+    v = torch.randn_like(k)
+    with flashtune.force("splitkv-m16-n32-w4-s1-sp3"):
+        assert flashtune.explain(q, k, v, causal=True).variant.family == "splitkv"
+        # the bwd family consumes splitkv's O and LSE: gradients against the float64 reference
+        assert_grads_match(q, k, v, causal=True)

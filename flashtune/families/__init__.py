@@ -47,6 +47,12 @@ class Family:
     # "module:fn": (family, dtype, head_dim, causal, seqlens, batches) -> the problems a search
     # tunes (empty seqlens/batches: the family's own grid)
     grid: str = "flashtune.search_plan:standard_grid"
+    # other families' problems this one can also compute (splitkv: dense forwards), with the
+    # launch plan for them ("module:Class", built like launch.FwdPlan) and, until tuned records
+    # decide, a measured heuristic ("module:fn": Problem -> bool, True = prefer this family)
+    serves: tuple = ()
+    serve_plan: str = ""
+    heuristic: str = ""
     interpreter: bool = True        # runs in Triton's interpreter (CPU tests)
     min_capability: int = 80        # sm_XX the template needs
     rules: tuple = field(default=())  # (field, allowed values, why) per own field with a rule
@@ -54,14 +60,28 @@ class Family:
 
     def throughput(self, problem, ms: float) -> float:
         """Speed of one call of `problem` taking `ms`, in self.unit."""
-        work = _resolve(self.work)(problem) if self.work else problem.flops()
-        return work / (ms * 1e-3) / (1e9 if self.unit == "GB/s" else 1e12)
+        return self.work_of(problem) / (ms * 1e-3) / _SCALE[self.unit]
+
+    def work_of(self, problem) -> float:
+        """FLOPs (TFLOP/s families) or bytes (GB/s) of one call of `problem`."""
+        return _resolve(self.work)(problem) if self.work else problem.flops()
 
     def grid_of(self, dtype: str, head_dim: int, causal: bool, seqlens=(), batches=()) -> list:
         return _resolve(self.grid)(self.name, dtype, head_dim, causal, seqlens, batches)
 
     def bucket_of(self, problem):
         return _resolve(self.bucket)(problem)
+
+    def estimate_ms(self, problem, record) -> float:
+        """How long `problem` takes by the speed a tuned record measured (in record.unit)."""
+        return self.work_of(problem) / (record.throughput * _SCALE[record.unit]) * 1e3
+
+    def prefers(self, problem) -> bool:
+        return bool(self.heuristic) and _resolve(self.heuristic)(problem)
+
+    def plan_for(self, q, k, v, causal, scale, variant):
+        """A launch plan of `variant` for a call of a family this one serves."""
+        return _resolve(self.serve_plan)(q, k, v, causal, scale, variant)
 
     def default(self, head_dim: int, dtype: str, **kw):
         return _resolve(self.defaults)(head_dim, dtype, **kw)
@@ -108,6 +128,7 @@ class Family:
 
 
 _CORE = {"family", "block_m", "block_n", "num_warps", "num_stages"}
+_SCALE = {"TFLOP/s": 1e12, "GB/s": 1e9}
 
 
 @lru_cache(maxsize=None)

@@ -22,7 +22,18 @@ FAMILY = Family(
     work="flashtune.families.splitkv:kv_bytes",
     bucket="flashtune.families.splitkv:bucket",
     grid="flashtune.families.splitkv:decode_grid",
+    serves=("fwd",),
+    serve_plan="flashtune.launch_splitkv:DensePlan",
+    heuristic="flashtune.families.splitkv:prefer_for_dense",
 )
+
+
+def prefer_for_dense(p) -> bool:
+    """Until tuned records decide: a dense forward with a few query rows per kv head (decoding,
+    speculative steps) goes to split-KV, whose tile holds the whole GQA group and whose splits
+    fill the GPU; the split-Q kernel runs one program per (query block, q head) there.
+    Provisional: set by the H100 decode measurement in docs/benchmarks.md."""
+    return p.seqlen_q <= 16 and p.group * p.seqlen_q <= 64 and p.seqlen_k >= 4 * p.seqlen_q
 
 # the decode grid (issue 9's benchmark grid): one query token, keys 2k..128k, batch 1..64,
 # GQA 32 q / 8 kv heads and MQA 8 / 1
