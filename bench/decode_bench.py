@@ -24,6 +24,7 @@ import torch
 import triton
 
 import flashtune
+import flashtune.defaults
 from flashtune.launch_splitkv import SplitKVPlan, default_variant
 
 
@@ -207,6 +208,27 @@ def main(argv=None):
                                "error": f"{type(e).__name__}: {str(e)[:200]}"}
                     results[name] = row
                     _empty_cache()
+                # flashtune.attention on the same data in SDPA's layout: as dispatched (decode
+                # shapes go to split-KV by the dispatcher's heuristic) and forced to the split-Q
+                # fwd default, the measurement behind that heuristic
+                qt, kt, vt = q.transpose(1, 2), kc.transpose(1, 2), vc.transpose(1, 2)
+                splitq = flashtune.defaults.default_variant("fwd", d, "bfloat16")
+                for name, forced in (("flashtune-dense", None), ("flashtune-dense-splitq", splitq)):
+                    try:
+                        def fn(forced=forced):
+                            if forced is None:
+                                return flashtune.attention(qt, kt, vt)
+                            with flashtune.force(forced):
+                                return flashtune.attention(qt, kt, vt)
+                        fn()
+                        ms = bench_ms(fn)
+                        row = {"kind": "result", **cfg, "impl": name, "ms": ms,
+                               "gbps": kv_bytes / ms / 1e6,
+                               "variant": (forced or flashtune.explain(qt, kt, vt).variant).name}
+                    except Exception as e:  # noqa: BLE001
+                        row = {"kind": "error", **cfg, "impl": name,
+                               "error": f"{type(e).__name__}: {str(e)[:200]}"}
+                    results[name] = row
                 best_peer = max((r["gbps"] for n, r in results.items()
                                  if n.startswith("sdpa") and "gbps" in r), default=None)
                 for name, row in results.items():
