@@ -183,12 +183,12 @@ def main(argv=None):
                         ms = bench_ms(fn)
                         # the kernels alone (no validation sync, no variant choice): what the
                         # API's host-side checks cost is ms - ms_kernels
-                        plan = SplitKVPlan(q, kk, False, None, _paged(variant, page), nk)
-                        ms_k = bench_ms(lambda: plan.run(q, kk, vv, seqlens, bt))
+                        plan = SplitKVPlan(q, kk, False, None, _paged(variant, page))
+                        ms_k = bench_ms(lambda: plan.run(q, kk, vv, seqlens, bt, nk))
                         row = {"kind": "result", **cfg, "impl": name, "page": page, "ms": ms,
                                "gbps": kv_bytes / ms / 1e6, "ms_kernels": ms_k,
                                "gbps_kernels": kv_bytes / ms_k / 1e6, "variant": variant.name,
-                               "num_splits": plan.num_splits, "block_m": plan.block_m}
+                               "num_splits": plan.num_splits(nk), "block_m": plan.block_m}
                     except Exception as e:  # noqa: BLE001 -- a failing run is a row, not a crash
                         row = {"kind": "error", **cfg, "impl": name, "page": page,
                                "error": f"{type(e).__name__}: {str(e)[:200]}"}

@@ -1,6 +1,7 @@
 """Environment knobs, declared once. Read them through these functions, never os.environ directly."""
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 
@@ -37,6 +38,7 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+@functools.lru_cache(maxsize=None)
 def triton_interprets() -> bool:
     """Whether Triton itself was imported in interpreter mode. Triton decides when a @triton.jit
     function is defined, its own library included (tl.cdiv, ...), so TRITON_INTERPRET=1 set after

@@ -3,13 +3,14 @@ split-KV (Flash-Decoding) kernels. Inference only: no autograd."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import torch
 
 from . import dispatch, env
 from .launch_splitkv import SplitKVPlan, descriptor_ok
-from .problem import Problem, dtype_name
+from .problem import Problem, dtype_name, log2_bucket
 from .validate import MAX_HEAD_DIM, MIN_HEAD_DIM, SUPPORTED_DTYPES
 
 __all__ = ["attention_with_kvcache"]
@@ -51,14 +52,34 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         if q.numel():
             if paged and block_table.stride(1) != 1:
                 block_table = block_table.contiguous()
-            plan = SplitKVPlan(q, k_cache, causal, scale,
-                               _variant(q, k_cache, v_cache, paged, causal, max_total), max_total)
-            o, lse = plan.run(q, k_cache, v_cache, total, block_table)
+            plan = _plan(q, k_cache, v_cache, paged, causal, scale, max_total)
+            o, lse = plan.run(q, k_cache, v_cache, total, block_table, max_total)
         else:
             o = torch.empty_like(q)
             lse = torch.empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32,
                               device=q.device)
     return (o, lse) if return_lse else o
+
+
+# call signature -> SplitKVPlan: a decode step pays for the checks, one dict lookup and the
+# launches. The cache's length enters on a log scale (the dispatcher's bucket of it), so a growing
+# cache re-plans once per octave; cleared with the dispatcher's lookups.
+_plans: dict = {}
+dispatch.on_clear(_plans.clear)
+
+
+def _plan(q, k_cache, v_cache, paged: bool, causal: bool, scale, max_total: int) -> SplitKVPlan:
+    key = (q.shape, q.stride(), q.dtype, q.device, k_cache.shape, k_cache.stride(),
+           v_cache.stride(), paged, causal, scale, log2_bucket(max_total),
+           dispatch.forced_variant(),
+           k_cache.data_ptr() & 15 == 0 and v_cache.data_ptr() & 15 == 0)
+    plan = _plans.get(key)
+    if plan is None:
+        if len(_plans) >= 4096:
+            _plans.clear()
+        plan = _plans[key] = SplitKVPlan(q, k_cache, causal, scale,
+                                         _variant(q, k_cache, v_cache, paged, causal, max_total))
+    return plan
 
 
 def _variant(q, k_cache, v_cache, paged: bool, causal: bool, max_total: int):
@@ -197,8 +218,8 @@ def _validate(q, k_cache, v_cache, cache_seqlens, k, v, block_table, causal, sca
     if isinstance(cache_seqlens, bool):
         raise TypeError("cache_seqlens must be an int or an int32 tensor (batch,), got bool")
     if isinstance(cache_seqlens, int):
-        host = torch.full((b,), cache_seqlens, dtype=torch.int64)
-        seqlens = torch.full((b,), cache_seqlens, dtype=torch.int32, device=q.device)
+        host = [cache_seqlens] * b
+        seqlens = _full_seqlens(b, cache_seqlens, q.device)
     elif isinstance(cache_seqlens, torch.Tensor):
         if cache_seqlens.dtype != torch.int32:
             raise TypeError(f"cache_seqlens.dtype must be torch.int32, got {cache_seqlens.dtype}")
@@ -209,27 +230,27 @@ def _validate(q, k_cache, v_cache, cache_seqlens, k, v, block_table, causal, sca
             raise ValueError(f"cache_seqlens is on {cache_seqlens.device} but q is on "
                              f"{q.device}")
         seqlens = cache_seqlens
-        host = cache_seqlens.to("cpu", torch.int64)  # device->host sync: bounds before launch
+        host = cache_seqlens.tolist()  # device->host sync: bounds before launch
     else:
         raise TypeError(f"cache_seqlens must be an int or an int32 tensor (batch,), got "
                         f"{type(cache_seqlens).__name__}")
-    if b and int(host.min()) < 0:
-        i = int(host.argmin())
-        raise ValueError(f"cache_seqlens[{i}] = {int(host[i])} is negative")
-    if b and int(host.max()) > capacity:
-        i = int(host.argmax())
-        raise ValueError(f"cache_seqlens[{i}] = {int(host[i])} is beyond {where}")
-    total_host = host + n_new
-    if b and int(total_host.max()) > capacity:
-        i = int(total_host.argmax())
+    if b and min(host) < 0:
+        i = host.index(min(host))
+        raise ValueError(f"cache_seqlens[{i}] = {host[i]} is negative")
+    if b and max(host) > capacity:
+        i = host.index(max(host))
+        raise ValueError(f"cache_seqlens[{i}] = {host[i]} is beyond {where}")
+    max_total = max(host) + n_new if b else 0
+    if max_total > capacity:
+        i = host.index(max(host))
         raise ValueError(f"appending k/v ({n_new} new keys) at cache_seqlens[{i}] = "
-                         f"{int(host[i])} goes past {where}")
+                         f"{host[i]} goes past {where}")
     if paged and b:
         # every page a sequence uses (cached and appended keys) must exist
         page_size = k_cache.shape[1]
         num_pages = k_cache.shape[0]
-        used = (total_host + page_size - 1) // page_size  # (B,)
-        bt = block_table.to("cpu")  # device->host sync
+        used = (torch.tensor(host) + (n_new + page_size - 1)) // page_size  # (B,)
+        bt = block_table.to("cpu")  # device->host copy
         col = torch.arange(bt.shape[1])[None, :]
         bad = (col < used[:, None]) & ((bt < 0) | (bt >= num_pages))
         if bool(bad.any()):
@@ -237,8 +258,13 @@ def _validate(q, k_cache, v_cache, cache_seqlens, k, v, block_table, causal, sca
             raise ValueError(f"block_table[{bi}, {pi}] = {int(bt[bi, pi])} is out of range: "
                              f"pages are 0..{num_pages - 1} (k_cache.shape[0] = {num_pages})")
     total = (seqlens + n_new if n_new else seqlens).contiguous()
-    max_total = int(total_host.max()) if b else 0
     return seqlens, total, max_total
+
+
+@functools.lru_cache(maxsize=64)
+def _full_seqlens(b: int, n: int, device) -> torch.Tensor:
+    """cache_seqlens given as an int: one int32 tensor per (batch, value, device), never written."""
+    return torch.full((b,), n, dtype=torch.int32, device=device)
 
 
 def _check_device(q):

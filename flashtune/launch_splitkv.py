@@ -24,7 +24,7 @@ DEFAULTS = {
 MIN_BLOCKS_PER_SPLIT = 4   # a split streams at least this many BLOCK_N blocks (when it can)
 MAX_SPLITS = 128
 CPU_SMS = 4                # the interpreter has no SMs: auto picks as if there were 4
-COMBINE_BLOCK_R = 16       # rows per combine program (not tuned: the combine moves little)
+COMBINE_CHUNK_S = 16       # splits per O tile the combine reads (16 x BLOCK_D float32)
 
 
 def default_variant(head_dim: int, dtype: torch.dtype | None = None) -> Variant:
@@ -81,12 +81,12 @@ def descriptor_ok(k_cache: torch.Tensor, v_cache: torch.Tensor, paged: bool) -> 
 
 
 class SplitKVPlan:
-    """One splitkv launch: q (B, Nq, Hq, D); caches (B, Ncache, Hk, D) or, paged,
-    (num_pages, page_size, Hk, D) with block_table (B, max_pages) int32; seqlens (B,) int32 on
-    q's device, the keys each sequence attends to. max_seqlen (a host int) sizes the splits."""
+    """One splitkv launch shape: q (B, Nq, Hq, D); caches (B, Ncache, Hk, D) or, paged,
+    (num_pages, page_size, Hk, D) with block_table (B, max_pages) int32. Everything that depends
+    only on shapes, strides, dtype and the variant is fixed here (callers memoize plans); the
+    split count follows each call's longest sequence (run's max_seqlen)."""
 
-    def __init__(self, q, k_cache, causal: bool, scale: float | None, variant: Variant,
-                 max_seqlen: int):
+    def __init__(self, q, k_cache, causal: bool, scale: float | None, variant: Variant):
         b, nq, h, d = q.shape
         hk = k_cache.shape[2]
         group = h // hk
@@ -95,14 +95,9 @@ class SplitKVPlan:
         mod = load(variant)
         self.partial, self.combine = mod.attn_splitkv_partial, mod.attn_splitkv_combine
         self.block_m = row_block(variant, group, nq)
-        num_m = triton.cdiv(group * nq, self.block_m)
-        programs = b * hk * num_m
-        if variant.num_splits == 0:
-            self.num_splits = auto_num_splits(programs, max_seqlen, variant.block_n,
-                                              sm_count(q.device))
-        else:
-            self.num_splits = clamp_num_splits(variant.num_splits, max_seqlen, variant.block_n)
-        self.grid = (programs, self.num_splits)
+        num_m = -(-(group * nq) // self.block_m)
+        self.programs = b * hk * num_m
+        self.sms = sm_count(q.device)
         self.shape = (b, nq, h, d)
         self.scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
         self.kwargs = dict(
@@ -110,12 +105,26 @@ class SplitKVPlan:
             IS_CAUSAL=causal, GROUP=group, PAGE=k_cache.shape[1] if self.paged else 0,
             DOT_PRECISION=_DOT_PRECISION.get(q.dtype, "tf32"), PRECISE=q.dtype == torch.float32,
             num_warps=variant.num_warps, num_stages=variant.num_stages)
+        self._splits: dict = {}
 
-    def run(self, q, k_cache, v_cache, seqlens, block_table=None):
-        """Returns O (q's shape, dtype and layout) and LSE (B, Hq, Nq) float32."""
+    def num_splits(self, max_seqlen: int) -> int:
+        s = self._splits.get(max_seqlen)
+        if s is None:
+            v = self.variant
+            s = (auto_num_splits(self.programs, max_seqlen, v.block_n, self.sms)
+                 if v.num_splits == 0 else clamp_num_splits(v.num_splits, max_seqlen, v.block_n))
+            if len(self._splits) > 4096:
+                self._splits.clear()
+            self._splits[max_seqlen] = s
+        return s
+
+    def run(self, q, k_cache, v_cache, seqlens, block_table=None, max_seqlen: int = 0):
+        """Returns O (q's shape, dtype and layout) and LSE (B, Hq, Nq) float32.
+        seqlens (B,) int32 on q's device: the keys each sequence attends to; max_seqlen (a host
+        int, their maximum) sizes the splits."""
         b, nq, h, d = self.shape
         hk = k_cache.shape[2]
-        s = self.num_splits
+        s = self.num_splits(max_seqlen)
         o = torch.empty_like(q)
         lse = torch.empty((b, h, nq), dtype=torch.float32, device=q.device)
         if s == 1:  # the partial kernel writes the result itself: no scratch, no combine
@@ -131,7 +140,7 @@ class SplitKVPlan:
         if self.variant.loads == "descriptor":
             _need_allocator()
         bt = block_table if self.paged else seqlens
-        self.partial[self.grid](
+        self.partial[(self.programs, s)](
             q, k_cache, v_cache, bt, seqlens, o_dst, l_dst, self.scale,
             q.stride(0), q.stride(1), q.stride(2),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -141,12 +150,16 @@ class SplitKVPlan:
             hk, nq, s, k_cache.shape[0] if self.paged else 0,
             **self.kwargs)
         if s > 1:
-            rows = b * h * nq
-            self.combine[(triton.cdiv(rows, COMBINE_BLOCK_R),)](
-                o_dst, l_dst, o, lse, rows, h, nq, s,
-                o.stride(0), o.stride(1), o.stride(2),
-                HEAD_DIM=d, BLOCK_D=block_d(d), BLOCK_R=COMBINE_BLOCK_R, num_warps=4)
+            self.combine[(b * h * nq,)](
+                o_dst, l_dst, o, lse, h, nq, s, o.stride(0), o.stride(1), o.stride(2),
+                HEAD_DIM=d, BLOCK_D=self.kwargs["BLOCK_D"], BLOCK_S=combine_block_s(s),
+                CHUNK_S=COMBINE_CHUNK_S, num_warps=4)
         return o, lse
+
+
+def combine_block_s(num_splits: int) -> int:
+    """The combine's LSE vector: a power of two >= num_splits (>= its O chunk)."""
+    return max(COMBINE_CHUNK_S, 1 << (num_splits - 1).bit_length())
 
 
 class DensePlan:
@@ -160,8 +173,7 @@ class DensePlan:
                                                                v.transpose(1, 2), False):
             variant = dataclasses.replace(variant, loads="pointer")
         self.variant = variant
-        self.plan = SplitKVPlan(q.transpose(1, 2), k.transpose(1, 2), causal, scale, variant,
-                                k.shape[2])
+        self.plan = SplitKVPlan(q.transpose(1, 2), k.transpose(1, 2), causal, scale, variant)
         # ops.run_forward checks each call's base addresses for TMA (strides: above, once)
         self.descriptor = variant.loads == "descriptor"
         self._seqlens = {}
@@ -172,5 +184,6 @@ class DensePlan:
         if seqlens is None:
             seqlens = self._seqlens[key] = torch.full((q.shape[0],), k.shape[2],
                                                       dtype=torch.int32, device=q.device)
-        o, lse = self.plan.run(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), seqlens)
+        o, lse = self.plan.run(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), seqlens,
+                               None, k.shape[2])
         return o.transpose(1, 2), lse

@@ -80,13 +80,13 @@ def compile_check(variant, head_dim: int, dtype: str, causal: bool, tails: bool,
     from ..codegen import load
     from ..codegen.aot import compile_for
     from ..launch import block_d
-    from ..launch_splitkv import COMBINE_BLOCK_R, SplitKVPlan
+    from ..launch_splitkv import COMBINE_CHUNK_S, SplitKVPlan, combine_block_s
     from ..problem import torch_dtype
     dt = torch_dtype(dtype)
     nq, group = (3, 4) if tails else (1, 8)
     q = torch.empty(2, nq, 8, head_dim, dtype=dt, device="meta")
     k = torch.empty(2, 4096, 8 // group, head_dim, dtype=dt, device="meta")
-    plan = SplitKVPlan(q, k, causal, None, variant, 4096)
+    plan = SplitKVPlan(q, k, causal, None, variant)
     consts = {n: v for n, v in plan.kwargs.items() if n not in ("num_warps", "num_stages")}
     mod = load(variant)
     # the partial kernel writes float32 scratch (O, LSE) when the keys are split
@@ -95,7 +95,8 @@ def compile_check(variant, head_dim: int, dtype: str, causal: bool, tails: bool,
                                   variant.num_stages, capability=cap, usage=usage, types=ints)}
     out["combine"] = compile_for(mod.attn_splitkv_combine,
                                  dict(HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim),
-                                      BLOCK_R=COMBINE_BLOCK_R), dtype, 4, 3, capability=cap,
+                                      BLOCK_S=combine_block_s(64), CHUNK_S=COMBINE_CHUNK_S),
+                                 dtype, 4, 3, capability=cap,
                                  usage=usage, types={"O_PART": "*fp32", "LSE_PART": "*fp32",
                                                      "H": "i32"})
     return out
