@@ -106,20 +106,36 @@ def forward(q, k, v, causal: bool, scale: float | None, variant: Variant):
     return FwdPlan(q, k, v, causal, scale, variant).run(q, k, v)
 
 
+class VarlenFwdPlan:
+    """A varlen fwd launch (packed q (total_q, H, D), k, v (total_k, Hk, D)) fixed by shapes,
+    strides, dtype, causal, scale, batch and max seqlens: built once per such signature."""
+    __slots__ = ("kernel", "grid", "args", "kwargs", "lse_shape")
+
+    def __init__(self, q, k, v, batch: int, max_seqlen_q: int, max_seqlen_k: int, causal: bool,
+                 scale: float | None, variant: Variant):
+        check_varlen_variant(variant)
+        total_q, h, d = q.shape
+        o_strides = torch.empty_like(q, device="meta")
+        self.kernel = load(variant).attn_fwd
+        self.grid = (triton.cdiv(max_seqlen_q, variant.block_m) * batch * h,)
+        self.lse_shape = (h, total_q)
+        self.args = (_scale(scale, d), *strides3(packed_view(q), packed_view(k), packed_view(v),
+                                                 packed_view(o_strides)),
+                     h, max_seqlen_q, max_seqlen_k, total_q)
+        self.kwargs = fwd_params(variant, q.dtype, d, causal, h // k.shape[1], even_n=False)
+
+    def run(self, q, k, v, cu_seqlens_q, cu_seqlens_k):
+        o = torch.empty_like(q)
+        lse = torch.empty(self.lse_shape, dtype=torch.float32, device=q.device)
+        self.kernel[self.grid](q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, *self.args,
+                               **self.kwargs)
+        return o, lse
+
+
 def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
                    causal: bool, scale: float | None, variant: Variant):
     """Run a varlen fwd variant on packed q (total_q, H, D), k, v (total_k, Hk, D) with int32
     cu_seqlens (batch + 1) already validated: returns O (like q) and LSE (float32, (H, total_q)).
     The grid covers max_seqlen_q; blocks past their sequence's end exit at once."""
-    check_varlen_variant(variant)
-    total_q, h, d = q.shape
-    batch = cu_seqlens_q.shape[0] - 1
-    o = torch.empty_like(q)
-    lse = torch.empty((h, total_q), dtype=torch.float32, device=q.device)
-    kernel = load(variant).attn_fwd
-    grid = (triton.cdiv(max_seqlen_q, variant.block_m) * batch * h,)
-    kernel[grid](q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, _scale(scale, d),
-                 *strides3(packed_view(q), packed_view(k), packed_view(v), packed_view(o)),
-                 h, max_seqlen_q, max_seqlen_k, total_q,
-                 **fwd_params(variant, q.dtype, d, causal, h // k.shape[1], even_n=False))
-    return o, lse
+    return VarlenFwdPlan(q, k, v, cu_seqlens_q.shape[0] - 1, max_seqlen_q, max_seqlen_k, causal,
+                         scale, variant).run(q, k, v, cu_seqlens_q, cu_seqlens_k)

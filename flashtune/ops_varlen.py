@@ -27,9 +27,21 @@ def run_forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, m
         return (torch.zeros_like(q),
                 torch.full((h, total_q), float("-inf"), dtype=torch.float32, device=q.device))
     batch = cu_seqlens_q.shape[0] - 1
-    variant = dispatch.select_varlen("fwd", q, k, batch, max_seqlen_q, max_seqlen_k, causal)
-    return launch.forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                 causal, scale, variant)
+    key = (q.dtype, q.shape, q.stride(), k.shape, k.stride(), v.stride(), batch, max_seqlen_q,
+           max_seqlen_k, causal, scale, dispatch.forced_variant())
+    plan = _plans.get(key)
+    if plan is None:
+        if len(_plans) >= 4096:
+            _plans.clear()
+        variant = dispatch.select_varlen("fwd", q, k, batch, max_seqlen_q, max_seqlen_k, causal)
+        plan = _plans[key] = launch.VarlenFwdPlan(q, k, v, batch, max_seqlen_q, max_seqlen_k,
+                                                  causal, scale, variant)
+    return plan.run(q, k, v, cu_seqlens_q, cu_seqlens_k)
+
+
+# call signature -> launch.VarlenFwdPlan (as ops.py's dense plans; cleared with the dispatcher)
+_plans: dict = {}
+dispatch.on_clear(_plans.clear)
 
 
 def run_backward_varlen(grad_out, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int,
