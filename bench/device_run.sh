@@ -64,7 +64,7 @@ for step in ${STEPS:-fwdtests}; do
                 --head-dim 128 --seqlen 4096 --causal both --trials 16 --storage sqlite:////tmp/q.db \
                 --db sqlite:////tmp/qt.db --progress lines 2>&1 | grep -v "^\[" | tail -6 ;;
     searchgpu) timeout 200 python3 -m pytest -q tests/test_search_gpu.py 2>&1 | tail -5 ;;
-    newtests) timeout ${NEWTESTS_TIMEOUT:-360} python3 -m pytest -q -x tests/test_splitkv.py tests/test_varlen.py \
+    newtests) timeout ${NEWTESTS_TIMEOUT:-360} python3 -m pytest -q --maxfail=8 tests/test_splitkv.py tests/test_varlen.py \
                 tests/test_bf16_cpu.py tests/test_return_lse.py tests/test_force.py tests/test_forward_gpu.py \
                 2>&1 | tee "$OUT/newtests.log" | tail -25 ;;
     decode)   timeout ${DECODE_TIMEOUT:-420} python3 bench/decode_bench.py --out "$OUT/decode.jsonl" ${DECODE_ARGS:-} \
