@@ -38,7 +38,8 @@ def main(argv=None):
     for dtype in args.dtypes:
         for d in args.head_dims:
             vs = ([Variant.parse(v) for v in args.variants] if args.variants else
-                  [default_variant("bwd", d, dtype, dq=s) for s in ("atomic", "separate")])
+                  [default_variant("bwd", d, dtype, dq=s, arch="sm_90")
+                   for s in ("atomic", "separate")])
             for v in vs:
                 for kernel, r in check(v, d, dtype, tails=args.tails).items():
                     ok &= r["fits"] and not r.get("spill_bytes")

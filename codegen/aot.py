@@ -40,6 +40,16 @@ def ptxas_usage(ptx: str, arch: str = "sm_90a") -> dict:
     return {}
 
 
+def _launch_fp_fusion() -> bool:
+    """The FP fusion a launch of the kernel gets (the launchers leave it to Triton's knobs).
+    Passing it explicitly compiles the same code and keeps Triton 3.9 from warning, once per
+    process, that the unset TRITON_DEFAULT_FP_FUSION default will change in 3.10."""
+    from triton import knobs
+    lang = knobs.language
+    return (getattr(lang, "default_fp_fusion", True)
+            and not getattr(lang, "force_disable_fp_fusion", False))
+
+
 def compile_for(fn, constexprs: dict, dtype: str, num_warps: int, num_stages: int, *,
                 capability: int = 90, f32_ptrs: frozenset = frozenset(), usage: bool = False,
                 types: dict | None = None) -> dict:
@@ -75,7 +85,8 @@ def compile_for(fn, constexprs: dict, dtype: str, num_warps: int, num_stages: in
                 attrs[(i,)] = [["tt.divisibility", 16]]
     src = ASTSource(fn, sig, constexprs=constexprs, attrs=attrs)
     k = triton.compile(src, target=GPUTarget("cuda", capability, 32),
-                       options=dict(num_warps=num_warps, num_stages=num_stages))
+                       options=dict(num_warps=num_warps, num_stages=num_stages,
+                                    enable_fp_fusion=_launch_fp_fusion()))
     out = {"smem": k.metadata.shared, "ptx": k.asm["ptx"]}
     if usage:
         out.update(ptxas_usage(k.asm["ptx"], f"sm_{capability}a" if capability == 90 else

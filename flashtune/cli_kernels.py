@@ -61,8 +61,9 @@ def show(variant, path):
 @click.option("--tails", is_flag=True, help="the ragged-seqlen / GQA specialisation")
 @click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table")
 def check(variants, gpu, head_dims, dtypes, causal, tails, fmt):
-    """Compile VARIANTS (default: the built-in defaults) for a GPU without one: shared memory,
-    registers and spills per kernel. Exits 1 if a kernel exceeds the target's shared memory."""
+    """Compile VARIANTS (default: the target's built-in defaults) for a GPU without one: shared
+    memory, registers and spills per kernel. Exits 1 if a kernel exceeds the target's shared
+    memory, spills registers, or uses a feature the target lacks (descriptor loads need TMA)."""
     from . import env, targets
     from .defaults import default_variant
     from .problem import DTYPE_ALIASES
@@ -80,18 +81,19 @@ def check(variants, gpu, head_dims, dtypes, causal, tails, fmt):
     rows, ok = [], True
     for dtype in dts:
         for d in ds:
-            vs = chosen or [default_variant("fwd", d, dtype)] + [
-                default_variant("bwd", d, dtype, dq=s) for s in ("separate", "atomic")]
+            vs = chosen or [default_variant("fwd", d, dtype, arch=target.arch)] + [
+                default_variant("bwd", d, dtype, dq=s, arch=target.arch)
+                for s in ("separate", "atomic")]
             for v in vs:
                 try:
                     res = check_variant(v, d, dtype, causal=causal, tails=tails, capability=cap)
                 except Exception as e:  # noqa: BLE001 -- a config that cannot build is a result
                     res = {"error": {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}}
                 for kernel, r in res.items():
-                    fits = "error" not in r and r["smem"] <= target.smem_per_block
-                    ok &= fits
+                    why = _problems(v, r, target)
+                    ok &= not why
                     rows.append(dict(dtype=dtype, head_dim=d, variant=v.name, kernel=kernel,
-                                     fits=fits, **r))
+                                     fits=not why, why=why, **r))
     if fmt == "json":
         click.echo(json.dumps(rows, indent=2))
     else:
@@ -101,6 +103,22 @@ def check(variants, gpu, head_dims, dtypes, causal, tails, fmt):
             detail = r.get("error") or (f"smem {r['smem']:>6} B  regs {r.get('regs')}  "
                                         f"spills {r.get('spill_bytes')} B")
             click.echo(f"{r['dtype']:9} D={r['head_dim']:<4} {r['variant']:54} {r['kernel']:5} "
-                       f"{'ok ' if r['fits'] else 'BAD'} {detail}")
+                       f"{'ok ' if r['fits'] else 'BAD'} {detail}"
+                       + (f"  ({'; '.join(r['why'])})" if r["why"] and "error" not in r else ""))
     if not ok:
         raise SystemExit(1)
+
+
+def _problems(variant: Variant, r: dict, target) -> list[str]:
+    """Why a compiled kernel must not ship for `target` ([] when it may)."""
+    if "error" in r:
+        return ["does not compile"]
+    why = []
+    if r["smem"] > target.smem_per_block:
+        why.append(f"shared memory {r['smem']} B > {target.smem_per_block} B")
+    if r.get("spill_bytes"):  # local-memory traffic in the inner loop: slow, never a default
+        why.append(f"spills {r['spill_bytes']} B")
+    if variant.loads == "descriptor" and not target.has("tma"):
+        # Triton lowers descriptors to plain loads here: legal, but not what was measured
+        why.append(f"descriptor loads need TMA, which {target.short} ({target.arch}) lacks")
+    return why

@@ -308,6 +308,7 @@ class _Levels:
     gpu: str | None
     sources: tuple
     notes: tuple
+    arch: str = ""  # the GPU's ("sm_90"); "" unknown: the defaults then follow the GPU present
 
 
 def _gpu() -> tuple[str | None, str]:
@@ -345,7 +346,7 @@ def _read_levels() -> _Levels:
         for e in s.errors:
             log.warning("flashtune: %s", e)
     notes = tuple(n for s in sources for n in s.notes + s.errors)
-    return _Levels(gpu, tuple(s for s in sources if s.records), notes)
+    return _Levels(gpu, tuple(s for s in sources if s.records), notes, arch or table_arch or "")
 
 
 def _levels() -> _Levels:
@@ -380,7 +381,8 @@ def _explain_bucket(problem: Problem) -> Explanation:
                     bucket, e)
     if match is None:
         ex = Explanation(problem, bucket,
-                         default_variant(problem.family, problem.head_dim, problem.dtype),
+                         default_variant(problem.family, problem.head_dim, problem.dtype,
+                                         arch=levels.arch or None),
                          "default", "flashtune/defaults.py", levels.gpu, notes=levels.notes)
     else:
         if match.stale:

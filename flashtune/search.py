@@ -144,7 +144,8 @@ def _default_variant(pb: PlannedBucket) -> Variant | None:
     """The built-in default the dispatcher would run (the final pick re-times it)."""
     from .defaults import default_variant
     try:
-        return default_variant(pb.bucket.family, pb.problem.head_dim, pb.problem.dtype)
+        return default_variant(pb.bucket.family, pb.problem.head_dim, pb.problem.dtype,
+                               arch=pb.space.target.arch)
     except KeyError:
         return None
 
@@ -155,7 +156,8 @@ def _first_points(pb: PlannedBucket) -> list[Variant]:
     from .defaults import default_variant
     first = [_default_variant(pb)]
     if pb.bucket.family == "bwd":
-        first += [default_variant("bwd", pb.problem.head_dim, pb.problem.dtype, dq=s)
+        first += [default_variant("bwd", pb.problem.head_dim, pb.problem.dtype, dq=s,
+                                  arch=pb.space.target.arch)
                   for s in ("separate", "atomic")]
     return [v for v in dict.fromkeys(first) if v is not None]
 

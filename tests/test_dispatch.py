@@ -60,8 +60,14 @@ def user_db(monkeypatch, tmp_path, *recs):
 def test_default_when_nothing_is_tuned(tables):
     ex = dispatch.explain(prob())
     assert ex.level == "default" and ex.record is None and ex.gpu == H200
-    assert ex.variant == default_variant("fwd", 128, "float16") == dispatch.select(prob())
+    assert ex.variant == default_variant("fwd", 128, "float16", arch="sm_90") == dispatch.select(prob())
     assert any("no shipped table" in n for n in ex.notes)
+
+
+def test_default_follows_the_dispatch_gpus_arch(tables):
+    dispatch.configure(gpu="A100", tables_dir=tables)
+    v = dispatch.select(prob())  # sm_80: no TMA, so no descriptor loads
+    assert v == default_variant("fwd", 128, "float16", arch="sm_80") and v.loads == "pointer"
 
 
 def test_gpu_table_serves_its_bucket(tables):
@@ -196,7 +202,7 @@ def test_memo_is_bounded(tables, monkeypatch):
 
 def test_writes_in_this_process_refresh_the_dispatcher(tables, tmp_path, monkeypatch):
     url = user_db(monkeypatch, tmp_path)
-    assert dispatch.select(prob()) == default_variant("fwd", 128, "float16")
+    assert dispatch.select(prob()) == default_variant("fwd", 128, "float16", arch="sm_90")
     TunedDB(url).put(make_record(gpu=H200, variant=V_USER))
     assert dispatch.select(prob()).name == V_USER
     path = ship(tables, H200, make_record(sq=2048, variant=V_TABLE))
@@ -333,7 +339,7 @@ def test_launch_plans_follow_the_tuned_db(tables, tmp_path, monkeypatch):
         return plans[0].variant.name
 
     flashtune.attention(q, k, v, causal=True)
-    assert ran() == default_variant("fwd", 128, "float16").name
+    assert ran() == default_variant("fwd", 128, "float16", arch="sm_90").name
     TunedDB(url).put(make_record(gpu=H200, variant=V_USER, sk=64))
     assert not ops._plans  # the write cleared them
     flashtune.attention(q, k, v, causal=True)

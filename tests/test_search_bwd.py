@@ -47,7 +47,7 @@ def test_space_has_both_schemes_and_dq_tiles_only_where_they_exist():
     for d in (64, 128):
         sd = Space.build("bwd", H100, _p(d))
         for dq in ("atomic", "separate"):
-            assert default_variant("bwd", d, "bfloat16", dq=dq) in sd.feasible
+            assert default_variant("bwd", d, "bfloat16", dq=dq, arch="sm_90") in sd.feasible
 
 
 def test_optuna_proposes_both_schemes_and_round_trips():
@@ -155,8 +155,8 @@ def test_bwd_study_writes_winner_to_db_and_the_dispatcher_uses_it(tmp_path):
                               storage=make_storage(cfg.storage))
     proposed = [Variant.parse(t.user_attrs["variant"]) for t in study.trials
                 if "variant" in t.user_attrs]
-    assert proposed[:2] == [default_variant("bwd", 64, "bfloat16", dq="separate"),
-                            default_variant("bwd", 64, "bfloat16", dq="atomic")]
+    assert proposed[:2] == [default_variant("bwd", 64, "bfloat16", dq="separate", arch="sm_90"),
+                            default_variant("bwd", 64, "bfloat16", dq="atomic", arch="sm_90")]
     (rec,) = TunedDB(cfg.db).records()
     assert rec.bucket.family == "bwd" and rec.variant.name == b.winner
     assert rec.unit == "TFLOP/s" and rec.provenance.source == "search"
