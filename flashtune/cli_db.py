@@ -7,13 +7,15 @@ from pathlib import Path
 
 import click
 
+from .cli_params import DTYPE, DTYPE_HELP, HEAD_DIM, HEAD_DIM_HELP
 from .tuned_db.errors import TunedDBError
 
 _db_option = click.option("--db", "db_url", metavar="URL", default=None,
                           help="SQLAlchemy URL of the tuned DB (default: FLASHTUNE_DB, else the "
                                "SQLite file in the cache folder)")
 _format_option = click.option("--format", "fmt", type=click.Choice(["table", "json"]),
-                              default="table", show_default=True)
+                              default="table", show_default=True,
+                              help="a table for reading, or JSON for scripts")
 
 
 def _fail(e: Exception):
@@ -70,9 +72,9 @@ def db():
 @_db_option
 @_format_option
 def show(gpu, family, table_file, tables, db_url, fmt):
-    """List the records that serve a GPU, in lookup order, with their source.
+    """List the records that serve a GPU.
 
-    The order is the dispatcher's: the user DB, then the shipped table of the GPU, then the
+    In lookup order, each with its source. The order is the dispatcher's: the user DB, then the shipped table of the GPU, then the
     shipped tables of its architecture. A record is "shadowed" when one of the same bucket
     earlier in that order (or a fresh one, if it is stale) serves instead."""
     from .tuned_db import lookup
@@ -201,7 +203,9 @@ def export(gpu, output, db_url):
               help="set provenance.source to 'import' (default: keep how each was found)")
 @_db_option
 def import_(files, mark_imported, db_url):
-    """Upsert the records of table FILES into the DB (all checked before any is written)."""
+    """Upsert table files into the DB.
+
+    Every record of FILES is checked before any is written."""
     import dataclasses
 
     from .tuned_db.io import read_table
@@ -223,7 +227,9 @@ def import_(files, mark_imported, db_url):
 @click.option("--gpu", default=None, help="only this GPU")
 @_format_option
 def diff_(old, new, gpu, fmt):
-    """What changed from OLD to NEW (table files, or DB URLs) and by how much."""
+    """What changed between two tables or DBs.
+
+    OLD and NEW are table files or DB URLs; changed records say by how much."""
     from .tuned_db.diff import diff
     try:
         changes = diff(_records_of(old, _slug(gpu)), _records_of(new, _slug(gpu)))
@@ -249,16 +255,18 @@ def dispatch_group():
 
 
 @dispatch_group.command("explain")
-@click.option("--family", default="fwd", show_default=True)
-@click.option("--dtype", type=click.Choice(["float16", "bfloat16", "float32"]), default="float16",
-              show_default=True)
-@click.option("--head-dim", type=int, default=128, show_default=True)
-@click.option("--causal/--no-causal", default=False, show_default=True)
-@click.option("--batch", type=int, default=1, show_default=True)
-@click.option("--heads", type=int, default=16, show_default=True)
-@click.option("--kv-heads", type=int, default=None, help="K/V heads (default: --heads)")
-@click.option("--seqlen-q", type=int, default=1024, show_default=True)
-@click.option("--seqlen-k", type=int, default=None, help="default: --seqlen-q")
+@click.option("--family", default="fwd", show_default=True, help="kernel family (fwd, bwd)")
+@click.option("--dtype", type=DTYPE, default="fp16", show_default=True, help=DTYPE_HELP)
+@click.option("--head-dim", type=HEAD_DIM, default=128, show_default=True, help=HEAD_DIM_HELP)
+@click.option("--causal/--no-causal", default=False, show_default=True, help="causal masking")
+@click.option("--batch", type=click.IntRange(1), default=1, show_default=True, help="batch size")
+@click.option("--heads", type=click.IntRange(1), default=16, show_default=True, help="query heads")
+@click.option("--kv-heads", type=click.IntRange(1), default=None,
+              help="K/V heads (default: --heads)")
+@click.option("--seqlen-q", type=click.IntRange(1), default=1024, show_default=True,
+              help="query length")
+@click.option("--seqlen-k", type=click.IntRange(1), default=None,
+              help="key length (default: --seqlen-q)")
 @click.option("--gpu", default=None, help="the GPU to look up (default: FLASHTUNE_GPU, else detected)")
 @click.option("--tables", type=click.Path(file_okay=False), default=None,
               help="a folder of tables instead of the shipped ones")
@@ -266,7 +274,10 @@ def dispatch_group():
 @_format_option
 def explain(family, dtype, head_dim, causal, batch, heads, kv_heads, seqlen_q, seqlen_k, gpu,
             tables, db_url, fmt):
-    """Which bucket, which record and which level of the lookup order serve a problem."""
+    """Why a problem runs the variant it runs.
+
+    Prints the problem's bucket, the record and the level of the lookup order that serve it,
+    and what each level said."""
     from . import dispatch
     from .problem import Problem
     kv = kv_heads or heads

@@ -11,6 +11,14 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
 
 
+def check_head_dim(d: int) -> int:
+    """Raise ValueError unless the kernels support head dim `d` (the API and the CLI's
+    --head-dim share this check and its message); return d."""
+    if not MIN_HEAD_DIM <= d <= MAX_HEAD_DIM:
+        raise ValueError(f"head_dim {d} is not supported: expected {MIN_HEAD_DIM}..{MAX_HEAD_DIM}")
+    return d
+
+
 def check_qkv(q, k, v, causal, scale) -> None:
     """Raise a clear error for bad input. The common all-good case is one cheap expression
     (this runs on every call); the detailed checks below run only when it fails."""
@@ -63,8 +71,7 @@ def _check_qkv_in_detail(q, k, v, causal, scale) -> None:
                          f"and v {tuple(v.shape)}")
     if k.shape[3] != d:
         raise ValueError(f"head_dim differs: q has {d}, k and v have {k.shape[3]}")
-    if not MIN_HEAD_DIM <= d <= MAX_HEAD_DIM:
-        raise ValueError(f"head_dim {d} is not supported: expected {MIN_HEAD_DIM}..{MAX_HEAD_DIM}")
+    check_head_dim(d)
     hk = k.shape[1]
     if hk == 0 or h % hk:
         raise ValueError(f"q heads ({h}) must be a positive multiple of k/v heads ({hk}) "

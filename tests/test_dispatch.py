@@ -274,6 +274,20 @@ def test_cli_dispatch_explain(tables):
     assert "level    arch-table" in res.output and "exact bucket" in res.output
 
 
+def test_cli_dispatch_explain_shares_dtype_names_and_head_dim_bounds_with_the_rest(tables):
+    from flashtune.validate import check_qkv
+    base = ["dispatch", "explain", "--gpu", "H200", "--tables", str(tables), "--format", "json"]
+    for spelling in ("bf16", "bfloat16", "BF16"):  # what `search --dtype` accepts
+        res = CliRunner().invoke(main, base + ["--dtype", spelling])
+        assert res.exit_code == 0, res.output
+        assert json.loads(res.output)["bucket"]["dtype"] == "bfloat16"
+    q = torch.empty(1, 1, 4, 300, dtype=torch.float16)
+    with pytest.raises(ValueError) as api:
+        check_qkv(q, q, q, False, None)
+    res = CliRunner().invoke(main, base + ["--head-dim", "300"])
+    assert res.exit_code == 2 and "--head-dim" in res.output and str(api.value) in res.output
+
+
 # -- bad input: logged fallbacks, never a crash inside attention ----------------------------------
 def _attention_runs():
     q = torch.randn(1, 2, 20, 64, dtype=torch.float16)
