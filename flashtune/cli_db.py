@@ -74,9 +74,10 @@ def db():
 def show(gpu, family, table_file, tables, db_url, fmt):
     """List the records that serve a GPU.
 
-    In lookup order, each with its source. The order is the dispatcher's: the user DB, then the shipped table of the GPU, then the
-    shipped tables of its architecture. A record is "shadowed" when one of the same bucket
-    earlier in that order (or a fresh one, if it is stale) serves instead."""
+    Each with its source, in the dispatcher's lookup order: the user DB, then the shipped
+    table of the GPU, then the shipped tables of its architecture. A record is "shadowed" when
+    one of its bucket earlier in that order (or a fresh one, if it is stale) serves instead.
+    Exits 1 if a level could not be read (the dispatcher would skip it)."""
     from .tuned_db import lookup
     if table_file:
         try:
