@@ -188,9 +188,10 @@ def test_show_orders_the_levels_and_marks_what_serves(tmp_path, no_user_db):
     shipped = write_table(tables / f"{H100}.json", "H100",
                           [make_record(sq=1024), make_record(sq=4096), make_record(sq=8192)])
     url = f"sqlite:///{tmp_path / 'u.db'}"
-    TunedDB(url).put_many([make_record(sq=1024, variant="fwd-m64-n64-w4-s2"),           # overrides
-                           make_record(sq=4096, thash="0123456789abcdef", variant="fwd-m64-n64-w4-s2"),
-                           make_record(sq=16384, thash="0123456789abcdef")])            # alone
+    old = "0123456789abcdef"  # a template hash the generator no longer has: stale
+    TunedDB(url).put_many([make_record(sq=1024, variant="fwd-m64-n64-w4-s2"),   # overrides
+                           make_record(sq=4096, thash=old, variant="fwd-m64-n64-w4-s2"),
+                           make_record(sq=16384, thash=old)])                   # alone, stale
     res = _cli("db", "show", "--gpu", "H100", "--db", url, "--tables", str(tables),
                "--format", "json")
     got = [(r["level"], r["record"]["bucket"]["seqlen_q"], r["status"])
