@@ -3,16 +3,19 @@ flashtune.tuned_db and flashtune.dispatch."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import click
 
+from .cli_params import DTYPE, DTYPE_HELP, HEAD_DIM, HEAD_DIM_HELP
 from .tuned_db.errors import TunedDBError
 
 _db_option = click.option("--db", "db_url", metavar="URL", default=None,
                           help="SQLAlchemy URL of the tuned DB (default: FLASHTUNE_DB, else the "
                                "SQLite file in the cache folder)")
 _format_option = click.option("--format", "fmt", type=click.Choice(["table", "json"]),
-                              default="table", show_default=True)
+                              default="table", show_default=True,
+                              help="a table for reading, or JSON for scripts")
 
 
 def _fail(e: Exception):
@@ -58,29 +61,119 @@ def db():
 
 
 @db.command("show")
-@click.option("--gpu", default=None, help="only this GPU (H100, a device name or a slug)")
+@click.option("--gpu", default=None,
+              help="the GPU to show (H100, a device name or a slug; default: FLASHTUNE_GPU, else "
+                   "the GPU detected)")
 @click.option("--family", default=None, help="only this kernel family")
 @click.option("--table", "table_file", type=click.Path(dir_okay=False), default=None,
-              help="show a table file instead of the DB")
+              help="show this table file only, instead of the lookup levels")
+@click.option("--tables", type=click.Path(file_okay=False), default=None,
+              help="a folder of tables instead of the shipped ones")
 @_db_option
 @_format_option
-def show(gpu, family, table_file, db_url, fmt):
-    """List the tuned records."""
-    try:
-        recs = _records_of(table_file, _slug(gpu)) if table_file else \
-            _open(db_url).records(gpu=_slug(gpu), family=family)
-    except TunedDBError as e:
-        _fail(e)
-    recs = [r for r in recs if family is None or r.bucket.family == family]
+def show(gpu, family, table_file, tables, db_url, fmt):
+    """List the records that serve a GPU.
+
+    Each with its source, in the dispatcher's lookup order: the user DB, then the shipped
+    table of the GPU, then the shipped tables of its architecture. A record is "shadowed" when
+    one of its bucket earlier in that order (or a fresh one, if it is stale) serves instead.
+    Exits 1 if a level could not be read (the dispatcher would skip it)."""
+    from .tuned_db import lookup
+    if table_file:
+        try:
+            recs = _records_of(table_file, _slug(gpu))
+        except TunedDBError as e:
+            _fail(e)
+        sources = [lookup.Source("table", table_file, tuple(recs))]
+        slug = None
+    else:
+        slug, arch = _show_gpu(gpu)
+        sources = _levels(slug, arch, db_url, tables)
+    rows = _show_rows(sources, family)
+    problems = [e for s in sources for e in s.errors]
     if fmt == "json":
-        click.echo(json.dumps([r.to_dict() for r in recs], indent=2, sort_keys=True))
-        return
-    rows = [[r.gpu] + _bucket_cells(r.bucket) + [
-        r.variant.name, f"{r.median_ms:.4g}", f"{r.throughput:.4g} {r.unit}", f"{r.max_err:.2g}",
-        r.provenance.source, r.provenance.date[:10]] for r in recs]
-    click.echo(_table(["gpu"] + _BUCKET_HEAD + ["variant", "ms", "throughput", "err", "source",
-                                                 "date"], rows))
-    click.echo(f"{len(recs)} record(s)")
+        click.echo(json.dumps({"gpu": slug, "records": [_row_dict(r) for r in rows],
+                               "levels": [{"level": s.level, "source": s.origin,
+                                           "records": len(s.records), "notes": list(s.notes),
+                                           "errors": list(s.errors)} for s in sources]},
+                              indent=2, sort_keys=True))
+    else:
+        _print_show(slug, sources, rows)
+    if problems:
+        if fmt != "json":
+            for e in problems:
+                click.echo(f"error: {e}", err=True)
+        raise SystemExit(1)
+
+
+def _show_gpu(gpu) -> tuple[str, str]:
+    """(slug, arch) of --gpu, else FLASHTUNE_GPU, else the GPU detected (as the dispatcher)."""
+    from . import env, targets
+    from .tuned_db.gpu import gpu_slug, target_of
+    name = gpu or env.gpu_override()
+    if name:
+        t = target_of(name)
+        return (t.slug, t.arch) if t else (gpu_slug(name), "")
+    t = targets.detect()
+    if t is None:
+        raise click.UsageError("no GPU detected here: pass --gpu (H100, A100, ...) to list what "
+                               "serves that GPU, or --table FILE to show one table file")
+    return t.slug, t.arch
+
+
+def _levels(slug, arch, db_url, tables):
+    from . import env
+    from .tuned_db import lookup
+    from .tuned_db.io import TABLES_DIR
+    default = env.cache_dir() / "tuned.db"
+    return lookup.levels(slug, arch, db_url or env.db_url(), f"sqlite:///{default}",
+                         default.exists(), Path(tables) if tables else TABLES_DIR)
+
+
+def _show_rows(sources, family) -> list[tuple]:
+    """(source, record, status, stale, notes) per record, in lookup order. status: "serves",
+    "stale" (serves, with a warning), "shadowed" (never chosen), or "-" outside the lookup."""
+    from .tuned_db import lookup
+    out = []
+    for s in sources:
+        for r in s.records:
+            if family is not None and r.bucket.family != family:
+                continue
+            stale = lookup.staleness(r)
+            if s.level in lookup.LEVELS:
+                won = lookup.best(r.bucket, sources)  # a record serves anything iff it wins its own
+                status = ("stale" if stale else "serves") if won and won.record is r else "shadowed"
+            else:
+                status = "-"
+            out.append((s, r, status, stale, lookup.record_notes(r)))
+    return out
+
+
+def _row_dict(row) -> dict:
+    s, r, status, stale, notes = row
+    return {"level": s.level, "source": s.origin, "status": status, "stale": list(stale),
+            "notes": list(notes), "record": r.to_dict()}
+
+
+def _print_show(slug, sources, rows):
+    if slug is not None:
+        click.echo(f"records serving {slug}, in lookup order:")
+    for s in sources:
+        click.echo(f"  {s.level:<10} {s.origin}: {len(s.records)} record(s)")
+    table = []
+    for s, r, status, _, _ in rows:
+        p = r.provenance
+        where = s.origin if s.level == "user-db" else Path(s.origin).name  # full path above
+        table.append([s.level, where] + _bucket_cells(r.bucket) + [
+            r.variant.name, f"{r.median_ms:.4g}", f"{r.throughput:.4g} {r.unit}",
+            f"{r.max_err:.2g}", p.source, p.triton, p.date[:10], status])
+    if table:
+        click.echo()
+        click.echo(_table(["level", "source"] + _BUCKET_HEAD + [
+            "variant", "ms", "throughput", "err", "found", "triton", "date", "status"], table))
+    for n in dict.fromkeys(n for row in rows for n in row[3] + row[4]):
+        click.echo(f"note: {n}")
+    click.echo(f"{len(rows)} record(s)")
 
 
 @db.command("export")
@@ -93,7 +186,12 @@ def export(gpu, output, db_url):
     from .tuned_db.io import table_path, write_table
     slug = _slug(gpu)
     try:
-        recs = _open(db_url).records(gpu=slug)
+        db_ = _open(db_url)
+        recs = db_.records(gpu=slug)
+        if not recs:  # an empty table would shadow nothing yet look like a shipped result
+            _fail(ValueError(f"{db_.display_url} has no records of {slug}: nothing to export "
+                             f"(run `flashtune search --gpu {gpu}` on that GPU first); no file "
+                             "written"))
         path = write_table(output or table_path(slug), slug, recs)
     except (TunedDBError, ValueError) as e:
         _fail(e)
@@ -106,7 +204,9 @@ def export(gpu, output, db_url):
               help="set provenance.source to 'import' (default: keep how each was found)")
 @_db_option
 def import_(files, mark_imported, db_url):
-    """Upsert the records of table FILES into the DB (all checked before any is written)."""
+    """Upsert table files into the DB.
+
+    Every record of FILES is checked before any is written."""
     import dataclasses
 
     from .tuned_db.io import read_table
@@ -128,7 +228,9 @@ def import_(files, mark_imported, db_url):
 @click.option("--gpu", default=None, help="only this GPU")
 @_format_option
 def diff_(old, new, gpu, fmt):
-    """What changed from OLD to NEW (table files, or DB URLs) and by how much."""
+    """What changed between two tables or DBs.
+
+    OLD and NEW are table files or DB URLs; changed records say by how much."""
     from .tuned_db.diff import diff
     try:
         changes = diff(_records_of(old, _slug(gpu)), _records_of(new, _slug(gpu)))
@@ -154,16 +256,18 @@ def dispatch_group():
 
 
 @dispatch_group.command("explain")
-@click.option("--family", default="fwd", show_default=True)
-@click.option("--dtype", type=click.Choice(["float16", "bfloat16", "float32"]), default="float16",
-              show_default=True)
-@click.option("--head-dim", type=int, default=128, show_default=True)
-@click.option("--causal/--no-causal", default=False, show_default=True)
-@click.option("--batch", type=int, default=1, show_default=True)
-@click.option("--heads", type=int, default=16, show_default=True)
-@click.option("--kv-heads", type=int, default=None, help="K/V heads (default: --heads)")
-@click.option("--seqlen-q", type=int, default=1024, show_default=True)
-@click.option("--seqlen-k", type=int, default=None, help="default: --seqlen-q")
+@click.option("--family", default="fwd", show_default=True, help="kernel family (fwd, bwd)")
+@click.option("--dtype", type=DTYPE, default="fp16", show_default=True, help=DTYPE_HELP)
+@click.option("--head-dim", type=HEAD_DIM, default=128, show_default=True, help=HEAD_DIM_HELP)
+@click.option("--causal/--no-causal", default=False, show_default=True, help="causal masking")
+@click.option("--batch", type=click.IntRange(1), default=1, show_default=True, help="batch size")
+@click.option("--heads", type=click.IntRange(1), default=16, show_default=True, help="query heads")
+@click.option("--kv-heads", type=click.IntRange(1), default=None,
+              help="K/V heads (default: --heads)")
+@click.option("--seqlen-q", type=click.IntRange(1), default=1024, show_default=True,
+              help="query length")
+@click.option("--seqlen-k", type=click.IntRange(1), default=None,
+              help="key length (default: --seqlen-q)")
 @click.option("--gpu", default=None, help="the GPU to look up (default: FLASHTUNE_GPU, else detected)")
 @click.option("--tables", type=click.Path(file_okay=False), default=None,
               help="a folder of tables instead of the shipped ones")
@@ -171,7 +275,10 @@ def dispatch_group():
 @_format_option
 def explain(family, dtype, head_dim, causal, batch, heads, kv_heads, seqlen_q, seqlen_k, gpu,
             tables, db_url, fmt):
-    """Which bucket, which record and which level of the lookup order serve a problem."""
+    """Why a problem runs the variant it runs.
+
+    Prints the problem's bucket, the record and the level of the lookup order that serve it,
+    and what each level said."""
     from . import dispatch
     from .problem import Problem
     kv = kv_heads or heads

@@ -15,7 +15,8 @@ def kernels():
 
 
 @kernels.command("list")
-@click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table")
+@click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table",
+              show_default=True, help="a table for reading, or JSON for scripts")
 def list_(fmt):
     """List the kernel families, their structural choices and tunables."""
     from .families import all_families
@@ -55,11 +56,14 @@ def show(variant, path):
 @kernels.command("check")
 @click.argument("variants", nargs=-1)
 @click.option("--gpu", default="H100", show_default=True, help="target to compile for")
-@click.option("--head-dim", "head_dims", default="64,128", show_default=True)
+@click.option("--head-dim", "head_dims", default="64,128", show_default=True,
+              help="head dims to compile for (comma-separated)")
 @click.option("--dtype", "dtypes", default="bf16", show_default=True, help="bf16, fp16, fp32")
-@click.option("--causal/--no-causal", default=True, show_default=True)
+@click.option("--causal/--no-causal", default=True, show_default=True,
+              help="compile the causal or the non-causal kernels")
 @click.option("--tails", is_flag=True, help="the ragged-seqlen / GQA specialisation")
-@click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table")
+@click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table",
+              show_default=True, help="a table for reading, or JSON for scripts")
 def check(variants, gpu, head_dims, dtypes, causal, tails, fmt):
     """Compile VARIANTS (default: the target's built-in defaults) for a GPU without one: shared
     memory, registers and spills per kernel. Exits 1 if a kernel exceeds the target's shared

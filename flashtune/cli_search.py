@@ -7,8 +7,7 @@ import re
 import click
 
 from . import env
-from .problem import DTYPE_ALIASES
-
+from .cli_params import DTYPE, DTYPE_HELP, HEAD_DIM, HEAD_DIM_HELP, comma_list
 
 
 def _split(values, convert, name):
@@ -42,10 +41,12 @@ def _seconds(text):
 @click.option("--family", "families", multiple=True, default=("fwd",), show_default=True,
               help="kernel families (repeat or comma-separate)")
 @click.option("--dtype", "dtypes", multiple=True, default=("bf16",), show_default=True,
-              help="bf16, fp16, fp32")
-@click.option("--head-dim", "head_dims", multiple=True, default=("64,128",), show_default=True)
+              callback=comma_list(DTYPE), help=f"{DTYPE_HELP} (repeat or comma-separate)")
+@click.option("--head-dim", "head_dims", multiple=True, default=("64,128",), show_default=True,
+              callback=comma_list(HEAD_DIM),
+              help=f"{HEAD_DIM_HELP} (repeat or comma-separate); buckets pad it to a power of two")
 @click.option("--causal", type=click.Choice(["both", "true", "false"]), default="both",
-              show_default=True)
+              show_default=True, help="causal buckets, non-causal ones, or both")
 @click.option("--seqlen", "seqlens", multiple=True, default=("512,1024,2048,4096,8192,16384",),
               show_default=True, help="seqlen buckets (query = key length)")
 @click.option("--batch", "batches", multiple=True, default=(),
@@ -53,7 +54,7 @@ def _seconds(text):
 @click.option("--trials", type=click.IntRange(1), default=40, show_default=True,
               help="variants measured per bucket (infeasible and repeated proposals are free)")
 @click.option("--sampler", type=click.Choice(["tpe", "cmaes", "random", "grid", "exhaustive"]),
-              default="tpe", show_default=True)
+              default="tpe", show_default=True, help="the Optuna sampler that proposes variants")
 @click.option("--seed", type=int, default=None, help="sampler seed")
 @click.option("--db", "db_url", default=None, help="tuned DB URL (default: $FLASHTUNE_DB or the "
               "SQLite file in the cache folder)")
@@ -77,12 +78,18 @@ def _seconds(text):
                    "tests and sampler studies without a GPU")
 @click.option("--no-prune", is_flag=True, hidden=True,
               help="send infeasible variants to the compiler too (checks the model)")
-@click.option("--progress", type=click.Choice(["auto", "bars", "lines", "none"]), default="auto")
-@click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table")
+@click.option("--progress", type=click.Choice(["auto", "bars", "lines", "none"]), default="auto",
+              show_default=True, help="progress on stderr: bars, lines (one per bucket and "
+              "every 10 s) or none; auto: bars on a terminal, lines otherwise")
+@click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table",
+              show_default=True, help="the summary (or the --dry-run plan) as a table or as JSON")
 def search(gpu, families, dtypes, head_dims, causal, seqlens, batches, trials, sampler, seed,
            db_url, storage, workers, compile_workers, resume, dry_run, time_budget, top_k,
            trial_timeout, replay, no_prune, progress, fmt):
-    """Search the kernel variants of each bucket on this GPU and store the winners."""
+    """Tune this GPU's kernels and store the winners.
+
+    Searches the kernel variants of each bucket on the GPU present and writes each bucket's
+    winner to the tuned DB (`flashtune db export` ships them as a table)."""
     from . import targets
     from .search import SearchConfig, plan_of, resolve_target, run_search
     from .search_progress import make_progress
@@ -96,8 +103,7 @@ def search(gpu, families, dtypes, head_dims, causal, seqlens, batches, trials, s
             raise click.BadParameter(f"{f!r} has no search space; known: {', '.join(known)}",
                                      param_hint="--family")
     cfg = SearchConfig(
-        gpu=gpu, families=fams, dtypes=_split(dtypes, lambda s: DTYPE_ALIASES[s.lower()], "--dtype"),
-        head_dims=_split(head_dims, int, "--head-dim"),
+        gpu=gpu, families=fams, dtypes=dtypes, head_dims=head_dims,
         causal={"both": (False, True), "true": (True,), "false": (False,)}[causal],
         seqlens=_split(seqlens, int, "--seqlen"), batches=_split(batches, int, "--batch"),
         trials=trials, sampler=sampler, seed=seed, storage=storage, db=db_url, workers=workers,

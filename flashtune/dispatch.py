@@ -202,8 +202,9 @@ class Explanation:
     gpu: str | None            # GPU slug the tables were chosen for (None: no GPU)
     record: Record | None = None
     distance: float = 0.0      # octaves from the problem's bucket to the record's (0: exact)
-    stale: tuple = ()          # why the record is stale (empty: fresh)
-    notes: tuple = ()          # what each level said: missing tables, errors, skipped records
+    stale: tuple = ()          # why the record is stale: its template changed (empty: fresh)
+    notes: tuple = ()          # the record's neutral facts (measured with another Triton), then
+    #                            what each level said: missing tables, errors, skipped records
 
     def to_dict(self) -> dict:
         return {
@@ -385,13 +386,14 @@ def _explain_bucket(problem: Problem) -> Explanation:
                                          arch=levels.arch or None),
                          "default", "flashtune/defaults.py", levels.gpu, notes=levels.notes)
     else:
-        if match.stale:
+        if match.stale:  # only a changed template: another Triton is a note, not a warning
             _warn_once((match.origin, match.record.natural_key),
                        f"flashtune: using stale tuned record {match.record.variant.name} for "
                        f"{bucket} from {match.origin} ({'; '.join(match.stale)}): no fresh record "
                        "serves it; re-run `flashtune search` to refresh")
         ex = Explanation(problem, bucket, match.record.variant, match.level, match.origin,
-                         levels.gpu, match.record, match.distance, match.stale, levels.notes)
+                         levels.gpu, match.record, match.distance, match.stale,
+                         match.notes + levels.notes)
     _by_bucket[bucket] = ex
     return ex
 

@@ -14,6 +14,15 @@ DTYPE_ALIASES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", 
                  "half": "float16", "fp32": "float32", "float32": "float32"}
 
 
+def parse_dtype(text: str) -> str:
+    """A dtype as a user spells it ("bf16", "BFloat16", "half") -> its name ("bfloat16").
+    Raises ValueError listing the accepted spellings: every CLI --dtype goes through here."""
+    name = DTYPE_ALIASES.get(str(text).strip().lower())
+    if name is None:
+        raise ValueError(f"unknown dtype {text!r}; expected one of {', '.join(DTYPE_ALIASES)}")
+    return name
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     """torch.bfloat16 -> "bfloat16": the spelling Problem, Bucket and the tuned DB use."""
     return str(dtype).removeprefix("torch.")

@@ -10,6 +10,7 @@ bucket searched so far to the DB.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import datetime
 import os
@@ -339,10 +340,22 @@ class _Run:
 
 def _line(r: BucketResult) -> str:
     if r.winner is None:
-        return f"{r.status}: no winner ({r.measured} measured, {r.failed} failed)"
+        return _no_winner(r)
     sp = f", {r.speedup:.2f}x the default" if r.speedup else ""
     return (f"{r.status}: {r.winner} {r.tflops:.1f} TFLOP/s{sp} ({r.measured} measured, "
             f"{r.failed} failed, {r.infeasible} infeasible, {r.duplicates} duplicates)")
+
+
+def _no_winner(r: BucketResult) -> str:
+    """What happened in a bucket that has no winner: how many candidates failed and where."""
+    stages = collections.Counter(stage for _, stage, _ in r.failures)
+    where = ", ".join(f"{n} at {stage}" for stage, n in stages.most_common())
+    what = (f"{r.measured} measured, {r.failed} failed{f' ({where})' if where else ''}, "
+            f"{r.infeasible} infeasible, {r.duplicates} duplicates")
+    why = "no candidate passed" if r.measured else "no candidate was measured"
+    if r.status != "no winner":  # stopped early: say why, then what it had
+        why = f"{r.status}: {why} yet"
+    return f"{why}: {what}"
 
 
 def _finish(bs: BucketStudy, pipeline, info, pb, label, name, cfg, status, t_b, default):

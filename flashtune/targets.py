@@ -107,7 +107,9 @@ def resolve(gpu: str, *, present: Target | None | bool = True) -> Target:
             raise GpuMismatch("--gpu auto needs a GPU to detect; name one (--gpu H100) to inspect "
                               "its space without a GPU")
         if present is None:
-            raise GpuMismatch("--gpu auto: no CUDA GPU found (torch.cuda.is_available() is False)")
+            raise GpuMismatch("--gpu auto: no CUDA GPU found (torch.cuda.is_available() is False); "
+                              "to see a GPU's search space without one, name it and add "
+                              "--dry-run (--gpu H100 --dry-run)")
         return present
     try:
         want = get(gpu)

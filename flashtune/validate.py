@@ -15,6 +15,14 @@ def _cpu_ok() -> bool:
     return env.interpreting() and env.triton_interprets()
 
 
+def check_head_dim(d: int) -> int:
+    """Raise ValueError unless the kernels support head dim `d` (the API and the CLI's
+    --head-dim share this check and its message); return d."""
+    if not MIN_HEAD_DIM <= d <= MAX_HEAD_DIM:
+        raise ValueError(f"head_dim {d} is not supported: expected {MIN_HEAD_DIM}..{MAX_HEAD_DIM}")
+    return d
+
+
 def check_qkv(q, k, v, causal, scale) -> None:
     """Raise a clear error for bad input. The common all-good case is one cheap expression
     (this runs on every call); the detailed checks below run only when it fails."""
@@ -85,8 +93,7 @@ def check_heads(q, k, v, head_axis: int) -> None:
                          f"and v {tuple(v.shape)}")
     if k.shape[-1] != d:
         raise ValueError(f"head_dim differs: q has {d}, k and v have {k.shape[-1]}")
-    if not MIN_HEAD_DIM <= d <= MAX_HEAD_DIM:
-        raise ValueError(f"head_dim {d} is not supported: expected {MIN_HEAD_DIM}..{MAX_HEAD_DIM}")
+    check_head_dim(d)
     h, hk = q.shape[head_axis], k.shape[head_axis]
     if hk == 0 or h % hk:
         raise ValueError(f"q heads ({h}) must be a positive multiple of k/v heads ({hk}) "

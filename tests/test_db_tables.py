@@ -146,21 +146,89 @@ def test_import_mark_imported_and_bad_file(tmp_path):
 def test_show_table_and_json(tmp_path):
     url = f"sqlite:///{tmp_path / 'a.db'}"
     TunedDB(url).put_many(_recs())
-    res = _cli("db", "show", "--gpu", "H100", "--db", url)
+    none = str(tmp_path / "no-tables")
+    res = _cli("db", "show", "--gpu", "H100", "--db", url, "--tables", none)
     assert res.exit_code == 0 and "fwd-m128-n64-w4-s3" in res.output and "6 record(s)" in res.output
-    res = _cli("db", "show", "--format", "json", "--db", url)
-    assert len(json.loads(res.output)) == 6
-    res = _cli("db", "show", "--gpu", "H200", "--db", url)
+    res = _cli("db", "show", "--gpu", "H100", "--format", "json", "--db", url, "--tables", none)
+    rows = json.loads(res.output)["records"]
+    assert len(rows) == 6 and {(r["level"], r["source"], r["status"]) for r in rows} == {
+        ("user-db", url, "serves")}
+    res = _cli("db", "show", "--gpu", "H200", "--db", url, "--tables", none)
     assert "0 record(s)" in res.output
     path = write_table(tmp_path / "t.json", "H100", _recs()[:2])
     res = _cli("db", "show", "--table", str(path), "--format", "json")
-    assert len(json.loads(res.output)) == 2
+    assert [r["source"] for r in json.loads(res.output)["records"]] == [str(path)] * 2
+
+
+@pytest.fixture
+def no_user_db(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLASHTUNE_CACHE_DIR", str(tmp_path / "cache"))
+    for knob in ("FLASHTUNE_DB", "FLASHTUNE_GPU"):
+        monkeypatch.delenv(knob, raising=False)
+
+
+def test_show_lists_the_shipped_table_that_serves_the_gpu(no_user_db):
+    shipped = TABLES_DIR / f"{H100}.json"
+    n = len(read_table(shipped).records)
+    res = _cli("db", "show", "--gpu", "H100")
+    assert res.exit_code == 0, res.output
+    assert f"gpu-table  {shipped}: {n} record(s)" in res.output and f"{n} record(s)" in res.output
+    assert res.output.count(f"gpu-table  {shipped.name}") == n  # each row names its table
+    rows = json.loads(_cli("db", "show", "--gpu", "H100", "--format", "json").output)["records"]
+    assert len(rows) == n and {(r["level"], r["source"]) for r in rows} == {
+        ("gpu-table", str(shipped))}
+    # an H200 has no table of its own: the H100's serves it, as a table of the same architecture
+    rows = json.loads(_cli("db", "show", "--gpu", "H200", "--format", "json").output)["records"]
+    assert len(rows) == n and {r["level"] for r in rows} == {"arch-table"}
+
+
+def test_show_orders_the_levels_and_marks_what_serves(tmp_path, no_user_db):
+    tables = tmp_path / "tables"
+    tables.mkdir()
+    shipped = write_table(tables / f"{H100}.json", "H100",
+                          [make_record(sq=1024), make_record(sq=4096), make_record(sq=8192)])
+    url = f"sqlite:///{tmp_path / 'u.db'}"
+    old = "0123456789abcdef"  # a template hash the generator no longer has: stale
+    TunedDB(url).put_many([make_record(sq=1024, variant="fwd-m64-n64-w4-s2"),   # overrides
+                           make_record(sq=4096, thash=old, variant="fwd-m64-n64-w4-s2"),
+                           make_record(sq=16384, thash=old)])                   # alone, stale
+    res = _cli("db", "show", "--gpu", "H100", "--db", url, "--tables", str(tables),
+               "--format", "json")
+    got = [(r["level"], r["record"]["bucket"]["seqlen_q"], r["status"])
+           for r in json.loads(res.output)["records"]]
+    assert got == [("user-db", 1024, "serves"), ("user-db", 4096, "shadowed"),
+                   ("user-db", 16384, "shadowed"),  # stale: the fresh 8192 record serves instead
+                   ("gpu-table", 1024, "shadowed"), ("gpu-table", 4096, "serves"),
+                   ("gpu-table", 8192, "serves")]
+    out = _cli("db", "show", "--gpu", "H100", "--db", url, "--tables", str(tables)).output
+    assert out.index(f"user-db    {url}") < out.index(f"gpu-table  {shipped}")
+    assert "note: measured with fwd template 0123456789abcdef" in out
+
+
+def test_show_without_a_gpu_asks_for_one(no_user_db, monkeypatch):
+    from flashtune import targets
+    monkeypatch.setattr(targets, "detect", lambda *a, **k: None)
+    res = _cli("db", "show")
+    assert res.exit_code == 2 and "no GPU detected" in res.output and "--gpu" in res.output
+    monkeypatch.setenv("FLASHTUNE_GPU", "H100")  # the dispatcher's knob names the GPU too
+    res = _cli("db", "show", "--format", "json")
+    assert res.exit_code == 0 and json.loads(res.output)["gpu"] == H100
 
 
 def test_show_unreachable_db_is_a_clear_error():
-    res = _cli("db", "show", "--db", "postgresql+psycopg://u:secret@127.0.0.1:1/nowhere")
+    res = _cli("db", "show", "--gpu", "H100",
+               "--db", "postgresql+psycopg://u:secret@127.0.0.1:1/nowhere")
     assert res.exit_code == 1 and "127.0.0.1:1/nowhere" in res.output
     assert "secret" not in res.output and "Traceback" not in res.output
+
+
+def test_export_with_nothing_tuned_fails_and_writes_nothing(tmp_path):
+    url = f"sqlite:///{tmp_path / 'a.db'}"
+    TunedDB(url).put_many(_recs())  # H100 records only
+    out = tmp_path / "a100.json"
+    res = _cli("db", "export", "--gpu", "A100", "-o", str(out), "--db", url)
+    assert res.exit_code == 1 and not out.exists()
+    assert "no records of nvidia-a100" in res.output and "nothing to export" in res.output
 
 
 def test_diff(tmp_path):

@@ -152,24 +152,43 @@ def test_stale_entries_are_demoted_behind_any_fresh_one(tables):
 
 
 def test_stale_entry_serves_alone_with_a_one_time_warning(tables, caplog):
-    ship(tables, H200, make_record(triton="2.1.0", variant=V_USER),
-         make_record(sq=512, thash="0123456789abcdef", variant=V_USER))
+    # a changed template is stale: the generator no longer emits the kernel that was timed
+    ship(tables, H200, make_record(thash="0123456789abcdef", variant=V_USER))
     with caplog.at_level(logging.WARNING, logger="flashtune.dispatch"):
         ex = dispatch.explain(prob())
         for n in (1024, 1000, 1100):
             dispatch.select(prob(nq=n))
     assert ex.level == "gpu-table" and ex.variant.name == V_USER and ex.distance == 0
-    assert any("triton 2.1.0" in s for s in ex.stale)
+    assert len(ex.stale) == 1 and "template 0123456789abcdef" in ex.stale[0]
     warnings = [r.message for r in caplog.records if "stale" in r.message]
     assert len(warnings) == 1 and "flashtune search" in warnings[0]
-    assert any("template hash 0123456789abcdef" in s for s in dispatch.explain(prob(nq=512)).stale)
+    assert "stale    measured with fwd template 0123456789abcdef" in str(ex)
 
 
-def test_other_triton_patch_release_is_not_stale(tables):
+def test_other_triton_minor_serves_as_fresh_with_a_note_and_no_warning(tables, caplog):
+    import triton
+    major, minor = map(int, triton.__version__.split(".")[:2])
+    other = f"{major}.{minor + 1}.0"
+    # a fresh record 6 octaves away would beat a stale exact one: it must not here
+    ship(tables, H200, make_record(triton=other, variant=V_USER),
+         make_record(sq=65536, variant=V_TABLE))
+    with caplog.at_level(logging.WARNING, logger="flashtune.dispatch"):
+        ex = dispatch.explain(prob())
+        dispatch.select(prob())
+    assert ex.variant.name == V_USER and ex.distance == 0 and ex.stale == ()
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    note = f"measured with triton {major}.{minor + 1}, running {major}.{minor}: timings may differ"
+    assert any(n.startswith(note) for n in ex.notes) and f"note     {note}" in str(ex)
+    assert note in json.dumps(ex.to_dict())
+    assert not any("measured with" in n for n in dispatch.explain(prob(nq=65536)).notes)
+
+
+def test_other_triton_patch_release_is_not_even_a_note(tables):
     import triton
     major, minor = triton.__version__.split(".")[:2]
     ship(tables, H200, make_record(triton=f"{major}.{minor}.99", variant=V_TABLE))
-    assert dispatch.explain(prob()).stale == ()
+    ex = dispatch.explain(prob())
+    assert ex.stale == () and not any("measured with" in n for n in ex.notes)
 
 
 # -- memo ---------------------------------------------------------------------------------------
@@ -259,6 +278,20 @@ def test_cli_dispatch_explain(tables):
     assert (d["level"], d["variant"], d["gpu"]) == ("arch-table", V_ARCH, H200)
     res = CliRunner().invoke(main, args)
     assert "level    arch-table" in res.output and "exact bucket" in res.output
+
+
+def test_cli_dispatch_explain_shares_dtype_names_and_head_dim_bounds_with_the_rest(tables):
+    from flashtune.validate import check_qkv
+    base = ["dispatch", "explain", "--gpu", "H200", "--tables", str(tables), "--format", "json"]
+    for spelling in ("bf16", "bfloat16", "BF16"):  # what `search --dtype` accepts
+        res = CliRunner().invoke(main, base + ["--dtype", spelling])
+        assert res.exit_code == 0, res.output
+        assert json.loads(res.output)["bucket"]["dtype"] == "bfloat16"
+    q = torch.empty(1, 1, 4, 300, dtype=torch.float16)
+    with pytest.raises(ValueError) as api:
+        check_qkv(q, q, q, False, None)
+    res = CliRunner().invoke(main, base + ["--head-dim", "300"])
+    assert res.exit_code == 2 and "--head-dim" in res.output and str(api.value) in res.output
 
 
 # -- bad input: logged fallbacks, never a crash inside attention ----------------------------------

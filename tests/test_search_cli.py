@@ -60,3 +60,26 @@ def test_bad_arguments_name_the_option():
     assert r.exit_code == 2 and "--gpu" in r.output and "H100" in r.output
     r = _run("--dry-run", "--gpu", "H100", "--time-budget", "soon")
     assert r.exit_code == 2 and "--time-budget" in r.output
+
+
+def test_gpu_auto_without_a_gpu_suggests_dry_run(monkeypatch):
+    from flashtune import targets
+    monkeypatch.setattr(targets, "detect", lambda *a, **k: None)  # also on a machine with a GPU
+    monkeypatch.delenv("FLASHTUNE_GPU", raising=False)
+    r = _run("--gpu", "auto", "--seqlen", "1024")
+    assert r.exit_code == 2 and "no CUDA GPU found" in r.output
+    assert "--dry-run" in r.output and "--gpu H100 --dry-run" in r.output
+
+
+def test_dtype_and_head_dim_use_the_shared_names_and_bounds():
+    def dtypes(*args):
+        r = _run("--dry-run", "--gpu", "H100", "--head-dim", "64", "--seqlen", "1024",
+                 "--causal", "false", "--format", "json", *args)
+        assert r.exit_code == 0, r.output
+        return [b["problem"]["dtype"] for b in json.loads(r.output)["buckets"]]
+    assert dtypes("--dtype", "bf16,FP16", "--dtype", "float32", "--dtype", "bfloat16") == [
+        "bfloat16", "float16", "float32"]
+    r = _run("--dry-run", "--gpu", "H100", "--dtype", "fp8")
+    assert r.exit_code == 2 and "--dtype" in r.output and "bf16" in r.output
+    r = _run("--dry-run", "--gpu", "H100", "--head-dim", "64,300")
+    assert r.exit_code == 2 and "head_dim 300 is not supported: expected 16..256" in r.output

@@ -116,6 +116,29 @@ def test_faults_fail_with_their_reason_and_never_win(tmp_path):
     assert all(results[n]["violation"] == 1.0 for n in faults)
 
 
+def test_a_bucket_without_winner_says_what_failed_where(tmp_path):
+    import io
+
+    from flashtune.search_progress import PlainProgress
+    feas = plan_of(SearchConfig(**BASE), H100)[0].space.feasible
+    faults = {v.name: ("compile" if i % 3 == 0 else "gate") for i, v in enumerate(feas)}
+    rec = _recording(tmp_path, faults=faults)
+    out = io.StringIO()
+    db = MemDB()
+    res = run_search(_cfg(tmp_path, rec, trials=4, top_k=2), db=db, progress=PlainProgress(out))
+    (b,) = res.buckets
+    assert b.winner is None and b.status == "no winner" and not db.records()
+    stages = [stage for _, stage, _ in b.failures]
+    n_compile, n_gate = stages.count("compile"), stages.count("gate")
+    assert n_compile + n_gate == b.failed == b.measured == 4
+    (line,) = [ln for ln in out.getvalue().splitlines() if "measured" in ln and "[1/1]" in ln
+               and "so far" not in ln]
+    assert "no winner: no winner" not in line, line
+    assert "no candidate passed: 4 measured, 4 failed (" in line
+    for stage, n in (("compile", n_compile), ("gate", n_gate)):
+        assert (f"{n} at {stage}" in line) == bool(n)
+
+
 def test_duplicate_proposals_are_answered_from_what_was_measured(tmp_path):
     rec = _recording(tmp_path)
     cfg = _cfg(tmp_path, rec, trials=3)

@@ -13,15 +13,21 @@ head dim and causality -- Bucket.same_kernel_class):
      same bucket, but a shipped exact match beats a user record for a bucket 4x away;
   4. the bucket key, so that the choice never depends on file or row order.
 
-Stale-entry policy: a record measured with another Triton major.minor, or with another hash of
-its family's template, is stale -- its timings describe a kernel that is no longer the one that
-runs. Stale records are demoted, not deleted: they serve only when no fresh record of any level
-can, with a one-time warning naming the record and why; a fresh record always wins, however far.
-The reasoning: the variant of a stale record still compiles and was once the best of its search,
-which beats a one-size default; re-running `flashtune search` makes it fresh.
+Stale-entry policy: a record is stale when its family's template hash differs from the one it
+was measured with: the generator no longer emits the kernel that was timed, so its numbers say
+nothing about the kernel that would run. Stale records are demoted, not deleted: they serve only
+when no fresh record of any level can, with a one-time warning naming the record and telling the
+user to re-run `flashtune search`; a fresh record always wins, however far. The variant of a
+stale record still compiles and was once the best of its search, which beats a one-size default.
+
+Another Triton release is not staleness: the kernel is the same source, and every table shipped
+with flashtune was measured with some Triton other than the one torch pins for a given user, so
+a warning there would fire in every process and say nothing the user can act on. Such a record
+serves as fresh; `explain` and `db show` say, in a neutral note, which Triton measured it.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from functools import lru_cache
@@ -55,6 +61,7 @@ class Match:
     origin: str
     distance: float          # octaves between the asked bucket and the record's
     stale: tuple = ()        # reasons the record is stale (empty: fresh)
+    notes: tuple = ()        # facts about the record that do not demote it (another Triton)
 
 
 def _major_minor(version: str) -> str:
@@ -78,13 +85,20 @@ def _triton_version() -> str:
 
 def staleness(r: Record) -> tuple:
     """Why `r` is stale, or () if it is fresh (the policy in this module's docstring)."""
-    why = []
-    if _major_minor(r.provenance.triton) != _triton_version():
-        why.append(f"measured with triton {r.provenance.triton}, running {_triton_version()}")
     current = _current_template_hash(r.variant.family)
-    if r.provenance.template_hash != current:
-        why.append(f"template hash {r.provenance.template_hash or '(none)'} != current {current}")
-    return tuple(why)
+    if r.provenance.template_hash == current:
+        return ()
+    return (f"measured with {r.variant.family} template {r.provenance.template_hash or '(none)'}, "
+            f"the generator now emits {current}: the kernel changed since it was timed",)
+
+
+def record_notes(r: Record) -> tuple:
+    """Neutral facts about `r` that do not demote it: a Triton major.minor other than this one."""
+    measured, running = _major_minor(r.provenance.triton), _triton_version()
+    if measured == running:
+        return ()
+    return (f"measured with triton {measured or '(unrecorded)'}, running {running}: timings may "
+            "differ; `flashtune search` re-measures",)
 
 
 def usable(records, origin: str) -> tuple[tuple, tuple]:
@@ -111,10 +125,23 @@ def best(bucket: Bucket, sources) -> Match | None:
             key = (bool(stale), dist, _RANK[src.level], r.bucket.key)
             if found_key is None or key < found_key:
                 found, found_key = Match(r, src.level, src.origin, dist, stale), key
+    if found is not None:
+        found = dataclasses.replace(found, notes=record_notes(found.record))
     return found
 
 
 # -- loading the levels -------------------------------------------------------------------------
+def levels(gpu: str, arch: str, url: str | None, default_url: str, default_exists: bool,
+           tables_dir: Path) -> list[Source]:
+    """Every level that may serve `gpu`, in lookup order, empty ones included (with their notes):
+    what `flashtune db show` lists."""
+    out = [user_db(gpu, url, default_url, default_exists)]
+    own, table_arch = gpu_table(gpu, tables_dir)
+    out.append(own)
+    out += arch_tables(gpu, arch or table_arch, tables_dir)
+    return out
+
+
 def user_db(gpu: str, url: str | None, default_url: str, default_exists: bool) -> Source:
     """The user's DB: FLASHTUNE_DB (or --db) if set, else the default SQLite file if it exists.
     Nothing is created here; an unreadable DB is a note and an empty level."""
