@@ -69,7 +69,7 @@ def check(variants, gpu, head_dims, dtypes, causal, tails, fmt):
     memory, registers and spills per kernel. Exits 1 if a kernel exceeds the target's shared
     memory, spills registers, or uses a feature the target lacks (descriptor loads need TMA)."""
     from . import env, targets
-    from .defaults import default_variant
+    from .families import all_families
     from .problem import DTYPE_ALIASES
     if env.interpreting():
         raise click.UsageError("kernels check compiles real kernels: unset TRITON_INTERPRET")
@@ -85,9 +85,9 @@ def check(variants, gpu, head_dims, dtypes, causal, tails, fmt):
     rows, ok = [], True
     for dtype in dts:
         for d in ds:
-            vs = chosen or [default_variant("fwd", d, dtype, arch=target.arch)] + [
-                default_variant("bwd", d, dtype, dq=s, arch=target.arch)
-                for s in ("separate", "atomic")]
+            vs = chosen or [v for fam in all_families()
+                            if fam.min_capability <= cap
+                            for v in fam.seed_variants(d, dtype, arch=target.arch)]
             for v in vs:
                 try:
                     res = check_variant(v, d, dtype, causal=causal, tails=tails, capability=cap)

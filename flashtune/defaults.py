@@ -138,13 +138,24 @@ def present_arch() -> str:
 
 def default_variant(family: str, head_dim: int, dtype: str, *, dq: str | None = None,
                     arch: str | None = None) -> Variant:
-    """Built-in default for `arch` ("sm_80", "sm_90", ...; None: the GPU present).
+    """Built-in default of any family for `arch` ("sm_80", "sm_90", ...; None: the GPU present),
+    from the family's own defaults (its flashtune/families/ entry names them).
     bwd: `dq` picks the scheme ("atomic" | "separate"; None: default)."""
+    from .families import get
+    return get(family).default(head_dim, dtype, arch=arch, **({"dq": dq} if dq else {}))
+
+
+def fwd_default(head_dim: int, dtype: str, *, arch: str | None = None) -> Variant:
     a = table_arch(arch or present_arch())
-    if family == "fwd":
-        return (_FWD_F32 if dtype == "float32" else _FWD[a])[head_dim_class(head_dim)]
-    if family == "bwd":
-        table = _BWD_F32 if dtype == "float32" else _BWD[a]
-        return table[head_dim_class(head_dim)][dq or BWD_DQ_DEFAULT]
-    from .families import get  # the other families keep their defaults in their own home
-    return get(family).default(head_dim, dtype)
+    return (_FWD_F32 if dtype == "float32" else _FWD[a])[head_dim_class(head_dim)]
+
+
+def bwd_default(head_dim: int, dtype: str, *, arch: str | None = None,
+                dq: str | None = None) -> Variant:
+    table = _BWD_F32 if dtype == "float32" else _BWD[table_arch(arch or present_arch())]
+    return table[head_dim_class(head_dim)][dq or BWD_DQ_DEFAULT]
+
+
+def bwd_seeds(head_dim: int, dtype: str, *, arch: str | None = None) -> list:
+    """Both dQ schemes' defaults: a bwd search has both in its study from the start."""
+    return [bwd_default(head_dim, dtype, arch=arch, dq=s) for s in ("separate", "atomic")]

@@ -158,9 +158,11 @@ def _compete(problem: Problem) -> "Explanation":
             better = theirs < mine
         else:
             better = rival.prefers(problem)
-            why = f"{rival.name} {'preferred' if better else 'not preferred'} by its heuristic"
+            why = f"{rival.name} {rex.variant.name} preferred by its heuristic" if better else ""
         winner = rex if better else ex
-        ex = dataclasses.replace(winner, problem=problem, notes=winner.notes + (f"competed: {why}",))
+        if why:
+            ex = dataclasses.replace(winner, problem=problem,
+                                     notes=winner.notes + (f"competed: {why}",))
     return ex
 
 

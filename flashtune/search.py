@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import optuna
 
 from . import targets
-from .codegen import Variant, template_hash
+from .codegen import Variant, kernel_hash
 from .measure import Outcome
 from .pipeline import Pipeline
 from .search_plan import STANDARD_SEQLENS, PlannedBucket, plan
@@ -152,15 +152,11 @@ def _default_variant(pb: PlannedBucket) -> Variant | None:
 
 
 def _first_points(pb: PlannedBucket) -> list[Variant]:
-    """Measured first (good points for TPE to start from): the built-in default, and for bwd
-    the default of the other dQ scheme too, so both schemes are in the study from the start."""
-    from .defaults import default_variant
-    first = [_default_variant(pb)]
-    if pb.bucket.family == "bwd":
-        first += [default_variant("bwd", pb.problem.head_dim, pb.problem.dtype, dq=s,
-                                  arch=pb.space.target.arch)
-                  for s in ("separate", "atomic")]
-    return [v for v in dict.fromkeys(first) if v is not None]
+    """Measured first (good points for TPE to start from): the family's seeds, its built-in
+    default first (bwd: both dQ schemes' defaults, so both are in the study from the start)."""
+    from .families import get
+    return get(pb.bucket.family).seed_variants(pb.problem.head_dim, pb.problem.dtype,
+                                               arch=pb.space.target.arch)
 
 
 class _Interrupted(Exception):
@@ -415,7 +411,7 @@ def _record(pb, v, ms, tflops, max_err, runner_ups, info, bs):
         sm_count=int(info.get("sm_count") or bs.space.target.sm_count),
         driver=str(info.get("driver", "")), cuda=str(info.get("cuda", "")),
         torch=str(info.get("torch", "")), triton=str(info.get("triton", "")),
-        flashtune=__version__, template_hash=template_hash(v.family),
+        flashtune=__version__, template_hash=kernel_hash(v),
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         source="search")
     return Record(gpu=targets.slug_of(prov.gpu_name), bucket=pb.bucket, variant=v,

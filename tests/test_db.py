@@ -10,7 +10,7 @@ import uuid
 import pytest
 import sqlalchemy as sa
 
-from flashtune.codegen import Variant, template_hash
+from flashtune.codegen import Variant, kernel_hash
 from flashtune.problem import Bucket
 from flashtune.tuned_db import DBError, Provenance, Record, TunedDB
 
@@ -28,11 +28,12 @@ def make_record(gpu=H100, sq=1024, sk=None, bh=16, variant="fwd-m128-n64-w4-s3",
                 gqa=False, family="fwd") -> Record:
     """A record with plausible fields (tests only: these numbers were never measured)."""
     bucket = Bucket(family, dtype, d, causal, gqa, sq, sk or sq, bh)
+    v = Variant.parse(variant)
     prov = Provenance("NVIDIA H100 80GB HBM3", "9.0", 132, "550.54", "12.4", "2.13.0",
                       triton or _triton_version(), "0.1.0",
-                      template_hash("fwd") if thash is None else thash,
+                      kernel_hash(v) if thash is None else thash,
                       "2025-11-21T00:00:00+00:00", source)
-    return Record(gpu, bucket, Variant.parse(variant), ms, 123.456 / ms, "TFLOP/s", 1.5e-3, prov,
+    return Record(gpu, bucket, v, ms, 123.456 / ms, "TFLOP/s", 1.5e-3, prov,
                   (("fwd-m64-n64-w4-s3", ms * 1.1), ("fwd-m128-n32-w8-s2", ms * 1.25)))
 
 

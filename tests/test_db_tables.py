@@ -202,7 +202,7 @@ def test_show_orders_the_levels_and_marks_what_serves(tmp_path, no_user_db):
                    ("gpu-table", 8192, "serves")]
     out = _cli("db", "show", "--gpu", "H100", "--db", url, "--tables", str(tables)).output
     assert out.index(f"user-db    {url}") < out.index(f"gpu-table  {shipped}")
-    assert "note: measured with fwd template 0123456789abcdef" in out
+    assert "note: measured on fwd-m128-n64-w4-s3 code 0123456789abcdef" in out
 
 
 def test_show_without_a_gpu_asks_for_one(no_user_db, monkeypatch):
@@ -255,3 +255,46 @@ def test_diff(tmp_path):
     url = f"sqlite:///{tmp_path / 'x.db'}"
     TunedDB(url).put_many(old)
     assert "0 added, 0 removed, 0 changed" in _cli("db", "diff", str(a), url).output
+
+
+def test_a_template_edit_that_leaves_a_variants_code_alone_keeps_its_record_fresh(monkeypatch):
+    # staleness follows the code a variant runs (codegen.kernel_hash), not the template file:
+    # an added comment or a branch other variants take changes the file hash only
+    import importlib
+
+    from flashtune.codegen import Variant
+    from flashtune.tuned_db import lookup
+    render_mod = importlib.import_module("flashtune.codegen.render")  # the module, not render()
+    v = Variant.parse("fwd-m128-n64-w4-s3")
+    rec = make_record(variant=v.name)
+    assert lookup.staleness(rec) == ()
+    text = render_mod.template_text("fwd")
+    edited = text.replace("import triton\n", "import triton\n# a new comment\n#%if loads == 'x'\n"
+                          "BOGUS = 1\n#%endif\n", 1)
+    for fn in (render_mod.template_text, render_mod.template_hash, render_mod.kernel_hash,
+               lookup._current_kernel_hash):
+        fn.cache_clear()
+    monkeypatch.setattr(render_mod, "template_text", lambda family: edited if family == "fwd"
+                        else text)
+    try:
+        assert render_mod.kernel_hash(v) == rec.provenance.template_hash
+        assert lookup.staleness(rec) == ()
+        # and a change to the code it runs makes it stale
+        monkeypatch.setattr(render_mod, "template_text",
+                            lambda family: text.replace("qk_scale = sm_scale * 1.44",
+                                                        "qk_scale = sm_scale * 1.45"))
+        render_mod.kernel_hash.cache_clear()
+        lookup._current_kernel_hash.cache_clear()
+        assert lookup.staleness(rec) and "kernel changed" in lookup.staleness(rec)[0]
+    finally:
+        render_mod.kernel_hash.cache_clear()
+        lookup._current_kernel_hash.cache_clear()
+
+
+def test_the_shipped_h100_table_is_fresh():
+    # its records were re-keyed to kernel hashes after checking that the code of each variant is
+    # the code that was timed; a template change to that code must show up here
+    from flashtune.tuned_db import lookup
+    from flashtune.tuned_db.io import TABLES_DIR, read_table
+    recs = read_table(TABLES_DIR / "nvidia-h100-80gb-hbm3.json").records
+    assert len(recs) == 36 and all(lookup.staleness(r) == () for r in recs)

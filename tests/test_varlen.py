@@ -155,7 +155,8 @@ def test_return_lse(device):
         nq, nk = lens_q[b], lens_k[b]
         s = s.masked_fill(~torch.ones(nq, nk, dtype=torch.bool, device=device).tril(nk - nq),
                           float("-inf"))
-        ref = torch.logsumexp(s, dim=-1) if nk else torch.full((4, nq), float("-inf"))
+        ref = (torch.logsumexp(s, dim=-1) if nk
+               else torch.full((4, nq), float("-inf"), dtype=torch.float64, device=device))
         got = lse[:, cq[b]:cq[b + 1]].double()
         empty = torch.isinf(ref)
         assert torch.equal(torch.isinf(got), empty)  # -inf exactly where no key is seen

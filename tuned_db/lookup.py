@@ -13,9 +13,11 @@ head dim and causality -- Bucket.same_kernel_class):
      same bucket, but a shipped exact match beats a user record for a bucket 4x away;
   4. the bucket key, so that the choice never depends on file or row order.
 
-Stale-entry policy: a record is stale when its family's template hash differs from the one it
-was measured with: the generator no longer emits the kernel that was timed, so its numbers say
-nothing about the kernel that would run. Stale records are demoted, not deleted: they serve only
+Stale-entry policy: a record is stale when the code its variant renders to differs from the
+code that was timed (codegen.kernel_hash: the GPU render without header, comments and blank
+lines; records carry it in provenance.template_hash): the generator no longer emits the kernel
+that was timed, so its numbers say nothing about the kernel that would run. A template edit that
+leaves this variant's code alone (a branch other variants take, a comment) keeps it fresh. Stale records are demoted, not deleted: they serve only
 when no fresh record of any level can, with a one-time warning naming the record and telling the
 user to re-run `flashtune search`; a fresh record always wins, however far. The variant of a
 stale record still compiles and was once the best of its search, which beats a one-size default.
@@ -83,13 +85,25 @@ def _triton_version() -> str:
     return _major_minor(triton.__version__)
 
 
+@lru_cache(maxsize=4096)
+def _current_kernel_hash(variant) -> str | None:
+    from flashtune.codegen import kernel_hash
+    try:
+        return kernel_hash(variant)
+    except Exception:  # noqa: BLE001 -- no template for the family: nothing can serve it
+        return None
+
+
 def staleness(r: Record) -> tuple:
-    """Why `r` is stale, or () if it is fresh (the policy in this module's docstring)."""
-    current = _current_template_hash(r.variant.family)
+    """Why `r` is stale, or () if it is fresh (the policy in this module's docstring): the record
+    carries the kernel hash of the code it timed (codegen.kernel_hash), so only a change to the
+    code this variant runs makes it stale, not an edit of its template that other variants
+    take (a new `#%if` branch) or of comments."""
+    current = _current_kernel_hash(r.variant)
     if r.provenance.template_hash == current:
         return ()
-    return (f"measured with {r.variant.family} template {r.provenance.template_hash or '(none)'}, "
-            f"the generator now emits {current}: the kernel changed since it was timed",)
+    return (f"measured on {r.variant.name} code {r.provenance.template_hash or '(none)'}, the "
+            f"generator now emits {current}: the kernel changed since it was timed",)
 
 
 def record_notes(r: Record) -> tuple:

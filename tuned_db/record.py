@@ -22,7 +22,8 @@ class Provenance:
     torch: str
     triton: str
     flashtune: str
-    template_hash: str        # codegen.template_hash(family) when measured
+    template_hash: str        # codegen.kernel_hash(variant) of the code that was timed (the
+    #                           field's name predates per-variant hashes; the DB column keeps it)
     date: str                 # ISO 8601, UTC
     source: str               # how it was found: "search" | "import" | "default"
 

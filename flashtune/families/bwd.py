@@ -34,7 +34,8 @@ def compile_check(variant, head_dim: int, dtype: str, causal: bool, tails: bool,
     from ..problem import torch_dtype
     mod = load(variant)
     n, group = (1000, 4) if tails else (1024, 1)
-    params = kernel_params(variant, torch_dtype(dtype), head_dim, causal, group, n, n)
+    params = kernel_params(variant, torch_dtype(dtype), head_dim, causal, group, n, n,
+                           varlen=variant.varlen)
     fns = {"pre": "attn_bwd_preprocess", "dkdv": "attn_bwd_dkdv", "dq": "attn_bwd_dq"}
     dq_f32 = frozenset({"DQ"}) if variant.dq == "atomic" else frozenset()
     return {k: compile_for(getattr(mod, fns[k]), consts, dtype, warps, stages, capability=cap,

@@ -23,16 +23,20 @@ FAMILY = Family(
 def compile_check(variant, head_dim: int, dtype: str, causal: bool, tails: bool, cap: int,
                   usage: bool) -> dict:
     """Compile for compute capability `cap` without a GPU, with the launcher's own constexprs
-    (from meta tensors: no data)."""
+    (from meta tensors: no data). tails: ragged seqlens and GQA, so every mask is compiled in."""
     import torch
 
+    from ..codegen import load
     from ..codegen.aot import compile_for
-    from ..launch import FwdPlan
+    from ..launch import FwdPlan, fwd_params
     from ..problem import torch_dtype
     n, group = (1000, 4) if tails else (1024, 1)
     q = torch.empty(2, 8, n, head_dim, dtype=torch_dtype(dtype), device="meta")
     k = torch.empty(2, 8 // group, n, head_dim, dtype=torch_dtype(dtype), device="meta")
-    plan = FwdPlan(q, k, k, causal, None, variant)
-    consts = {n: v for n, v in plan.kwargs.items() if n not in ("num_warps", "num_stages")}
-    return {"fwd": compile_for(plan.kernel, consts, dtype, variant.num_warps, variant.num_stages,
-                               capability=cap, usage=usage)}
+    if variant.varlen:  # what launch.VarlenFwdPlan passes
+        kwargs = fwd_params(variant, torch_dtype(dtype), head_dim, causal, group, even_n=False)
+    else:
+        kwargs = FwdPlan(q, k, k, causal, None, variant).kwargs
+    consts = {n: v for n, v in kwargs.items() if n not in ("num_warps", "num_stages")}
+    return {"fwd": compile_for(load(variant).attn_fwd, consts, dtype, variant.num_warps,
+                               variant.num_stages, capability=cap, usage=usage)}

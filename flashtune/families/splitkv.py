@@ -49,7 +49,7 @@ def decode_grid(family, dtype: str, head_dim: int, causal: bool, seqlens=(), bat
             for b in (batches or DECODE_BATCHES)]
 
 
-def default(head_dim: int, dtype: str, *, arch=None, **kw):
+def default(head_dim: int, dtype: str, *, arch=None):
     from ..launch_splitkv import default_variant
     return default_variant(head_dim)
 
