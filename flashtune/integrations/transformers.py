@@ -102,22 +102,30 @@ def register(name: str = NAME) -> str:
 # mask function: what `attention_mask` the attention function receives
 
 
-def padding_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset: int = 0,
-                 mask_function=None, attention_mask: torch.Tensor | None = None, **kwargs):
+def padding_mask(batch_size: int, q_length: int | None = None, kv_length: int | None = None,
+                 q_offset=0, kv_offset: int = 0, mask_function=None,
+                 attention_mask: torch.Tensor | None = None, cache_position=None, **kwargs):
     """AttentionMaskInterface entry: a 2D bool padding mask (batch, keys), or None if no key is
     padding. As transformers' FlashAttention-2 mask function, plus the static-cache case: with
-    no padding but more key slots than tokens seen, the all-ones mask of the filled length."""
+    no padding but more key slots than tokens seen, the all-ones mask of the filled length.
+    (transformers >= 5.1 passes q_length and q_offset, 5.0 passes cache_position instead.)"""
     if attention_mask is not None:
         attention_mask = attention_mask[:, -kv_length:]
         if attention_mask.shape[1] == kv_length and bool(attention_mask.all()):
             return None
         return attention_mask
-    filled = q_offset + q_length if kv_offset == 0 else None
-    if filled is not None:
-        filled = int(filled)  # a static cache's offset is a tensor
-        if filled < kv_length:
-            device = kwargs.get("device")
-            return torch.ones(batch_size, filled, dtype=torch.bool, device=device)
+    if kv_offset != 0:  # a sliding window layer (refused by the attention function)
+        return None
+    if cache_position is not None:
+        filled = cache_position[-1] + 1
+    elif q_length is not None:
+        filled = q_offset + q_length
+    else:
+        return None
+    filled = int(filled)  # a host sync where the offset is a tensor (static cache, transformers 5.0)
+    if filled < kv_length:
+        device = kwargs.get("device") or getattr(cache_position, "device", None)
+        return torch.ones(batch_size, filled, dtype=torch.bool, device=device)
     return None
 
 
