@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import weakref
 
 import torch
 
@@ -230,10 +231,27 @@ def _validate(q, k_cache, v_cache, cache_seqlens, k, v, block_table, causal, sca
             raise ValueError(f"cache_seqlens is on {cache_seqlens.device} but q is on "
                              f"{q.device}")
         seqlens = cache_seqlens
-        host = cache_seqlens.tolist()  # device->host sync: bounds before launch
+        host = None
     else:
         raise TypeError(f"cache_seqlens must be an int or an int32 tensor (batch,), got "
                         f"{type(cache_seqlens).__name__}")
+    bounds = (capacity, n_new, k_cache.shape[0], k_cache.shape[1], paged)
+    max_total = _seen_values(seqlens, block_table, bounds) if host is None else None
+    if max_total is None:
+        max_total = _check_values(host if host is not None else seqlens.tolist(),  # a sync
+                                  block_table, capacity, n_new, where, k_cache)
+        if host is None:
+            _remember_values(seqlens, block_table, bounds, max_total)
+    total = (seqlens + n_new if n_new else seqlens).contiguous()
+    return seqlens, total, max_total
+
+
+def _check_values(host: list, block_table, capacity: int, n_new: int, where: str,
+                  k_cache) -> int:
+    """The values of cache_seqlens (host: as a list) and, paged, of the block_table entries
+    they use: every key and every page inside the cache. Returns the longest sequence after
+    the append."""
+    b = len(host)
     if b and min(host) < 0:
         i = host.index(min(host))
         raise ValueError(f"cache_seqlens[{i}] = {host[i]} is negative")
@@ -245,10 +263,9 @@ def _validate(q, k_cache, v_cache, cache_seqlens, k, v, block_table, causal, sca
         i = host.index(max(host))
         raise ValueError(f"appending k/v ({n_new} new keys) at cache_seqlens[{i}] = "
                          f"{host[i]} goes past {where}")
-    if paged and b:
+    if block_table is not None and b:
         # every page a sequence uses (cached and appended keys) must exist
-        page_size = k_cache.shape[1]
-        num_pages = k_cache.shape[0]
+        page_size, num_pages = k_cache.shape[1], k_cache.shape[0]
         used = (torch.tensor(host) + (n_new + page_size - 1)) // page_size  # (B,)
         bt = block_table.to("cpu")  # device->host copy
         col = torch.arange(bt.shape[1])[None, :]
@@ -257,8 +274,36 @@ def _validate(q, k_cache, v_cache, cache_seqlens, k, v, block_table, causal, sca
             bi, pi = (int(x) for x in bad.nonzero()[0])
             raise ValueError(f"block_table[{bi}, {pi}] = {int(bt[bi, pi])} is out of range: "
                              f"pages are 0..{num_pages - 1} (k_cache.shape[0] = {num_pages})")
-    total = (seqlens + n_new if n_new else seqlens).contiguous()
-    return seqlens, total, max_total
+    return max_total
+
+
+# Values already checked, so that the layers of one decoding step (which share cache_seqlens and
+# block_table) pay for one device->host copy, not one each: keyed by the tensors themselves
+# (weak references) and their version counters, which every in-place PyTorch op bumps. A write
+# PyTorch cannot see (a raw-pointer kernel) is caught by the kernels' own clamps to the cache.
+_seen: dict = {}
+
+
+def _seen_values(seqlens, block_table, bounds) -> int | None:
+    hit = _seen.get(id(seqlens))
+    if hit is None:
+        return None
+    ref, version, bt_ref, bt_version, seen_bounds, max_total = hit
+    if (ref() is not seqlens or version != seqlens._version or seen_bounds != bounds
+            or (block_table is None) != (bt_ref is None)
+            or (block_table is not None and (bt_ref() is not block_table
+                                             or bt_version != block_table._version))):
+        return None
+    return max_total
+
+
+def _remember_values(seqlens, block_table, bounds, max_total: int) -> None:
+    if len(_seen) >= 64:
+        _seen.clear()
+    _seen[id(seqlens)] = (weakref.ref(seqlens), seqlens._version,
+                          None if block_table is None else weakref.ref(block_table),
+                          None if block_table is None else block_table._version, bounds,
+                          max_total)
 
 
 @functools.lru_cache(maxsize=64)

@@ -148,6 +148,7 @@ class SplitKVPlan:
             bt.stride(0),
             *o_strides, *l_strides,
             hk, nq, s, k_cache.shape[0] if self.paged else 0,
+            bt.shape[1] * k_cache.shape[1] if self.paged else k_cache.shape[1],
             **self.kwargs)
         if s > 1:
             self.combine[(b * h * nq,)](

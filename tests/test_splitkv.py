@@ -299,3 +299,36 @@ def test_forced_splitkv_serves_dense_forward_and_backward_matches_reference(devi
         assert flashtune.explain(q, k, v, causal=True).variant.family == "splitkv"
         # the bwd family consumes splitkv's O and LSE: gradients against the float64 reference
         assert_grads_match(q, k, v, causal=True)
+
+
+# -- checked values are remembered per tensor version; kernels clamp to the cache ----------------
+def test_values_rechecked_after_an_in_place_change(device):
+    import flashtune
+    q = torch.randn(2, 1, 4, 32, dtype=torch.float16, device=device)
+    kc = torch.randn(2, 64, 2, 32, dtype=torch.float16, device=device)
+    vc = torch.randn_like(kc)
+    sl = torch.tensor([10, 64], dtype=torch.int32, device=device)
+    flashtune.attention_with_kvcache(q, kc, vc, cache_seqlens=sl)
+    flashtune.attention_with_kvcache(q, kc, vc, cache_seqlens=sl)  # remembered: no new copy
+    sl[1] = 65  # in place: the version counter moves, the values are checked again
+    with pytest.raises(ValueError, match=r"cache_seqlens\[1\] = 65 is beyond"):
+        flashtune.attention_with_kvcache(q, kc, vc, cache_seqlens=sl)
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_kernels_clamp_values_changed_behind_the_checks_back(paged, device):
+    # a write PyTorch's version counter cannot see (here through .data) must not make a kernel
+    # read outside the cache: the kernels clamp seqlens and page indices to it
+    import flashtune
+    q = torch.randn(1, 1, 2, 32, dtype=torch.float16, device=device)
+    kc = torch.randn(4 if paged else 1, 16 if paged else 64, 1, 32, dtype=torch.float16,
+                     device=device)
+    vc = torch.randn_like(kc)
+    bt = torch.tensor([[3, 1, 0, 2]], dtype=torch.int32, device=device) if paged else None
+    sl = torch.tensor([40], dtype=torch.int32, device=device)
+    ok = flashtune.attention_with_kvcache(q, kc, vc, cache_seqlens=sl, block_table=bt)
+    sl.data.fill_(1 << 20)
+    if paged:
+        bt.data.fill_(1 << 20)
+    out = flashtune.attention_with_kvcache(q, kc, vc, cache_seqlens=sl, block_table=bt)
+    assert out.shape == ok.shape and torch.isfinite(out).all()
