@@ -189,7 +189,8 @@ def select_varlen(family: str, q, k, batch: int, max_seqlen_q: int, max_seqlen_k
         return varlen_twin(forced)
     problem = Problem(family, dtype_name(q.dtype), d, causal, h // k.shape[1], batch, h,
                       max_seqlen_q, max_seqlen_k)
-    return varlen_twin(select(problem))
+    # the family's own answer: a competing family (splitkv) has no varlen kernels
+    return varlen_twin(_explain_bucket(problem).variant)
 
 
 # -- explain ------------------------------------------------------------------------------------

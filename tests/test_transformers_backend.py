@@ -160,6 +160,29 @@ def _generate(model, impl, ids, mask, **kw):
                               pad_token_id=0, **kw)
 
 
+def _assert_same_or_a_tie(model, name, got, want, mask):
+    """Greedy tokens agree; where they first differ, sdpa's own top two logits there must be
+    closer than the two implementations' logits differ (a tie any exact kernel may break either
+    way: random-init models have many)."""
+    if torch.equal(got, want):
+        return
+    b, t = (int(x) for x in (got != want).nonzero()[0])
+    full = torch.cat([mask, torch.ones(mask.shape[0], got.shape[1] - mask.shape[1],
+                                       dtype=mask.dtype, device=mask.device)], 1)
+    prefix, pmask = want[b:b + 1, :t], full[b:b + 1, :t]
+    logits = {}
+    for impl in ("sdpa", name):
+        model.set_attn_implementation(impl)
+        with torch.no_grad():
+            logits[impl] = model(input_ids=prefix, attention_mask=pmask).logits[0, -1].double()
+    top = logits["sdpa"].topk(2).values
+    err = (logits[name] - logits["sdpa"]).abs().max().item()
+    assert (top[0] - top[1]).item() <= 2 * err, (
+        f"greedy tokens differ at sequence {b}, step {t} without a tie: top-2 gap "
+        f"{(top[0] - top[1]).item():.3g}, logits differ by {err:.3g}\n{got.tolist()}\n"
+        f"{want.tolist()}")
+
+
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
 def test_greedy_generation_matches_sdpa(name, device, cache):
     model = _model(device)
@@ -169,11 +192,11 @@ def test_greedy_generation_matches_sdpa(name, device, cache):
     kw = {} if cache == "dynamic" else {"cache_implementation": "static"}
     want = _generate(model, "sdpa", ids, mask, **kw)
     got = _generate(model, name, ids, mask, **kw)
-    assert torch.equal(got, want), f"\n{got[:, 8:].tolist()}\n{want[:, 8:].tolist()}"
+    _assert_same_or_a_tie(model, name, got, want, mask)
     if cache == "static":  # no padding: transformers drops the mask, the cache has empty slots
         got = _generate(model, name, ids[1:], None, **kw)
         want = _generate(model, "sdpa", ids[1:], None, **kw)
-        assert torch.equal(got, want)
+        _assert_same_or_a_tie(model, name, got, want, torch.ones_like(ids[1:]))
 
 
 def test_dropout_is_a_clear_error(name, device):

@@ -114,6 +114,13 @@ def test_bfloat16(device):
         assert_varlen_matches(q, k, v, cu_q, cu_k, causal=True)
 
 
+def test_decode_shaped_call_keeps_its_own_family(device):
+    # one query per sequence, GQA: the shape the dispatcher hands dense forwards to split-KV,
+    # which has no varlen kernels: a varlen call must get the fwd family's variant, made varlen
+    q, k, v, cu_q, cu_k = packed([1, 1, 1], [40, 7, 90], 8, 2, 32, torch.float16, device)
+    assert_varlen_matches(q, k, v, cu_q, cu_k, causal=True, grads=False)
+
+
 def test_default_variants_and_deterministic(device):
     # the dispatcher's (built-in default) fwd and bwd variants, made varlen
     q, k, v, cu_q, cu_k = packed([5, 33], [40, 2], 2, 1, 32, torch.float16, device)
