@@ -190,7 +190,14 @@ def select_varlen(family: str, q, k, batch: int, max_seqlen_q: int, max_seqlen_k
     problem = Problem(family, dtype_name(q.dtype), d, causal, h // k.shape[1], batch, h,
                       max_seqlen_q, max_seqlen_k)
     # the family's own answer: a competing family (splitkv) has no varlen kernels
-    return varlen_twin(_explain_bucket(problem).variant)
+    variant = _explain_bucket(problem).variant
+    if variant.loads == "descriptor":
+        # varlen runs pointer loads, and a variant tuned with TMA says nothing about its pointer
+        # twin (D=128's m128-n64-w4-s2 twin spills 300 B on sm_90, compile report 2026-11-23;
+        # its causal varlen forward ran at 0.52x the dense one on the H100): the portable
+        # pointer-load default instead
+        variant = default_variant(family, d, problem.dtype, arch="sm_80")
+    return varlen_twin(variant)
 
 
 # -- explain ------------------------------------------------------------------------------------

@@ -4,7 +4,6 @@ says how those become problems (its `grid`): the dense families the standard gri
 decode grid."""
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 from .problem import Bucket, Problem
@@ -44,18 +43,18 @@ def plan(target: Target, families, dtypes, head_dims, causal, seqlens=(), batche
     """One entry per distinct bucket, in the order given (problems that share a bucket are
     tuned once, with the first). Empty seqlens/batches: each family's own grid."""
     from .families import get
+    from .problem import head_dim_bucket
     out: dict[str, PlannedBucket] = {}
     for fam in families:
         grid = get(fam).grid_of
         for dt in dtypes:
             for d in head_dims:
                 for c in causal:
-                    for p0 in grid(dt, d, c, seqlens, batches):
-                        bk = Bucket.of(p0)
-                        # measure the bucket's own head dim: D=96 shares the D=128 bucket
-                        # (one BLOCK_D), so asking for 96 tunes exactly what 128 tunes
-                        # instead of overwriting its record with other measurements
-                        p = dataclasses.replace(p0, head_dim=bk.head_dim)
+                    # measure the bucket's own head dim: D=96 shares the D=128 bucket (one
+                    # BLOCK_D), so asking for 96 tunes exactly what 128 tunes instead of
+                    # overwriting its record with other measurements
+                    for p in grid(dt, head_dim_bucket(d), c, seqlens, batches):
+                        bk = Bucket.of(p)
                         if bk.key not in out:
                             out[bk.key] = PlannedBucket(bk, p, Space.build(fam, target, p))
     return list(out.values())

@@ -8,6 +8,7 @@ import pytest
 
 from flashtune import defaults, targets
 from flashtune.codegen import Variant
+from flashtune.families import all_families
 from test_compile_sm90 import kernels_check
 
 _DIMS = (64, 128, 256)
@@ -17,9 +18,8 @@ _DTYPES = ("bfloat16", "float16", "float32")
 def _all_defaults(arch):
     for dt in _DTYPES:
         for d in _DIMS:
-            yield defaults.default_variant("fwd", d, dt, arch=arch)
-            for dq in ("separate", "atomic"):
-                yield defaults.default_variant("bwd", d, dt, dq=dq, arch=arch)
+            for fam in all_families():  # each family's default(s): bwd has one per dQ scheme
+                yield from fam.seed_variants(d, dt, arch=arch)
 
 
 def test_no_descriptor_loads_without_tma():
@@ -54,7 +54,10 @@ def _check(gpu, dtypes, dims, *extra):
 @pytest.mark.parametrize("gpu", ["A100", "H100"])
 def test_defaults_spill_free_bf16(gpu):
     rows = _check(gpu, "bf16", "64,128,256")
-    assert len(rows) == 3 * (1 + 3 + 2)  # fwd; separate pre/dkdv/dq; atomic pre/dkdv
+    arch = targets.get(gpu).arch
+    assert {(r["head_dim"], r["variant"]) for r in rows} == {
+        (d, v.name) for d in _DIMS for fam in all_families()
+        for v in fam.seed_variants(d, "bfloat16", arch=arch)}  # every family's defaults
 
 
 # float32 at D=256 is left out: its PRECISE preprocess needs more shared memory than any target
