@@ -27,12 +27,24 @@ CPU_SMS = 4                # the interpreter has no SMs: auto picks as if there 
 COMBINE_CHUNK_S = 16       # splits per O tile the combine reads (16 x BLOCK_D float32)
 
 
-def default_variant(head_dim: int, dtype: torch.dtype | None = None) -> Variant:
-    """The built-in splitkv variant for a head dim (dtype: the same table for now)."""
-    for d in sorted(DEFAULTS):
+# float32 (a test dtype) computes in float64: the tiles above spill there (D=64 60-104 B, D=128
+# 32-36 B on sm_80/sm_90, `kernels check`, triton 3.9, 2026-11-23); m16-n32-w4-s2 does not
+# (127-222 registers, 0 B). D=256 float32 is not compile-checked (as for fwd/bwd: see defaults.py).
+DEFAULTS_F32 = {
+    64: Variant("splitkv", block_m=16, block_n=32, num_warps=4, num_stages=2),
+    128: Variant("splitkv", block_m=16, block_n=32, num_warps=4, num_stages=2),
+    256: Variant("splitkv", block_m=16, block_n=16, num_warps=4, num_stages=1),
+}
+
+
+def default_variant(head_dim: int, dtype: str = "bfloat16") -> Variant:
+    """The built-in splitkv variant for a head dim and dtype name (the same on every arch:
+    pointer loads, spill-free on sm_80 and sm_90)."""
+    table = DEFAULTS_F32 if dtype == "float32" else DEFAULTS
+    for d in sorted(table):
         if head_dim <= d:
-            return DEFAULTS[d]
-    return DEFAULTS[max(DEFAULTS)]
+            return table[d]
+    return table[max(table)]
 
 
 @lru_cache(maxsize=None)

@@ -51,7 +51,7 @@ def decode_grid(family, dtype: str, head_dim: int, causal: bool, seqlens=(), bat
 
 def default(head_dim: int, dtype: str, *, arch=None):
     from ..launch_splitkv import default_variant
-    return default_variant(head_dim)
+    return default_variant(head_dim, dtype)
 
 
 def kv_bytes(p) -> float:
