@@ -66,7 +66,23 @@ def bench_ms(fn) -> float:
             fn()
             times.append((time.perf_counter() - t) * 1e3)
         return statistics.median(times)
+    if GRAPH:
+        # the step as a CUDA graph, as serving runs decoding: replays time the GPU's work, not
+        # Python's launch overhead (which bounds every implementation at batch 1, SDPA's too)
+        fn()
+        torch.cuda.synchronize()
+        stream = torch.cuda.Stream()
+        with torch.cuda.stream(stream):
+            fn()  # warm on the capture stream
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, stream=stream):
+                fn()
+        torch.cuda.synchronize()
+        return triton.testing.do_bench(g.replay, warmup=25, rep=100, return_mode="median")
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+GRAPH = False
 
 
 def sdpa_peer(backend_name, q, kc, vc):
@@ -116,11 +132,14 @@ def main(argv=None):
                     help="also time these num_splits (0 = auto) of the variant, contiguous")
     ap.add_argument("--max-gib", type=float, default=20.0, help="skip caches larger than this")
     ap.add_argument("--quick", action="store_true", help="B in 1,32; Nk in 4k,32k,128k")
+    ap.add_argument("--graph", action="store_true",
+                    help="time CUDA-graph replays of each step (the GPU's time, no launch cost)")
     ap.add_argument("--device", default="cuda",
                     help="cpu: smoke-test this script (TRITON_INTERPRET=1, tiny sizes)")
     args = ap.parse_args(argv)
-    global DEVICE
+    global DEVICE, GRAPH
     DEVICE = args.device
+    GRAPH = args.graph and DEVICE == "cuda"
     if args.quick:
         args.batches, args.seqlens = [1, 32], [4096, 32768, 131072]
     dtype, d = torch.bfloat16, args.dim
@@ -133,7 +152,7 @@ def main(argv=None):
         out.write(json.dumps(row) + "\n")
         out.flush()
 
-    write({"kind": "env", "device": props.name, "sm_count": props.multi_processor_count,
+    write({"kind": "env", "graph": GRAPH, "device": props.name, "sm_count": props.multi_processor_count,
            "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
            "python": platform.python_version(), "variant": base.name})
     print(f"{'B':>3} {'Hq/Hk':>6} {'Nk':>7} {'impl':<28} {'ms':>9} {'GB/s':>8}")
