@@ -38,8 +38,9 @@ def _seconds(text):
 @click.option("--gpu", default=lambda: env.gpu_override() or "auto", show_default="auto",
               help="GPU to tune (A100, H100, H200, L40S, RTX4090); must be the one present. "
                    "auto: the one present.")
-@click.option("--family", "families", multiple=True, default=("fwd",), show_default=True,
-              help="kernel families (repeat or comma-separate)")
+@click.option("--family", "families", multiple=True, default=(),
+              help="kernel families (repeat or comma-separate; default: every family with a "
+                   "search space that can run on the target: fwd, bwd, splitkv)")
 @click.option("--dtype", "dtypes", multiple=True, default=("bf16",), show_default=True,
               callback=comma_list(DTYPE), help=f"{DTYPE_HELP} (repeat or comma-separate)")
 @click.option("--head-dim", "head_dims", multiple=True, default=("64,128",), show_default=True,
@@ -47,8 +48,9 @@ def _seconds(text):
               help=f"{HEAD_DIM_HELP} (repeat or comma-separate); buckets pad it to a power of two")
 @click.option("--causal", type=click.Choice(["both", "true", "false"]), default="both",
               show_default=True, help="causal buckets, non-causal ones, or both")
-@click.option("--seqlen", "seqlens", multiple=True, default=("512,1024,2048,4096,8192,16384",),
-              show_default=True, help="seqlen buckets (query = key length)")
+@click.option("--seqlen", "seqlens", multiple=True, default=(),
+              help="seqlen buckets (default: each family's grid -- fwd/bwd the standard grid, "
+                   "query = key length 512..16k; splitkv the decode grid, keys 2k..128k)")
 @click.option("--batch", "batches", multiple=True, default=(),
               help="batch sizes (default: the standard grid's, 16k tokens per batch)")
 @click.option("--trials", type=click.IntRange(1), default=40, show_default=True,
@@ -97,7 +99,8 @@ def search(gpu, families, dtypes, head_dims, causal, seqlens, batches, trials, s
     from .search_spaces import families as space_families
 
     known = space_families()
-    fams = _split(families, str, "--family")
+    from .families import names
+    fams = _split(families, str, "--family") or tuple(n for n in names() if n in known)
     for f in fams:
         if f not in known:
             raise click.BadParameter(f"{f!r} has no search space; known: {', '.join(known)}",

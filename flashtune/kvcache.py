@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import weakref
 
 import torch
 
-from . import dispatch, env
+from . import dispatch
 from .launch_splitkv import SplitKVPlan, descriptor_ok
 from .problem import Problem, dtype_name, log2_bucket
-from .validate import MAX_HEAD_DIM, MIN_HEAD_DIM, SUPPORTED_DTYPES
+from .validate import SUPPORTED_DTYPES, check_causal_scale, check_device, check_heads
 
 __all__ = ["attention_with_kvcache"]
 
@@ -141,34 +140,13 @@ def _validate(q, k_cache, v_cache, cache_seqlens, k, v, block_table, causal, sca
             raise TypeError(f"{name}.dtype ({t.dtype}) must match q.dtype ({q.dtype})")
         if t.device != q.device:
             raise ValueError(f"{name} is on {t.device} but q is on {q.device}")
-    if k_cache.shape != v_cache.shape:
-        raise ValueError(f"k_cache and v_cache must have the same shape, got k_cache "
-                         f"{tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)}")
+    check_heads(q, k_cache, v_cache, head_axis=2, names=("q", "k_cache", "v_cache"))
     b, nq, h, d = q.shape
     hk = k_cache.shape[2]
-    if k_cache.shape[3] != d:
-        raise ValueError(f"head_dim differs: q has {d}, k_cache and v_cache have "
-                         f"{k_cache.shape[3]}")
-    if not MIN_HEAD_DIM <= d <= MAX_HEAD_DIM:
-        raise ValueError(f"q's head_dim {d} is not supported: expected "
-                         f"{MIN_HEAD_DIM}..{MAX_HEAD_DIM}")
-    if hk == 0 or h % hk:
-        raise ValueError(f"q heads ({h}) must be a positive multiple of the k_cache/v_cache "
-                         f"heads ({hk}) (grouped-query attention)")
-    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
-        if t.numel() and t.stride(3) != 1:
-            raise ValueError(f"{name} must have a contiguous last dim (stride 1), got strides "
-                             f"{tuple(t.stride())}")
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    check_causal_scale(causal, scale)
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
-    if scale is not None:
-        if isinstance(scale, bool) or not isinstance(scale, (int, float)):
-            raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
-        if not (math.isfinite(scale) and scale > 0):
-            raise ValueError(f"scale must be a finite positive number, got {scale}")
-    _check_device(q)
+    check_device(q)
 
     # new keys and values
     if (k is None) != (v is None):
@@ -312,15 +290,3 @@ def _full_seqlens(b: int, n: int, device) -> torch.Tensor:
     return torch.full((b,), n, dtype=torch.int32, device=device)
 
 
-def _check_device(q):
-    if q.device.type == "cpu":
-        if not env.interpreting():
-            raise ValueError("q is a CPU tensor: flashtune's kernels run on CUDA GPUs. To run on "
-                             "the CPU (slowly, for tests), set TRITON_INTERPRET=1 in the "
-                             "environment before importing flashtune")
-        if not env.triton_interprets():
-            raise RuntimeError("q is a CPU tensor and TRITON_INTERPRET=1 is set, but it was set "
-                               "after Triton was imported, so Triton's interpreter is off: set "
-                               "it before importing flashtune or triton")
-    elif q.device.type != "cuda":
-        raise ValueError(f"q is on {q.device}: expected a CUDA device")

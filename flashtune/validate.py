@@ -84,21 +84,22 @@ def check_causal_scale(causal, scale) -> None:
             raise ValueError(f"scale must be a finite positive number, got {scale}")
 
 
-def check_heads(q, k, v, head_axis: int) -> None:
+def check_heads(q, k, v, head_axis: int, names=("q", "k", "v")) -> None:
     """k and v alike, one head_dim in 16..256, q heads a multiple of k/v heads, head_dim last
-    and contiguous."""
+    and contiguous. `names`: what the caller calls the three tensors (k_cache, ...)."""
+    nq_, nk, nv = names
     d = q.shape[-1]
     if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got k {tuple(k.shape)} "
-                         f"and v {tuple(v.shape)}")
+        raise ValueError(f"{nk} and {nv} must have the same shape, got {nk} {tuple(k.shape)} "
+                         f"and {nv} {tuple(v.shape)}")
     if k.shape[-1] != d:
-        raise ValueError(f"head_dim differs: q has {d}, k and v have {k.shape[-1]}")
+        raise ValueError(f"head_dim differs: {nq_} has {d}, {nk} and {nv} have {k.shape[-1]}")
     check_head_dim(d)
     h, hk = q.shape[head_axis], k.shape[head_axis]
     if hk == 0 or h % hk:
-        raise ValueError(f"q heads ({h}) must be a positive multiple of k/v heads ({hk}) "
-                         "(grouped-query attention)")
-    for name, t in (("q", q), ("k", k), ("v", v)):
+        raise ValueError(f"{nq_} heads ({h}) must be a positive multiple of {nk}/{nv} heads "
+                         f"({hk}) (grouped-query attention)")
+    for name, t in zip(names, (q, k, v)):
         if t.numel() and t.stride(-1) != 1:
             raise ValueError(f"{name} must have a contiguous last dim (stride 1), got strides "
                              f"{tuple(t.stride())}: call {name}.contiguous() or keep head_dim last")
