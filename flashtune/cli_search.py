@@ -171,13 +171,14 @@ def _summary(result, fmt):
         import dataclasses
         click.echo(json.dumps(dataclasses.asdict(result), indent=2, default=str))
         return
-    click.echo(f"\n{'bucket':<42} {'meas.':>5} {'fail':>4} {'winner':<34} {'TFLOP/s':>8} "
-               f"{'default':>8} {'speedup':>7} {'wall':>6}  status")
+    click.echo(f"\n{'bucket':<42} {'meas.':>5} {'fail':>4} {'winner':<34} {'speed':>8} "
+               f"{'default':>8} {'unit':<7} {'speedup':>7} {'wall':>6}  status")
     for r in result.buckets:
         f = (lambda x: f"{x:8.1f}" if x else f"{'-':>8}")
         sp = f"{r.speedup:6.2f}x" if r.speedup else f"{'-':>7}"
         click.echo(f"{r.label:<42} {r.measured:>5} {r.failed:>4} {r.winner or '-':<34} "
-                   f"{f(r.tflops)} {f(r.default_tflops)} {sp} {r.wall_s:5.0f}s  {r.status}")
+                   f"{f(r.tflops)} {f(r.default_tflops)} {r.unit:<7} {sp} {r.wall_s:5.0f}s  "
+                   f"{r.status}")
     click.echo(f"\n{result.target}: {len(result.buckets)} buckets in {result.wall_s:.0f} s, "
                f"{result.db_written} winners written to the tuned DB"
                + (" (interrupted: completed trials are kept; re-run to resume)"

@@ -24,6 +24,7 @@ import optuna
 
 from . import targets
 from .codegen import Variant, kernel_hash
+from .families import get as get_family
 from .measure import Outcome
 from .pipeline import Pipeline
 from .search_plan import PlannedBucket, plan
@@ -70,9 +71,10 @@ class BucketResult:
     duplicates: int
     winner: str | None = None
     ms: float | None = None
-    tflops: float | None = None
+    tflops: float | None = None    # speed in `unit` (the family's: TFLOP/s, GB/s for decoding)
     default_tflops: float | None = None
     wall_s: float = 0.0
+    unit: str = "TFLOP/s"
     failures: tuple = ()           # (variant name, stage, reason) of this run's failures
 
     @property
@@ -338,7 +340,7 @@ def _line(r: BucketResult) -> str:
     if r.winner is None:
         return _no_winner(r)
     sp = f", {r.speedup:.2f}x the default" if r.speedup else ""
-    return (f"{r.status}: {r.winner} {r.tflops:.1f} TFLOP/s{sp} ({r.measured} measured, "
+    return (f"{r.status}: {r.winner} {r.tflops:.1f} {r.unit}{sp} ({r.measured} measured, "
             f"{r.failed} failed, {r.infeasible} infeasible, {r.duplicates} duplicates)")
 
 
@@ -375,14 +377,14 @@ def _finish(bs: BucketStudy, pipeline, info, pb, label, name, cfg, status, t_b, 
         if t is None and v.key in by_key:
             t = (by_key[v.key][1]["ms"], 0.0)
         rows.append((v, t[0] if t else None, t[1] if t else None))
-    flops = pb.problem.flops()
-    tf = (lambda ms: flops / (ms * 1e-3) / 1e12 if ms else None)
+    fam = get_family(pb.bucket.family)
+    tf = (lambda ms: fam.throughput(pb.problem, ms) if ms else None)  # in fam.unit
     default_ms = next((ms for v, ms, _ in rows if default is not None and v == default), None)
     # the default may only win if it passed the gate in this study
     eligible = [r for r in rows if r[0].key in by_key]
     win = pick(eligible, cfg.noise)
     counts = bs.counts
-    common = dict(label=label, study=name, measured=bs.measured(), failed=counts["failed"],
+    common = dict(label=label, study=name, unit=fam.unit, measured=bs.measured(), failed=counts["failed"],
                   infeasible=counts["infeasible"], duplicates=counts["duplicate"],
                   default_tflops=tf(default_ms), wall_s=time.monotonic() - t_b,
                   failures=tuple(bs.failures))
@@ -415,7 +417,8 @@ def _record(pb, v, ms, tflops, max_err, runner_ups, info, bs):
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         source="search")
     return Record(gpu=targets.slug_of(prov.gpu_name), bucket=pb.bucket, variant=v,
-                  median_ms=float(ms), throughput=float(tflops), unit="TFLOP/s",
+                  median_ms=float(ms), throughput=float(tflops),
+                  unit=get_family(pb.bucket.family).unit,
                   max_err=float(max_err or 0.0), provenance=prov, runner_ups=runner_ups)
 
 

@@ -42,7 +42,7 @@ class PlainProgress:
             rate = (now - self.t0) / max(1, self.done)
             eta = rate * max(0, self.total - self.done)
             self._say(f"[{self.i}/{self.n_buckets}] {self.label}: {measured}/{self.trials}, "
-                      f"best {best:.1f} TFLOP/s, ETA {_fmt_s(eta)}")
+                      f"best {best:.1f}, ETA {_fmt_s(eta)}")
 
     def bucket_end(self, label: str, line: str) -> None:
         self._say(f"[{self.i}/{self.n_buckets}] {label}: {line} "
@@ -63,7 +63,7 @@ class RichProgress(PlainProgress):
 
         self.console = Console(stderr=True)
         self.bars = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                             TextColumn("best {task.fields[best]:.1f} TFLOP/s"),
+                             TextColumn("best {task.fields[best]:.1f}"),
                              TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
                              console=self.console, transient=False)
 

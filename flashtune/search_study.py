@@ -1,6 +1,6 @@
 """One Optuna study per bucket: naming, storage, samplers, and the ask/tell bookkeeping.
 
-Objective: TFLOP/s, maximized. A candidate that is infeasible or fails (compile, gate, launch,
+Objective: speed in the family's unit (TFLOP/s; GB/s for splitkv), maximized. A candidate that is infeasible or fails (compile, gate, launch,
 timeout, crash) is told as a COMPLETE trial of 0 TFLOP/s with a violated constraint, so TPE
 (constraints_func) and CMA-ES (the value) learn to stay away; only transient failures (Ctrl-C,
 a lost worker) are told FAIL and measured again if proposed again. Every trial carries the
@@ -11,12 +11,13 @@ from __future__ import annotations
 import os
 import socket
 import warnings
-from functools import lru_cache
+from functools import lru_cache, partial
 
 import optuna
 from optuna.trial import TrialState
 
 from .codegen import Variant
+from .families import get as get_family
 from .measure import Outcome
 from .problem import Bucket, Problem
 from .search_space import Space
@@ -140,7 +141,9 @@ class BucketStudy:
     def __init__(self, study: optuna.Study, space: Space, problem: Problem, *, prune: bool = True):
         self.study, self.space, self.problem, self.prune = study, space, problem, prune
         self.host = socket.gethostname()
-        self.flops = problem.flops()
+        # the objective: speed in the family's unit (TFLOP/s; GB/s for decoding). The result key
+        # stays "tflops" so that studies started before GB/s families resume
+        self._speed = partial(get_family(problem.family).throughput, problem)
         self._known: dict[str, tuple[float, dict]] = {}  # variant key -> (value, result)
         self.counts = {"measured": 0, "failed": 0, "infeasible": 0, "duplicate": 0}
         self.failures: list[tuple[str, str, str]] = []  # (variant, stage, reason), this run
@@ -234,7 +237,7 @@ class BucketStudy:
         measured = o.stage != "infeasible"
         result = {"measured": measured, "violation": 0.0 if o.ok else 1.0}
         if o.ok:
-            result.update(ms=o.ms, tflops=self.flops / (o.ms * 1e-3) / 1e12)
+            result.update(ms=o.ms, tflops=self._speed(o.ms))
         else:
             result.update(stage=o.stage, reason=o.reason)
         if o.notes:

@@ -23,8 +23,8 @@ def test_dry_run_a100_shows_buckets_sizes_and_no_tma():
 
 def test_dry_run_spaces_differ_between_a100_and_h100():
     def sizes(gpu):
-        r = _run("--dry-run", "--gpu", gpu, "--head-dim", "128", "--seqlen", "4096",
-                 "--causal", "true", "--format", "json")
+        r = _run("--dry-run", "--gpu", gpu, "--family", "fwd", "--head-dim", "128", "--seqlen",
+                 "4096", "--causal", "true", "--format", "json")
         assert r.exit_code == 0, r.output
         (b,) = json.loads(r.output)["buckets"]
         return b
@@ -73,8 +73,8 @@ def test_gpu_auto_without_a_gpu_suggests_dry_run(monkeypatch):
 
 def test_dtype_and_head_dim_use_the_shared_names_and_bounds():
     def dtypes(*args):
-        r = _run("--dry-run", "--gpu", "H100", "--head-dim", "64", "--seqlen", "1024",
-                 "--causal", "false", "--format", "json", *args)
+        r = _run("--dry-run", "--gpu", "H100", "--family", "fwd", "--head-dim", "64", "--seqlen",
+                 "1024", "--causal", "false", "--format", "json", *args)
         assert r.exit_code == 0, r.output
         return [b["problem"]["dtype"] for b in json.loads(r.output)["buckets"]]
     assert dtypes("--dtype", "bf16,FP16", "--dtype", "float32", "--dtype", "bfloat16") == [
@@ -83,3 +83,23 @@ def test_dtype_and_head_dim_use_the_shared_names_and_bounds():
     assert r.exit_code == 2 and "--dtype" in r.output and "bf16" in r.output
     r = _run("--dry-run", "--gpu", "H100", "--head-dim", "64,300")
     assert r.exit_code == 2 and "head_dim 300 is not supported: expected 16..256" in r.output
+
+
+def test_by_default_every_family_is_tuned_on_its_own_grid():
+    r = _run("--dry-run", "--gpu", "H100", "--head-dim", "128", "--causal", "false",
+             "--format", "json")
+    assert r.exit_code == 0, r.output
+    problems = [b["problem"] for b in json.loads(r.output)["buckets"]]
+    fams = {p["family"] for p in problems}
+    assert fams == {"fwd", "bwd", "splitkv"}
+    dense = [p for p in problems if p["family"] == "fwd"]
+    assert sorted({p["seqlen_q"] for p in dense}) == [512, 1024, 2048, 4096, 8192, 16384]
+    decode = [p for p in problems if p["family"] == "splitkv"]
+    assert {p["seqlen_q"] for p in decode} == {1}  # one query token per sequence
+    assert {p["seqlen_k"] for p in decode} == {2048, 8192, 32768, 131072}
+    assert {p["batch"] for p in decode} == {1, 8, 32, 64}
+    assert {(p["heads"], p["heads"] // p["group"]) for p in decode} == {(32, 8), (8, 1)}
+    # --family narrows it
+    r = _run("--dry-run", "--gpu", "H100", "--family", "splitkv", "--head-dim", "128",
+             "--seqlen", "32768", "--batch", "1", "--format", "json")
+    assert {b["problem"]["family"] for b in json.loads(r.output)["buckets"]} == {"splitkv"}

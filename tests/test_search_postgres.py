@@ -33,6 +33,7 @@ def test_two_processes_share_one_study(tmp_path):
     env = dict(os.environ, FLASHTUNE_CACHE_DIR=str(tmp_path / "cache"))
     procs = [subprocess.Popen(
         [sys.executable, "-m", "flashtune.cli", "search", "--gpu", "H100", "--replay", str(rec),
+         "--family", "fwd",
          "--head-dim", "64", "--seqlen", "2048", "--causal", "true", "--trials", "24",
          "--compile-workers", "1", "--storage", URL, "--db", f"sqlite:///{tmp_path}/t{i}.db",
          "--progress", "lines", "--seed", str(i)],

@@ -159,6 +159,7 @@ def test_duplicate_proposals_are_answered_from_what_was_measured(tmp_path):
 def _cli(tmp_path, rec, *extra):
     env = dict(os.environ, FLASHTUNE_CACHE_DIR=str(tmp_path / "cache"), PYTHONUNBUFFERED="1")
     args = [sys.executable, "-m", "flashtune.cli", "search", "--gpu", "H100", "--replay", rec,
+            "--family", "fwd",
             "--head-dim", "64", "--seqlen", "1024", "--causal", "false", "--compile-workers", "1",
             "--storage", f"sqlite:///{tmp_path}/optuna.db", "--db", f"sqlite:///{tmp_path}/t.db",
             "--progress", "lines", "--seed", "0", *extra]
