@@ -3,12 +3,12 @@ split-KV (Flash-Decoding) kernels. Inference only: no autograd."""
 from __future__ import annotations
 
 import dataclasses
-import functools
 import weakref
 
 import torch
 
 from . import dispatch
+from .launch import capturing
 from .launch_splitkv import SplitKVPlan, descriptor_ok
 from .problem import Problem, dtype_name, log2_bucket
 from .validate import SUPPORTED_DTYPES, check_causal_scale, check_device, check_heads
@@ -284,9 +284,19 @@ def _remember_values(seqlens, block_table, bounds, max_total: int) -> None:
                           max_total)
 
 
-@functools.lru_cache(maxsize=64)
+_full: dict = {}
+
+
 def _full_seqlens(b: int, n: int, device) -> torch.Tensor:
-    """cache_seqlens given as an int: one int32 tensor per (batch, value, device), never written."""
-    return torch.full((b,), n, dtype=torch.int32, device=device)
+    """cache_seqlens given as an int: one int32 tensor per (batch, value, device), never written
+    (not kept when made during CUDA-graph capture, where it belongs to the graph's pool)."""
+    t = _full.get((b, n, device))
+    if t is None:
+        t = torch.full((b,), n, dtype=torch.int32, device=device)
+        if not capturing(t):
+            if len(_full) >= 64:
+                _full.clear()
+            _full[(b, n, device)] = t
+    return t
 
 

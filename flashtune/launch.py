@@ -26,6 +26,13 @@ def _need_allocator() -> None:
         _allocator_set = True
 
 
+def capturing(t: torch.Tensor) -> bool:
+    """Whether a CUDA graph is being captured on the current stream: nothing made now may be
+    kept past the call (it lives in the graph's memory pool, which torch.compile's CUDA graph
+    trees check), so memos of tensors skip it."""
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
 def descriptor_ok(*tensors: torch.Tensor) -> bool:
     """TMA descriptors need 16-byte aligned bases and strides (all but the last dim)."""
     for t in tensors:

@@ -11,7 +11,7 @@ import torch
 import triton
 
 from .codegen import Variant, load
-from .launch import _DOT_PRECISION, _need_allocator, block_d
+from .launch import _DOT_PRECISION, _need_allocator, block_d, capturing
 
 # Provisional defaults until measured (no GPU measurement chose them yet; the split count is
 # decided at launch, see auto_num_splits). Keyed by the largest head dim each serves.
@@ -195,8 +195,9 @@ class DensePlan:
         key = q.device
         seqlens = self._seqlens.get(key)
         if seqlens is None:
-            seqlens = self._seqlens[key] = torch.full((q.shape[0],), k.shape[2],
-                                                      dtype=torch.int32, device=q.device)
+            seqlens = torch.full((q.shape[0],), k.shape[2], dtype=torch.int32, device=q.device)
+            if not capturing(q):  # a tensor made during CUDA-graph capture belongs to its pool
+                self._seqlens[key] = seqlens
         o, lse = self.plan.run(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), seqlens,
                                None, k.shape[2])
         return o.transpose(1, 2), lse

@@ -206,6 +206,9 @@ _memo: dict = {}
 
 
 def _memoized(kind: str, t: torch.Tensor, extra: tuple, compute):
+    from ..launch import capturing
+    if capturing(t):  # tensors made during CUDA-graph capture must not outlive the call
+        return compute()
     hit = _memo.get(kind)
     if hit is not None and hit[0] is t and hit[1] == (t._version, *extra):
         return hit[2]
