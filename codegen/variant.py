@@ -7,9 +7,9 @@ from dataclasses import dataclass
 
 import hashlib
 
-# Each family has one template in codegen/templates/. Structural fields change the rendered text;
-# the rest reach the kernel as constexprs (BLOCK_M, ...) or launch knobs (num_warps, num_stages).
-FAMILIES = ("fwd", "bwd", "splitkv")
+# Each family (flashtune/families/) has one template in codegen/templates/. Structural fields
+# change the rendered text; the rest reach the kernel as constexprs (BLOCK_M, ...) or launch
+# knobs (num_warps, num_stages).
 LOADS = ("pointer", "descriptor")
 DQ_SCHEMES = ("none", "separate", "atomic")
 
@@ -56,8 +56,12 @@ class Variant:
     paged: bool = False
 
     def __post_init__(self):
-        if self.family not in FAMILIES:
-            raise ValueError(f"Variant.family must be one of {FAMILIES}, got {self.family!r}")
+        from flashtune.families import get, names
+        try:
+            family = get(self.family)
+        except KeyError:
+            raise ValueError(f"Variant.family must be one of {names()}, got {self.family!r}"
+                             ) from None
         for f in ("block_m", "block_n", "num_warps"):
             v = getattr(self, f)
             if not isinstance(v, int) or not _pow2(v):
@@ -68,20 +72,15 @@ class Variant:
             raise ValueError(f"Variant.loads must be one of {LOADS}, got {self.loads!r}")
         if self.dq not in DQ_SCHEMES:
             raise ValueError(f"Variant.dq must be one of {DQ_SCHEMES}, got {self.dq!r}")
-        if (self.family == "bwd") != (self.dq != "none"):
-            raise ValueError(f"Variant.dq={self.dq!r} does not fit family {self.family!r} "
-                             "(bwd needs 'separate' or 'atomic', other families 'none')")
         for f in ("block_m2", "block_n2", "num_warps2"):
             v = getattr(self, f)
             if v and not _pow2(v):
                 raise ValueError(f"Variant.{f} must be 0 or a power of two, got {v!r}")
         if not isinstance(self.num_splits, int) or self.num_splits < 0:
             raise ValueError(f"Variant.num_splits must be an int >= 0, got {self.num_splits!r}")
-        if self.num_splits and self.family != "splitkv":
-            raise ValueError(f"Variant.num_splits is a splitkv field; family {self.family!r} "
-                             "needs 0")
-        if self.paged and self.family != "splitkv":
-            raise ValueError(f"Variant.paged is a splitkv field; family {self.family!r} needs False")
+        # which fields a family owns and their rules (bwd's dq, splitkv's num_splits and paged):
+        # its flashtune/families/ entry
+        family.check_variant(self)
 
     # -- stable identity -------------------------------------------------------------------
     # Fields at their default are left out of the dict, the JSON and the key: a field added

@@ -104,15 +104,6 @@ class Family:
         return _resolve(self.compile_check)(variant, head_dim, dtype, causal, tails,
                                             capability, usage)
 
-    def cannot_run(self, *, capability: int | None, interpreting: bool) -> str:
-        """Why this family cannot run here ("" when it can)."""
-        if interpreting and not self.interpreter:
-            return f"the {self.name} family does not run in Triton's interpreter"
-        if capability is not None and capability < self.min_capability:
-            return (f"the {self.name} family needs sm_{self.min_capability} or newer, "
-                    f"this GPU is sm_{capability}")
-        return ""
-
     def check_variant(self, variant) -> None:
         """Fields other families own must keep their defaults; own fields their allowed values."""
         import dataclasses
