@@ -60,16 +60,22 @@ def _seconds(text):
 @click.option("--seed", type=int, default=None, help="sampler seed")
 @click.option("--db", "db_url", default=None, help="tuned DB URL (default: $FLASHTUNE_DB or the "
               "SQLite file in the cache folder)")
-@click.option("--storage", default=None, help="Optuna storage URL; share one postgresql://... "
-              "between hosts to search together (default: SQLite in the cache folder)")
+@click.option("--storage", default=None, help="Optuna storage: journal:///file (or a path ending "
+              ".journal), sqlite:///file, postgresql://... (share one between hosts to search "
+              "together); default: a journal file in the cache folder")
+@click.option("--gpus", default=None, help="one search process per GPU of this host, sharing "
+              "the storage (0,1,2,3); each has its own compile pool and timing worker")
 @click.option("--workers", type=click.IntRange(1), default=1, show_default=True,
-              help="timing workers, one per GPU of this host")
+              help="timing workers of one search process, one per GPU (--gpus scales better)")
 @click.option("--compile-workers", type=click.IntRange(0), default=0,
               help="compile processes (default: spare CPU cores, at most 16)")
 @click.option("--resume/--fresh", default=True, show_default=True,
               help="continue the buckets' studies, or delete them and start over")
 @click.option("--dry-run", is_flag=True, help="print the buckets and their space sizes; "
               "measures nothing, needs no GPU")
+@click.option("--status", "show_status", is_flag=True, help="print what the storage holds for "
+              "the plan: per bucket trials measured, winner picked, done or left; measures "
+              "nothing, needs no GPU")
 @click.option("--time-budget", default=None, help="stop asking after this long (90m, 2h, 600)")
 @click.option("--top-k", type=click.IntRange(1), default=5, show_default=True,
               help="candidates re-timed interleaved for the final pick")
@@ -86,8 +92,8 @@ def _seconds(text):
 @click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table",
               show_default=True, help="the summary (or the --dry-run plan) as a table or as JSON")
 def search(gpu, families, dtypes, head_dims, causal, seqlens, batches, trials, sampler, seed,
-           db_url, storage, workers, compile_workers, resume, dry_run, time_budget, top_k,
-           trial_timeout, replay, no_prune, progress, fmt):
+           db_url, storage, gpus, workers, compile_workers, resume, dry_run, show_status,
+           time_budget, top_k, trial_timeout, replay, no_prune, progress, fmt):
     """Tune this GPU's kernels and store the winners.
 
     Searches the kernel variants of each bucket on the GPU present and writes each bucket's
@@ -110,15 +116,19 @@ def search(gpu, families, dtypes, head_dims, causal, seqlens, batches, trials, s
         causal={"both": (False, True), "true": (True,), "false": (False,)}[causal],
         seqlens=_split(seqlens, int, "--seqlen"), batches=_split(batches, int, "--batch"),
         trials=trials, sampler=sampler, seed=seed, storage=storage, db=db_url, workers=workers,
+        gpus=_split((gpus,), int, "--gpus") if gpus else (),
         compile_workers=compile_workers, resume=resume, time_budget_s=_seconds(time_budget),
         top_k=top_k, trial_timeout_s=trial_timeout, prune=not no_prune, replay=replay)
     try:
-        target = resolve_target(cfg, dry_run=dry_run)
+        target = resolve_target(cfg, dry_run=dry_run or show_status)
     except targets.GpuMismatch as e:
         raise click.BadParameter(str(e).removeprefix("--gpu "), param_hint="--gpu") from None
     if dry_run:
         _dry_run(cfg, target, plan_of(cfg, target), fmt)
         return
+    if show_status:
+        from .search_status import print_status
+        raise SystemExit(print_status(cfg, target, fmt))
     try:
         result = run_search(cfg, target=target, progress=make_progress(progress))
     except ValueError as e:
@@ -169,7 +179,8 @@ def _dry_run(cfg, target, planned, fmt):
 def _summary(result, fmt):
     if fmt == "json":
         import dataclasses
-        click.echo(json.dumps(dataclasses.asdict(result), indent=2, default=str))
+        click.echo(json.dumps(dict(dataclasses.asdict(result), trials_per_s=result.trials_per_s),
+                              indent=2, default=str))
         return
     click.echo(f"\n{'bucket':<42} {'meas.':>5} {'fail':>4} {'winner':<34} {'speed':>8} "
                f"{'default':>8} {'unit':<7} {'speedup':>7} {'wall':>6}  status")
@@ -179,7 +190,10 @@ def _summary(result, fmt):
         click.echo(f"{r.label:<42} {r.measured:>5} {r.failed:>4} {r.winner or '-':<34} "
                    f"{f(r.tflops)} {f(r.default_tflops)} {r.unit:<7} {sp} {r.wall_s:5.0f}s  "
                    f"{r.status}")
+    for n in result.notes:
+        click.echo(n)
     click.echo(f"\n{result.target}: {len(result.buckets)} buckets in {result.wall_s:.0f} s, "
+               f"{result.measured} variants measured ({result.trials_per_s:.2f}/s), "
                f"{result.db_written} winners written to the tuned DB"
                + (" (interrupted: completed trials are kept; re-run to resume)"
                   if result.interrupted else ""))

@@ -66,7 +66,11 @@ class ReplayBackend(Backend):
     name = "replay"
 
     def setup(self, role: str, index: int) -> None:
-        object.__setattr__(self, "_index", index)  # which "GPU" this timing worker replays
+        # which "GPU" this timing worker replays: pinned the way GpuBackend pins a real one
+        # (the index-th entry of CUDA_VISIBLE_DEVICES, which --gpus sets per search process)
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        ids = visible.split(",") if visible else [str(i) for i in range(index + 1)]
+        object.__setattr__(self, "_index", ids[index] if index < len(ids) else str(index))
 
     def _line(self, variant, problem) -> dict | None:
         return read_recording(self.path)[1].get((Bucket.of(problem).key, variant.name))

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import datetime
+import json
 import os
 import signal
 import threading
@@ -28,6 +30,7 @@ from .families import get as get_family
 from .measure import Outcome
 from .pipeline import Pipeline
 from .search_plan import PlannedBucket, plan
+from .search_claims import Heartbeat, Liveness, claim, me, same
 from .search_progress import make_progress
 from .search_study import BucketStudy, bucket_label, make_sampler, make_storage, open_study, study_name
 
@@ -47,6 +50,8 @@ class SearchConfig:
     storage: str | None = None     # Optuna storage URL (default: SQLite in the cache folder)
     db: str | None = None          # tuned DB URL (default: TunedDB's)
     workers: int = 1               # timing workers, one per GPU
+    gpus: tuple = ()               # one search process per GPU (--gpus 0,1), sharing the storage
+    tag: str = ""                  # names this process in logs and results ("gpu1")
     compile_workers: int = 0       # 0: one per spare CPU core, at most 16
     resume: bool = True            # False (--fresh): delete the buckets' studies first
     time_budget_s: float | None = None
@@ -76,6 +81,8 @@ class BucketResult:
     wall_s: float = 0.0
     unit: str = "TFLOP/s"
     failures: tuple = ()           # (variant name, stage, reason) of this run's failures
+    by: str = ""                   # the process that picked the winner ("gpu1", "host:pid")
+    busy: int = 0                  # proposals another process was measuring (not repeated)
 
     @property
     def speedup(self) -> float | None:
@@ -91,6 +98,12 @@ class SearchResult:
     wall_s: float
     interrupted: bool
     db_written: int
+    measured: int = 0              # variants measured by this run (every process of it)
+    notes: tuple = ()              # what went wrong with a process of --gpus
+
+    @property
+    def trials_per_s(self) -> float:
+        return self.measured / self.wall_s if self.wall_s > 0 else 0.0
 
 
 def simplicity(v: Variant) -> tuple:
@@ -196,6 +209,7 @@ def search_bucket(bs: BucketStudy, pipeline: Pipeline, trials: int, deadline: fl
     max_asks = max_asks or 20 * trials + 200
     asks, idle_asks = 0, 0
     status = "done"
+    others, synced = 0, -1e9   # variants other processes are measuring now (read every 0.25 s)
 
     def settle(done) -> None:
         for f in done:
@@ -215,7 +229,9 @@ def search_bucket(bs: BucketStudy, pipeline: Pipeline, trials: int, deadline: fl
             # tell what is done before asking more: the sampler sees results as soon as they
             # exist, and fewer of its proposals are lies (constant liar)
             settle([f for f in inflight if f.done()])
-            budget_left = bs.measured() + len(inflight) < min(trials, feasible)
+            if len(inflight) < pipeline.depth and time.monotonic() - synced > 0.25:
+                others, synced = bs.sync(), time.monotonic()
+            budget_left = bs.measured() + len(inflight) + others < min(trials, feasible)
             if until is not None and until(bs):
                 budget_left = False
             if deadline is not None and time.monotonic() > deadline:
@@ -223,6 +239,7 @@ def search_bucket(bs: BucketStudy, pipeline: Pipeline, trials: int, deadline: fl
                 budget_left = False
             if idle_asks > 200 or asks >= max_asks:
                 budget_left = False  # the sampler keeps proposing what is known: it has converged
+                bs.converged = True
             if budget_left and len(inflight) < pipeline.depth:
                 trial, variant, answer = bs.ask()
                 asks += 1
@@ -255,6 +272,9 @@ def run_search(cfg: SearchConfig, *, backend=None, db=None, progress=None,
     t_start = time.monotonic()
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     target = target or resolve_target(cfg)
+    if cfg.gpus:
+        from .search_gpus import run_on_gpus
+        return run_on_gpus(cfg, target=target, progress=progress)
     backend = backend or _backend(cfg, target)
     n_dev = backend.device_count()
     if cfg.workers < 1 or cfg.workers > n_dev:
@@ -266,9 +286,11 @@ def run_search(cfg: SearchConfig, *, backend=None, db=None, progress=None,
                          "measuring function for it (its flashtune/families/ entry)")
     progress = progress or make_progress()
     cw = cfg.compile_workers or max(1, min(16, (os.cpu_count() or 2) - cfg.workers))
+    storage = make_storage(cfg.storage)
+    heartbeat = Heartbeat(storage).start()
     pipeline = Pipeline(backend, devices=tuple(range(cfg.workers)), compile_workers=cw,
                         trial_timeout=cfg.trial_timeout_s).start()
-    run = _Run(cfg, planned, pipeline, make_storage(cfg.storage), db, progress, t_start)
+    run = _Run(cfg, planned, pipeline, storage, db, progress, t_start)
     stop = threading.Event()
     progress.start(len(planned), cfg.trials * len(planned))
     try:
@@ -277,63 +299,160 @@ def run_search(cfg: SearchConfig, *, backend=None, db=None, progress=None,
     except KeyboardInterrupt:  # a second Ctrl-C, or one during a final pick
         run.interrupted = True
     finally:
+        heartbeat.stop()
         pipeline.close(kill=run.interrupted)
         progress.close()
-    return SearchResult(target.short, tuple(run.results), time.monotonic() - t_start,
-                        run.interrupted, run.written)
+    results = tuple(run.results[i] for i in sorted(run.results))
+    measured = sum(bs.counts["measured"] for bs in run._studies.values())
+    return SearchResult(target.short, results, time.monotonic() - t_start, run.interrupted,
+                        run.written, measured)
+
+
+def open_bucket(cfg: SearchConfig, storage, pb: PlannedBucket, liveness=None) -> BucketStudy:
+    """The bucket's study (deleted first with --fresh), dead owners' trials failed, the first
+    points enqueued into a new one."""
+    study = open_study(storage, study_name(pb.space, pb.bucket),
+                       make_sampler(cfg.sampler, pb.space, cfg.seed), fresh=not cfg.resume)
+    bs = BucketStudy(study, pb.space, pb.problem, prune=cfg.prune, liveness=liveness)
+    bs.reap_abandoned()
+    if cfg.enqueue_default and not study.trials:
+        known = set(pb.space.variants())
+        for v in _first_points(pb):
+            if v in known:
+                bs.enqueue(v)
+    return bs
 
 
 class _Run:
-    """The state of one search across its buckets."""
+    """The state of one search across its buckets.
+
+    Several processes may search the same buckets through one storage (--gpus, or hosts by
+    hand): each walks the plan in order and asks its own trials of the bucket at hand, so the
+    processes share a bucket until its budget is taken and then move on; no GPU idles while a
+    bucket has trials left. A bucket whose last trials another process is measuring is left
+    for a later pass: the process that finds it complete picks its winner, once (a claim,
+    flashtune/search_claims.py). A later pass also finishes what a dead process left.
+    """
 
     def __init__(self, cfg, planned, pipeline, storage, db, progress, t_start):
         self.cfg, self.planned, self.pipeline, self.storage = cfg, planned, pipeline, storage
         self.db, self.progress = db, progress
         self.deadline = t_start + cfg.time_budget_s if cfg.time_budget_s else None
-        self.results: list[BucketResult] = []
+        self.results: dict[int, BucketResult] = {}
         self.written = 0
         self.interrupted = False
+        self.liveness = Liveness(storage)
+        self.by = cfg.tag or f"{me()['host']}:{me()['pid']}"
+        self._studies: dict[int, BucketStudy] = {}
+
+    def _open(self, i: int, pb: PlannedBucket) -> BucketStudy:
+        if i not in self._studies:
+            self._studies[i] = open_bucket(self.cfg, self.storage, pb, self.liveness)
+        return self._studies[i]
 
     def buckets(self, stop: threading.Event) -> None:
-        cfg = self.cfg
-        for i, pb in enumerate(self.planned):
-            if stop.is_set():
-                self.interrupted = True
-                return
-            label, name = bucket_label(pb.bucket), study_name(pb.space, pb.bucket)
-            study = open_study(self.storage, name, make_sampler(cfg.sampler, pb.space, cfg.seed),
-                               fresh=not cfg.resume)
-            bs = BucketStudy(study, pb.space, pb.problem, prune=cfg.prune)
-            bs.reap_abandoned()
-            default = _default_variant(pb)
-            if cfg.enqueue_default and not study.trials:
-                known = set(pb.space.variants())
-                for v in _first_points(pb):
-                    if v in known:
-                        bs.enqueue(v)
+        pending = list(range(len(self.planned)))
+        quiet_since = None
+        while pending:
+            left = []
+            for i in pending:
+                if stop.is_set():
+                    self.interrupted = True
+                if self.interrupted:
+                    return
+                if not self._bucket(i, len(pending) - pending.index(i), stop):
+                    left.append(i)
+            if left and left == pending:  # no progress: others are measuring their last trials
+                quiet_since = quiet_since or time.monotonic()
+                if time.monotonic() - quiet_since > 2 * self.cfg.trial_timeout_s + 60:
+                    return  # theirs to finish; their winners are picked by them
+                time.sleep(0.5)
+            else:
+                quiet_since = None
+            pending = left
+
+    def _bucket(self, i: int, n_left: int, stop: threading.Event) -> bool:
+        """Search bucket i (again); False when others are measuring its last trials, so its
+        winner is picked later (by whoever finds it complete)."""
+        cfg, pb = self.cfg, self.planned[i]
+        label, name = bucket_label(pb.bucket), study_name(pb.space, pb.bucket)
+        bs = self._open(i, pb)
+        first = i not in self.results
+        if first:
             self.progress.bucket_start(label, cfg.trials, bs.measured())
-            t_b = time.monotonic()
-            bucket_deadline = None
-            if self.deadline is not None:  # share what is left evenly among the buckets left
-                bucket_deadline = t_b + (self.deadline - t_b) / (len(self.planned) - i)
-            try:
-                status = search_bucket(bs, self.pipeline, cfg.trials, bucket_deadline,
-                                       self.progress, stop=stop)
-                pipeline = self.pipeline
-            except _Interrupted:
-                # what is already won is kept: the best measured variant, without re-timing
-                self.interrupted = True
-                self.pipeline.close(kill=True)
-                status, pipeline = "interrupted", None
-            rec, res = _finish(bs, pipeline, self.pipeline.info, pb, label, name, cfg, status,
-                               t_b, default)
-            self.results.append(res)
-            if rec is not None and cfg.write_db:  # saved as soon as it is known
-                _write(cfg, self.db, [rec])
-                self.written += 1
-            self.progress.bucket_end(label, _line(res))
-            if self.interrupted:
-                return
+        t_b = time.monotonic()
+        bucket_deadline = None
+        if self.deadline is not None:  # share what is left evenly among the buckets left
+            bucket_deadline = t_b + (self.deadline - t_b) / n_left
+        try:
+            status = search_bucket(bs, self.pipeline, cfg.trials, bucket_deadline,
+                                   self.progress, stop=stop)
+            pipeline = self.pipeline
+        except _Interrupted:
+            # what is already won is kept: the best measured variant, without re-timing
+            self.interrupted = True
+            self.pipeline.close(kill=True)
+            status, pipeline = "interrupted", None
+        feasible = len(bs.space.feasible) if bs.prune else len(bs.space.variants())
+        complete = bs.measured() >= min(cfg.trials, feasible) or bs.converged
+        if status == "done" and not complete:
+            if first:  # a placeholder until it is picked
+                self.results[i] = BucketResult(
+                    label=label, study=name, status="shared", measured=bs.measured(),
+                    failed=bs.counts["failed"], infeasible=bs.counts["infeasible"],
+                    duplicates=bs.counts["duplicate"], busy=bs.counts["busy"],
+                    unit=get_family(pb.bucket.family).unit, wall_s=time.monotonic() - t_b)
+            return False
+        rec, res, here = self._pick(bs, pipeline, pb, label, name, status, t_b)
+        self.results[i] = res
+        if rec is not None and cfg.write_db:  # saved as soon as it is known (again: an upsert)
+            _write(cfg, self.db, [rec])
+            self.written += here
+        self.progress.bucket_end(label, _line(res) + ("" if here else f" [picked by {res.by}]"))
+        return True
+
+    def _pick(self, bs, pipeline, pb, label, name, status, t_b):
+        """The bucket's winner, picked once per state of its study: reused if a pick already
+        saw every measured variant, else picked here by the one process holding the claim
+        (the others take its result when they come back to the bucket)."""
+        cfg = self.cfg
+        while status != "interrupted":  # Ctrl-C: every process keeps its best measured one
+            bs.sync()
+            final = bs.study.user_attrs.get("final")
+            if final and final.get("measured") == bs.measured():
+                return _from_final(final) + (False,)
+            seen = (final or {}).get("measured", 0)
+            holder = claim(self.storage, f"final:{name}:{seen}", self.liveness)
+            if same(holder, me()):
+                break
+            # another process is picking this state (re-timing): take its pick when it is
+            # stored; if it dies first, its claim no longer counts: claim again
+            while self.liveness.alive(holder):
+                final = bs.study.user_attrs.get("final")
+                if final and final.get("measured", -1) >= bs.measured():
+                    return _from_final(final) + (False,)
+                time.sleep(0.25)
+        rec, res = _finish(bs, pipeline, self.pipeline.info, pb, label, name, cfg, status, t_b,
+                           _default_variant(pb))
+        res = dataclasses.replace(res, by=self.by, busy=bs.counts["busy"])
+        if status != "interrupted":  # not re-timed: pick again on resume
+            bs.study.set_user_attr("final", {"measured": res.measured, "result": _plain(res),
+                                             "converged": bs.converged,
+                                             "record": rec.to_dict() if rec else None})
+        return rec, res, True
+
+
+def _plain(res: BucketResult) -> dict:
+    return json.loads(json.dumps(dataclasses.asdict(res), default=str))
+
+
+def _from_final(final: dict):
+    from .tuned_db import Record
+
+    d = dict(final["result"])
+    d["failures"] = tuple(tuple(f) for f in d.get("failures", ()))
+    rec = Record.from_dict(final["record"]) if final.get("record") else None
+    return rec, BucketResult(**d)
 
 
 def _line(r: BucketResult) -> str:

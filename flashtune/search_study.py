@@ -9,7 +9,6 @@ variant's name and what happened to it in user attrs, which optuna-dashboard sho
 from __future__ import annotations
 
 import os
-import socket
 import warnings
 from functools import lru_cache, partial
 
@@ -20,6 +19,7 @@ from .codegen import Variant
 from .families import get as get_family
 from .measure import Outcome
 from .problem import Bucket, Problem
+from .search_claims import Liveness, me, same
 from .search_space import Space
 
 SAMPLERS = ("tpe", "cmaes", "random", "grid")
@@ -40,16 +40,33 @@ def study_name(space: Space, bucket: Bucket) -> str:
     return f"{bucket_label(bucket)}.{space.target.short}.{space.hash}"
 
 
+JOURNAL = "journal:///"
+
+
 def default_storage() -> str:
+    """A journal file in the cache folder: proposals cost a third of SQLite's there
+    (bench/proposal_cost.py, docs/search.md), several local processes share it, and it is one
+    plain file to copy between machines."""
     from . import env
 
-    path = env.cache_dir() / "search.db"
+    path = env.cache_dir() / "search.journal"
     path.parent.mkdir(parents=True, exist_ok=True)
-    return f"sqlite:///{path}"
+    return f"{JOURNAL}{path}"
 
 
 def make_storage(url: str | None):
+    """An Optuna storage from a URL: sqlite:///file (RDB, WAL), postgresql://... (RDB, across
+    hosts), journal:///file (Optuna's JournalStorage on an append-only file, locked per write;
+    one plain file, easy to copy between machines), or any SQLAlchemy URL."""
     url = url or default_storage()
+    if "://" not in url and url.endswith((".journal", ".log")):
+        url = JOURNAL + os.path.abspath(url)  # a bare journal file path
+    if url.startswith(JOURNAL):
+        from optuna.storages.journal import JournalFileBackend
+
+        path = url[len(JOURNAL) - 1:]
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        return optuna.storages.JournalStorage(JournalFileBackend(path))
     if url.startswith("sqlite:///"):
         return optuna.storages.RDBStorage(url, engine_kwargs={"creator": _sqlite_creator(url)})
     if url.startswith("postgresql://"):
@@ -115,16 +132,6 @@ def open_study(storage, name: str, sampler, *, fresh: bool = False) -> optuna.St
                                direction="maximize", load_if_exists=True)
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 @lru_cache(maxsize=65536)
 def _key_of(name: str) -> str:
     return Variant.parse(name).key
@@ -136,16 +143,24 @@ class BucketStudy:
     Trial user attrs (few, since each is a storage write): "variant" (its name), "owner"
     ({host, pid} of the asking process) and "result" ({measured, violation, ms, tflops,
     max_err, stage, reason, notes, duplicate}).
+
+    Several processes may share the study (`--gpus`, or hosts on one PostgreSQL storage): each
+    asks its own trials; a variant measured by any of them is a duplicate for the others, one
+    being measured by another is "busy" (told FAIL, never measured twice), and RUNNING trials
+    of a dead owner are failed so that they neither block the budget nor count.
     """
 
-    def __init__(self, study: optuna.Study, space: Space, problem: Problem, *, prune: bool = True):
+    def __init__(self, study: optuna.Study, space: Space, problem: Problem, *, prune: bool = True,
+                 liveness: Liveness | None = None):
         self.study, self.space, self.problem, self.prune = study, space, problem, prune
-        self.host = socket.gethostname()
+        self.owner = me()
+        self.liveness = liveness or Liveness(study._storage)
+        self.converged = False  # the sampler only repeats itself (set by search_bucket)
         # the objective: speed in the family's unit (TFLOP/s; GB/s for decoding). The result key
         # stays "tflops" so that studies started before GB/s families resume
         self._speed = partial(get_family(problem.family).throughput, problem)
         self._known: dict[str, tuple[float, dict]] = {}  # variant key -> (value, result)
-        self.counts = {"measured": 0, "failed": 0, "infeasible": 0, "duplicate": 0}
+        self.counts = {"measured": 0, "failed": 0, "infeasible": 0, "duplicate": 0, "busy": 0}
         self.failures: list[tuple[str, str, str]] = []  # (variant, stage, reason), this run
         self.set_attrs()
         self.refresh()
@@ -176,19 +191,51 @@ class BucketStudy:
         """Distinct variants measured in this study (by every process)."""
         return len(self._known)
 
+    def sync(self) -> int:
+        """Read the study once: learn what other processes measured, fail what dead ones left
+        RUNNING, and return how many variants other live processes are measuring now."""
+        busy = set()
+        for t in self.study.get_trials(deepcopy=False):
+            a = t.user_attrs
+            if t.state == TrialState.COMPLETE:
+                r = a.get("result")
+                if r and r.get("measured") and "variant" in a:
+                    self._known.setdefault(_key_of(a["variant"]), (t.value, r))
+            elif t.state == TrialState.RUNNING and "variant" in a and not same(a.get("owner"),
+                                                                                self.owner):
+                if not self._reap(t):
+                    busy.add(_key_of(a["variant"]))
+        return len(busy - set(self._known))
+
+    def _reap(self, t) -> bool:
+        """FAIL a RUNNING trial whose owner is dead (kill -9, power loss, a lost host), so that
+        it neither blocks nor counts and its variant is measured again if proposed again."""
+        owner = t.user_attrs.get("owner") or {}
+        if same(owner, self.owner) or self.liveness.alive(owner):
+            return False
+        trial = optuna.trial.Trial(self.study, t._trial_id)
+        trial.set_user_attr("result", {"measured": False, "stage": "lost",
+                                       "reason": f"abandoned by process {owner.get('pid')} "
+                                                 f"on {owner.get('host')}"})
+        self.study.tell(t.number, state=TrialState.FAIL, skip_if_finished=True)
+        return True
+
     def reap_abandoned(self) -> int:
-        """RUNNING trials left by a dead process of this host (kill -9, power loss): FAIL them,
-        so they neither block nor count. Trials of live processes or other hosts are theirs."""
-        n = 0
+        """FAIL every RUNNING trial of a dead owner (see _reap); trials of live ones are theirs."""
+        return sum(self._reap(t) for t in
+                   self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)))
+
+    def _busy_elsewhere(self, trial, variant: Variant):
+        """Another live process's RUNNING trial of the same variant, if any. Both trials carry
+        their variant before either looks, so of two processes proposing one variant at once
+        at least one sees the other and stands back (rarely both: the variant waits for a
+        later proposal); it is never measured twice."""
         for t in self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-            owner = t.user_attrs.get("owner") or {}
-            if owner.get("host") == self.host and owner.get("pid") and not _pid_alive(owner["pid"]):
-                trial = optuna.trial.Trial(self.study, t._trial_id)
-                trial.set_user_attr("result", {"measured": False, "stage": "lost",
-                                               "reason": f"abandoned by process {owner['pid']}"})
-                self.study.tell(t.number, state=TrialState.FAIL, skip_if_finished=True)
-                n += 1
-        return n
+            a = t.user_attrs
+            if (t.number != trial.number and a.get("variant") == variant.name
+                    and not same(a.get("owner"), self.owner) and not self._reap(t)):
+                return t
+        return None
 
     def enqueue(self, variant: Variant) -> None:
         """Propose `variant` first (the built-in default: a good first point for TPE)."""
@@ -199,7 +246,7 @@ class BucketStudy:
         """(trial, variant, answer): answer is None when the proposal must be measured, an
         Outcome when it is infeasible, "duplicate" when it was measured before."""
         trial = self.study.ask()
-        trial.set_user_attr("owner", {"host": self.host, "pid": os.getpid()})
+        trial.set_user_attr("owner", self.owner)
         try:
             variant = self.space.suggest(trial)
         except ValueError as e:  # the space file allows a value Variant rejects
@@ -213,6 +260,12 @@ class BucketStudy:
             self.refresh()  # another process may have measured it meanwhile
         if variant.key in self._known:
             return trial, variant, "duplicate"
+        other = self._busy_elsewhere(trial, variant)
+        if other is not None:
+            self.refresh()  # it may have finished meanwhile: then it is a duplicate
+            if variant.key in self._known:
+                return trial, variant, "duplicate"
+            return trial, variant, ("busy", other)
         return trial, variant, None
 
     def _finish(self, trial, value: float, result: dict) -> None:
@@ -222,7 +275,18 @@ class BucketStudy:
         self.study.tell(trial, value)
 
     def tell(self, trial, variant: Variant | None, outcome) -> None:
-        """Record what happened to a proposal; outcome is an Outcome, or "duplicate"."""
+        """Record what happened to a proposal; outcome is an Outcome, "duplicate", or ("busy",
+        the other process's trial)."""
+        if isinstance(outcome, tuple) and outcome[0] == "busy":
+            other = outcome[1]
+            owner = other.user_attrs.get("owner") or {}
+            trial.set_user_attr("result", {
+                "measured": False, "stage": "busy",
+                "reason": f"being measured by trial {other.number} of process "
+                          f"{owner.get('pid')} on {owner.get('host')}"})
+            self.study.tell(trial, state=TrialState.FAIL)
+            self.counts["busy"] += 1
+            return
         if outcome == "duplicate":
             value, result = self._known[variant.key]
             self.counts["duplicate"] += 1

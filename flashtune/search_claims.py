@@ -1,0 +1,132 @@
+"""What several search processes sharing one Optuna storage agree on, through that storage alone
+(no coordinator): who is alive, and who does a job that must be done once (a bucket's final
+pick).
+
+- **Owner**: a process is {host, pid}. One of this host is alive while its pid is; one of
+  another host while its heartbeat (a user attr of the claims study, written every
+  HEARTBEAT_S by a thread of each searching process) is younger than STALE_S. A process
+  that never wrote one (an older flashtune) counts as alive.
+- **Claims**: `claim(storage, key)` enqueues a WAITING trial carrying the key in the claims
+  study (one storage write, atomic on RDB and journal storages, numbered in commit order), then
+  reads the claims of that key back: the lowest-numbered claim of a live owner wins. Two
+  claimants always agree: whichever claims later sees the earlier one. Nothing ever asks
+  the claims study, so its trials stay WAITING.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from functools import lru_cache
+
+import optuna
+from optuna.trial import TrialState
+
+CLAIMS_STUDY = "flashtune.claims"
+HEARTBEAT_S = 10.0
+STALE_S = 60.0
+
+
+@lru_cache(maxsize=1)
+def _host() -> str:
+    return socket.gethostname()
+
+
+def me() -> dict:
+    return {"host": _host(), "pid": os.getpid()}
+
+
+def same(a: dict | None, b: dict | None) -> bool:
+    return bool(a and b) and a.get("host") == b.get("host") and a.get("pid") == b.get("pid")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _beat_key(owner: dict) -> str:
+    return f"alive:{owner.get('host')}:{owner.get('pid')}"
+
+
+def claims_study(storage) -> optuna.Study:
+    return optuna.create_study(study_name=CLAIMS_STUDY, storage=storage, load_if_exists=True,
+                               sampler=optuna.samplers.RandomSampler())
+
+
+class Liveness:
+    """Answers "is this owner alive?" for one storage; other hosts' heartbeats are read at most
+    once per `refresh_s`."""
+
+    def __init__(self, storage, refresh_s: float = 5.0):
+        self.storage, self.refresh_s = storage, refresh_s
+        self._beats: dict = {}
+        self._read_at = -1e9
+        self._study = None
+
+    def _heartbeats(self) -> dict:
+        now = time.monotonic()
+        if now - self._read_at > self.refresh_s:
+            self._study = self._study or claims_study(self.storage)
+            self._beats = dict(self._study.user_attrs)
+            self._read_at = now
+        return self._beats
+
+    def alive(self, owner: dict | None) -> bool:
+        if not owner or not owner.get("pid"):
+            return True  # not ours to judge
+        if owner.get("host") == _host():
+            return _pid_alive(int(owner["pid"]))
+        beat = self._heartbeats().get(_beat_key(owner))
+        return beat is None or time.time() - float(beat) < STALE_S
+
+
+class Heartbeat:
+    """A daemon thread writing this process's heartbeat every HEARTBEAT_S (for other hosts)."""
+
+    def __init__(self, storage, every: float = HEARTBEAT_S):
+        self.storage, self.every = storage, every
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="flashtune-heartbeat",
+                                        daemon=True)
+
+    def start(self) -> "Heartbeat":
+        self._study = claims_study(self.storage)
+        self._beat()
+        self._thread.start()
+        return self
+
+    def _beat(self) -> None:
+        try:
+            self._study.set_user_attr(_beat_key(me()), time.time())
+        except Exception:  # noqa: BLE001 -- a missed beat is retried; the search goes on
+            pass
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every):
+            self._beat()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+def claim(storage, key: str, liveness: Liveness | None = None) -> dict:
+    """The owner holding `key` (the earliest claim of a live owner) after this process claims
+    it too: `same(claim(...), me())` when this process holds it."""
+    study = claims_study(storage)
+    study.enqueue_trial({}, user_attrs={"claim": key, "owner": me()}, skip_if_exists=False)
+    liveness = liveness or Liveness(storage)
+    for t in sorted(study.get_trials(deepcopy=False, states=(TrialState.WAITING,)),
+                    key=lambda t: t.number):
+        if t.user_attrs.get("claim") != key:
+            continue
+        owner = t.user_attrs.get("owner")
+        if same(owner, me()) or liveness.alive(owner):
+            return owner
+    return me()  # unreachable: our own claim is among them

@@ -1,0 +1,242 @@
+"""`flashtune search --gpus 0,1,...`: one search process per GPU, the Optuna way.
+
+Each child process is pinned to its GPU (CUDA_VISIBLE_DEVICES) and runs the ordinary search
+(flashtune/search.py) with its own compile pool and timing worker, against one shared storage:
+the processes ask their own trials of the same studies, so a bucket is shared until its budget
+is taken and no GPU idles while any bucket has trials left. What they must agree on -- a
+variant being measured, a dead process's trials, who picks a bucket's winner -- goes through
+the storage (flashtune/search_claims.py), so the same thing works across hosts by hand (every
+host runs `flashtune search --storage postgresql://...`).
+
+The parent prepares the studies (--fresh deletes them here, once; the first points are
+enqueued once), starts the children, shows their combined progress (their lines tagged with
+the GPU) and merges their results. A child that dies loses nothing: its completed trials are
+in storage, its RUNNING ones are failed by the others and measured again.
+"""
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing as mp
+import os
+import queue
+import signal
+import time
+
+from .isolation import _describe_exit
+
+
+class QueueProgress:
+    """A child's progress, sent to the parent: (tag, method, args)."""
+
+    def __init__(self, q, tag: str):
+        self.q, self.tag = q, tag
+
+    def _send(self, method: str, *args) -> None:
+        self.q.put((self.tag, method, args))
+
+    def start(self, n_buckets: int, total_trials: int) -> None:
+        pass  # the parent knows the plan
+
+    def bucket_start(self, label: str, trials: int, already: int) -> None:
+        self.label = label
+        self._send("bucket_start", label, trials, already)
+
+    def trial(self, measured: int, best: float) -> None:
+        self._send("trial", self.label, measured, best)
+
+    def bucket_end(self, label: str, line: str) -> None:
+        self._send("bucket_end", label, line)
+
+    def log(self, msg: str) -> None:
+        self._send("log", msg)
+
+    def close(self) -> None:
+        pass
+
+
+class MultiProgress:
+    """The parent's view: every child line tagged with its GPU, and every `every` seconds one
+    line for all of them (trials measured, rate, buckets finished, ETA); with rich bars, the
+    overall bar follows the same count."""
+
+    def __init__(self, base, n_buckets: int, trials: int, already: dict, every: float = 10.0):
+        self.base, self.n_buckets, self.trials, self.every = base, n_buckets, trials, every
+        self.seen = dict(already)          # bucket label -> measured (study-wide)
+        self.start_count = self._count()
+        self.finished: set = set()
+        self.current: dict = {}            # tag -> label
+        self.t0 = self.last = time.monotonic()
+        base.start(n_buckets, trials * n_buckets)
+        if hasattr(base, "bars"):
+            base.bars.update(base.overall, completed=self.start_count)
+
+    def _count(self) -> int:
+        return sum(min(m, self.trials) for m in self.seen.values())
+
+    def event(self, tag: str, method: str, args) -> None:
+        if method == "bucket_start":
+            label, trials, already = args
+            self.current[tag] = label
+            self.seen[label] = max(self.seen.get(label, 0), already)
+            self.base.log(f"[{tag}] {label}: {already}/{trials} measured so far")
+        elif method == "trial":
+            label, measured, best = args
+            self.seen[label] = max(self.seen.get(label, 0), measured)
+            if hasattr(self.base, "bars"):
+                self.base.bars.update(self.base.overall, completed=self._count())
+            if time.monotonic() - self.last >= self.every:
+                self.summary()
+        elif method == "bucket_end":
+            label, line = args
+            self.finished.add(label)
+            self.base.log(f"[{tag}] {label}: {line}")
+        elif method == "log":
+            self.base.log(f"[{tag}] {args[0]}")
+
+    def summary(self) -> None:
+        from .search_progress import _fmt_s
+
+        now = time.monotonic()
+        self.last = now
+        done = self._count() - self.start_count
+        total = self.trials * self.n_buckets
+        rate = done / max(1e-9, now - self.t0)
+        eta = (total - self._count()) / rate if rate > 0 else 0
+        where = ", ".join(f"{t}: {lb}" for t, lb in sorted(self.current.items()))
+        self.base.log(f"[all] {self._count()}/{total} trials, {rate:.2f}/s, "
+                      f"{len(self.finished)}/{self.n_buckets} buckets picked, "
+                      f"ETA {_fmt_s(eta)} ({where})")
+
+    def close(self) -> None:
+        self.base.close()
+
+
+def device_ids(gpus) -> list[str]:
+    """--gpus indices -> CUDA_VISIBLE_DEVICES entries (indices into an existing list)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = visible.split(",") if visible else None
+    out = []
+    for g in gpus:
+        if ids is not None and g >= len(ids):
+            raise ValueError(f"--gpus {g}: CUDA_VISIBLE_DEVICES={visible} shows {len(ids)} GPU(s)")
+        out.append(ids[g] if ids is not None else str(g))
+    return out
+
+
+def _child(cfg, target, device: str, q) -> None:
+    os.environ["CUDA_VISIBLE_DEVICES"] = device  # before anything here touches CUDA
+    from .search import run_search
+    try:
+        res = run_search(cfg, target=target, progress=QueueProgress(q, cfg.tag))
+    except BaseException as e:  # noqa: BLE001 -- told to the parent, then this process fails
+        q.put((cfg.tag, "error", (f"{type(e).__name__}: {e}",)))
+        raise SystemExit(1) from None
+    q.put((cfg.tag, "result", (res,)))
+
+
+def run_on_gpus(cfg, *, target, progress=None):
+    from .search import (SearchResult, _backend, open_bucket, plan_of)
+    from .search_claims import Liveness
+    from .search_progress import make_progress
+    from .search_study import bucket_label, default_storage, make_storage
+
+    t_start = time.monotonic()
+    gpus = tuple(cfg.gpus)
+    if len(set(gpus)) != len(gpus) or any(g < 0 for g in gpus):
+        raise ValueError(f"--gpus {','.join(map(str, gpus))}: give distinct GPU indices")
+    if cfg.workers != 1:
+        raise ValueError("--gpus runs one timing worker per GPU process: leave out --workers")
+    backend = _backend(cfg, target)
+    n_dev = backend.device_count()
+    if max(gpus) >= n_dev:
+        raise ValueError(f"--gpus {','.join(map(str, gpus))}: this host has {n_dev} GPU(s)")
+    missing = [f for f in cfg.families if not backend.supports(f)]
+    if missing:
+        raise ValueError(f"--family {', '.join(missing)}: the {backend.name} backend has no "
+                         "measuring function for it (its flashtune/families/ entry)")
+    devices = device_ids(gpus)
+    planned = plan_of(cfg, target)
+    url = cfg.storage or default_storage()
+    storage = make_storage(url)
+    liveness = Liveness(storage)
+    # the studies, once, before any child opens them (a child's --fresh would delete the
+    # others' trials; two children could both enqueue the first points)
+    already = {}
+    measured0 = 0
+    for pb in planned:
+        bs = open_bucket(cfg, storage, pb, liveness)
+        already[bucket_label(pb.bucket)] = bs.measured()
+        measured0 += bs.measured()
+    cw = cfg.compile_workers or max(1, min(16, (os.cpu_count() or 2) // len(gpus) - 1))
+    progress = MultiProgress(progress or make_progress(), len(planned), cfg.trials, already)
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = {}
+    for k, (g, dev) in enumerate(zip(gpus, devices)):
+        child = dataclasses.replace(cfg, gpus=(), workers=1, storage=url, resume=True,
+                                    compile_workers=cw, tag=f"gpu{g}",
+                                    seed=None if cfg.seed is None else cfg.seed + k)
+        p = ctx.Process(target=_child, args=(child, target, dev, q), name=f"flashtune-gpu{g}")
+        p.start()
+        procs[child.tag] = p
+    results, errors, notes = {}, {}, []
+    interrupted = False
+
+    def on_sigint(signum, frame):  # a terminal's Ctrl-C reaches the children too: they stop
+        nonlocal interrupted
+        interrupted = True
+    prev = None
+    try:
+        prev = signal.signal(signal.SIGINT, on_sigint)
+    except ValueError:  # not the main thread
+        pass
+    try:
+        while True:
+            try:
+                tag, method, args = q.get(timeout=0.5)
+            except queue.Empty:
+                if not any(p.is_alive() for p in procs.values()):
+                    break
+                continue
+            if method == "result":
+                results[tag] = args[0]
+            elif method == "error":
+                errors[tag] = args[0]
+            else:
+                progress.event(tag, method, args)
+    finally:
+        for p in procs.values():
+            p.join(5)
+        if prev is not None:
+            signal.signal(signal.SIGINT, prev)
+        for tag, p in procs.items():
+            if tag in errors:
+                notes.append(f"{tag}: {errors[tag]}")
+            elif tag not in results:
+                notes.append(f"{tag}: the search process {_describe_exit(p.exitcode)}; its "
+                             "completed trials are kept, its running ones measured again")
+        for n in notes:
+            progress.base.log(n)
+        progress.close()
+    if errors and not results:
+        raise ValueError("; ".join(f"{t}: {e}" for t, e in errors.items()))
+    # one result per bucket, in plan order: the process that picked it, else any
+    merged = {}
+    for tag in procs:
+        for b in getattr(results.get(tag), "buckets", ()):
+            if b.label not in merged or (b.by and not merged[b.label].by):
+                merged[b.label] = b
+    order = [bucket_label(pb.bucket) for pb in planned]
+    buckets = tuple(merged[lb] for lb in order if lb in merged)
+    measured = sum(bucket_study_measured(cfg, storage, pb, liveness) for pb in planned)
+    return SearchResult(target.short, buckets, time.monotonic() - t_start,
+                        interrupted or any(r.interrupted for r in results.values()),
+                        sum(r.db_written for r in results.values()), measured - measured0,
+                        tuple(notes))
+
+
+def bucket_study_measured(cfg, storage, pb, liveness) -> int:
+    from .search import open_bucket
+
+    return open_bucket(dataclasses.replace(cfg, resume=True, enqueue_default=False), storage,
+                       pb, liveness).measured()

@@ -1,0 +1,203 @@
+"""--gpus on the CPU: one search process per replayed "GPU" (the replay backend pins its
+timing worker the way the GPU backend does, from CUDA_VISIBLE_DEVICES), every measurement a
+sleep of DELAY, all processes sharing one journal storage.
+
+Shown here: two processes finish a timing-bound search in about half the time of one, with
+winners as good; no variant is measured twice; a process killed mid-search loses nothing (the
+other one fails its running trials and finishes its buckets); --status says what is done and
+what is left, and a finished bucket is not re-timed when the search runs again.
+"""
+import collections
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import optuna
+import pytest
+from click.testing import CliRunner
+from optuna.trial import TrialState
+
+from flashtune import targets
+from flashtune.sampler_eval import synthesize
+from flashtune.search import SearchConfig, plan_of, run_search
+from flashtune.search_progress import NoProgress
+from flashtune.search_study import make_storage, study_name
+
+H100 = targets.get("H100")
+BASE = dict(gpu="H100", families=("fwd",), head_dims=(64,), seqlens=(1024, 2048),
+            causal=(False,), compile_workers=1, seed=0, top_k=3)
+DELAY = 0.4
+
+
+def _recording(tmp_path, delay=DELAY):
+    rec = tmp_path / "rec.jsonl"
+    synthesize(rec, H100, [pb.problem for pb in plan_of(SearchConfig(**BASE), H100)],
+               fail_rate=0.0, delay_s=delay)
+    return str(rec)
+
+
+def _trials(cfg):
+    """{bucket label: [FrozenTrial]} of the plan's studies."""
+    storage = make_storage(cfg.storage)
+    out = {}
+    for pb in plan_of(cfg, H100):
+        study = optuna.load_study(study_name=study_name(pb.space, pb.bucket), storage=storage)
+        out[pb.bucket] = study.get_trials(deepcopy=False)
+    return out
+
+
+def _measured(trials):
+    return [t for t in trials if t.state == TrialState.COMPLETE
+            and (t.user_attrs.get("result") or {}).get("measured")]
+
+
+def _span(cfg) -> float:
+    """From the first trial's start to the last measured trial's end, over every bucket: the
+    search's own time, without the processes' start-up (torch imports, seconds here)."""
+    ts = [t for trials in _trials(cfg).values() for t in _measured(trials)]
+    return (max(t.datetime_complete for t in ts)
+            - min(t.datetime_start for t in ts)).total_seconds()
+
+
+def test_two_gpu_processes_halve_a_timing_bound_search(tmp_path):
+    rec = _recording(tmp_path)
+    runs = {}
+    for gpus in ((0,), (0, 1)):
+        cfg = SearchConfig(**dict(BASE, replay=rec, trials=8, gpus=gpus,
+                                  storage=f"journal:///{tmp_path}/s{len(gpus)}.journal",
+                                  db=f"sqlite:///{tmp_path}/t{len(gpus)}.db"))
+        res = run_search(cfg, progress=NoProgress())
+        runs[len(gpus)] = (cfg, res, _span(cfg))
+    for n, (cfg, res, _) in runs.items():
+        assert not res.interrupted and not res.notes
+        assert [b.status for b in res.buckets] == ["done", "done"], res.buckets
+        assert res.measured == 16 and res.db_written == 2
+        for trials in _trials(cfg).values():
+            names = [t.user_attrs["variant"] for t in _measured(trials)]
+            assert len(names) == len(set(names)) == 8  # none lost, none measured twice
+            owners = {t.user_attrs["owner"]["pid"] for t in _measured(trials)}
+            notes = {t.user_attrs["result"]["notes"] for t in _measured(trials)}
+            assert len(owners) == n  # every process measured part of every bucket
+            assert notes == {f"replayed on device {g}" for g in range(n)}  # each on its GPU
+    # 16 measurements of DELAY each: one process cannot beat 16 x DELAY, two about half
+    one, two = runs[1][2], runs[2][2]
+    assert one >= 16 * DELAY * 0.95, one
+    assert two / one <= 0.65, (one, two, runs[1][1].wall_s, runs[2][1].wall_s)
+    # winners as good: within the recording's noise (+-3%) of each other
+    for b1, b2 in zip(runs[1][1].buckets, runs[2][1].buckets):
+        assert b1.label == b2.label and b1.winner and b2.winner
+        assert abs(b1.tflops / b2.tflops - 1) <= 0.06, (b1, b2)
+
+
+def _cli(tmp_path, rec, *extra):
+    env = dict(os.environ, FLASHTUNE_CACHE_DIR=str(tmp_path / "cache"), PYTHONUNBUFFERED="1")
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    args = [sys.executable, "-m", "flashtune.cli", "search", "--gpu", "H100", "--replay", rec,
+            "--family", "fwd", "--head-dim", "64", "--seqlen", "1024,2048", "--causal", "false",
+            "--compile-workers", "1", "--storage", f"journal:///{tmp_path}/s.journal",
+            "--db", f"sqlite:///{tmp_path}/t.db", "--progress", "lines", "--seed", "0", *extra]
+    return subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+
+
+def test_a_killed_gpu_process_loses_nothing(tmp_path):
+    rec = _recording(tmp_path, delay=0.25)
+    cfg = SearchConfig(**dict(BASE, replay=rec, storage=f"journal:///{tmp_path}/s.journal"))
+    proc = _cli(tmp_path, rec, "--gpus", "0,1", "--trials", "12")
+    victim, t0 = None, time.monotonic()
+    while victim is None and time.monotonic() - t0 < 90:  # gpu1's search process, mid-trial
+        assert proc.poll() is None, proc.stdout.read()
+        time.sleep(0.2)
+        try:
+            trials = [t for ts in _trials(cfg).values() for t in ts]
+        except KeyError:
+            continue
+        done = collections.Counter(t.user_attrs["owner"]["pid"] for t in _measured(trials))
+        running = {t.user_attrs.get("owner", {}).get("pid") for t in trials
+                   if t.state == TrialState.RUNNING and "variant" in t.user_attrs}
+        ready = [pid for pid, n in done.items() if n >= 2 and pid in running]
+        if len(done) == 2 and ready:
+            victim = ready[0]
+    assert victim, "both processes never measured"
+    before = {(b, t.number): t.user_attrs["variant"] for b, ts in _trials(cfg).items()
+              for t in _measured(ts)}
+    os.kill(victim, signal.SIGKILL)  # its workers exit when their pipe closes
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, out
+    assert "killed by SIGKILL" in out and "2 winners written" in out, out
+    after = _trials(cfg)
+    by_number = {(b, t.number): t for b, ts in after.items() for t in ts}
+    for key, name in before.items():  # every completed trial is still there, unchanged
+        assert by_number[key].state == TrialState.COMPLETE
+        assert by_number[key].user_attrs["variant"] == name
+    lost = 0
+    for ts in after.values():
+        names = [t.user_attrs["variant"] for t in _measured(ts)]
+        assert len(names) == len(set(names)) == 12  # finished, none measured twice
+        assert not [t for t in ts if t.state == TrialState.RUNNING]
+        lost += sum((t.user_attrs.get("result") or {}).get("stage") == "lost" for t in ts)
+    assert lost >= 1  # the victim's running trial, failed by the survivor and measured again
+    from flashtune.tuned_db import TunedDB
+    assert len(TunedDB(f"sqlite:///{tmp_path}/t.db").records()) == 2
+
+
+def test_status_says_what_is_done_and_left_and_done_buckets_are_not_retimed(tmp_path):
+    from flashtune.cli import main
+
+    rec = _recording(tmp_path, delay=0.0)
+    common = ["search", "--gpu", "H100", "--replay", rec, "--family", "fwd", "--head-dim", "64",
+              "--causal", "false", "--compile-workers", "1",
+              "--storage", f"journal:///{tmp_path}/s.journal", "--db", f"sqlite:///{tmp_path}/t.db",
+              "--progress", "none", "--seed", "0"]
+    args = common + ["--seqlen", "1024,2048"]
+    runner = CliRunner()
+    r = runner.invoke(main, args + ["--status", "--trials", "4"])
+    assert r.exit_code == 3 and "0/2 buckets done, 2 left (8 trials to measure)" in r.output
+    assert r.output.count("not started") == 2
+    r = runner.invoke(main, common + ["--trials", "4", "--seqlen", "1024"])
+    assert r.exit_code == 0, r.output
+    r = runner.invoke(main, args + ["--status", "--trials", "4"])
+    assert r.exit_code == 3 and "1/2 buckets done, 1 left (4 trials to measure)" in r.output
+    assert r.output.count(" done\n") == 1 and "not started" in r.output
+    # the first bucket is done: the next run only searches the second, and takes the first
+    # one's pick from the storage instead of re-timing it
+    cfg = SearchConfig(**dict(BASE, replay=rec, trials=4,
+                              storage=f"journal:///{tmp_path}/s.journal"))
+    first_pick = _final(cfg, 0)
+    r = runner.invoke(main, args + ["--trials", "4", "--format", "json"])
+    assert r.exit_code == 0, r.output
+    assert '"measured": 4,' in r.output and '"db_written": 1' in r.output  # only the second
+    assert _final(cfg, 0) == first_pick
+    r = runner.invoke(main, args + ["--status", "--trials", "4"])
+    assert r.exit_code == 0 and "2/2 buckets done, 0 left" in r.output
+    # a bigger budget: the picked buckets are left again, with what they have kept
+    r = runner.invoke(main, args + ["--status", "--trials", "6", "--format", "json"])
+    assert r.exit_code == 3 and '"trials_left": 4' in r.output
+
+
+def _final(cfg, i):
+    pb = plan_of(cfg, H100)[i]
+    study = optuna.load_study(study_name=study_name(pb.space, pb.bucket),
+                              storage=make_storage(cfg.storage))
+    return study.user_attrs["final"]
+
+
+@pytest.mark.parametrize("url", ["journal", "sqlite"])
+def test_claims_are_held_once_and_freed_by_death(tmp_path, url):
+    from flashtune.search_claims import claim, claims_study, me, same
+
+    storage = make_storage(f"{url}:///{tmp_path}/s.{url}")
+    study = claims_study(storage)
+    # an earlier claim of a live process (the parent of this one) holds the key ...
+    study.enqueue_trial({}, user_attrs={"claim": "k", "owner": {"host": me()["host"],
+                                                               "pid": os.getppid()}})
+    assert claim(storage, "k")["pid"] == os.getppid()
+    # ... one of a dead process does not
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    study.enqueue_trial({}, user_attrs={"claim": "j", "owner": {"host": me()["host"],
+                                                               "pid": dead.pid}})
+    assert same(claim(storage, "j"), me())
+    assert same(claim(storage, "j"), me())  # held: claiming again keeps it
