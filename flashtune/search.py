@@ -250,6 +250,13 @@ def search_bucket(bs: BucketStudy, pipeline: Pipeline, trials: int, deadline: fl
                     bs.tell(trial, variant, answer)
                     idle_asks += 1
                     continue
+                # the budget is the study's: count what the others measure, read after this
+                # trial carries its variant (two processes taking the last slot at once: at
+                # least one sees the other and stands back; never more than the budget)
+                others, synced = bs.sync(), time.monotonic()
+                if bs.measured() + len(inflight) + others >= min(trials, feasible):
+                    bs.tell(trial, variant, ("busy", None))
+                    continue
                 idle_asks = 0
                 inflight[pipeline.submit(variant, problem)] = (trial, variant)
                 waiting[variant.key] = []
@@ -405,8 +412,10 @@ class _Run:
             return False
         rec, res, here = self._pick(bs, pipeline, pb, label, name, status, t_b)
         self.results[i] = res
-        if rec is not None and cfg.write_db:  # saved as soon as it is known (again: an upsert)
-            _write(cfg, self.db, [rec])
+        # saved as soon as it is known; a pick made before (a resumed search) is saved again,
+        # an upsert (--gpus: the parent saves every pick at the end)
+        if rec is not None and cfg.write_db and (here or not cfg.tag):
+            self.db = _write(cfg, self.db, [rec])
             self.written += here
         self.progress.bucket_end(label, _line(res) + ("" if here else f" [picked by {res.by}]"))
         return True
@@ -541,11 +550,11 @@ def _record(pb, v, ms, tflops, max_err, runner_ups, info, bs):
                   max_err=float(max_err or 0.0), provenance=prov, runner_ups=runner_ups)
 
 
-def _write(cfg: SearchConfig, db, records) -> None:
-    if not records:
-        return
+def _write(cfg: SearchConfig, db, records):
+    """Put the records; returns the DB, opened once per search (opening checks its schema)."""
     if db is None:
         from .tuned_db import TunedDB
         db = TunedDB(cfg.db)
     for r in records:
         db.put(r)
+    return db

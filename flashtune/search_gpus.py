@@ -135,7 +135,7 @@ def _child(cfg, target, device: str, q) -> None:
 
 
 def run_on_gpus(cfg, *, target, progress=None):
-    from .search import (SearchResult, _backend, open_bucket, plan_of)
+    from .search import SearchResult, _backend, _from_final, _write, open_bucket, plan_of
     from .search_claims import Liveness
     from .search_progress import make_progress
     from .search_study import bucket_label, default_storage, make_storage
@@ -228,15 +228,15 @@ def run_on_gpus(cfg, *, target, progress=None):
                 merged[b.label] = b
     order = [bucket_label(pb.bucket) for pb in planned]
     buckets = tuple(merged[lb] for lb in order if lb in merged)
-    measured = sum(bucket_study_measured(cfg, storage, pb, liveness) for pb in planned)
+    studies = [open_bucket(dataclasses.replace(cfg, resume=True, enqueue_default=False),
+                           storage, pb, liveness) for pb in planned]
+    measured = sum(bs.measured() for bs in studies)
+    if cfg.write_db:  # every pick in storage, this run's and earlier ones (an upsert)
+        records = [_from_final(f)[0] for f in (bs.study.user_attrs.get("final")
+                                               for bs in studies) if f and f.get("record")]
+        if records:
+            _write(cfg, None, records)
     return SearchResult(target.short, buckets, time.monotonic() - t_start,
                         interrupted or any(r.interrupted for r in results.values()),
                         sum(r.db_written for r in results.values()), measured - measured0,
                         tuple(notes))
-
-
-def bucket_study_measured(cfg, storage, pb, liveness) -> int:
-    from .search import open_bucket
-
-    return open_bucket(dataclasses.replace(cfg, resume=True, enqueue_default=False), storage,
-                       pb, liveness).measured()

@@ -279,11 +279,13 @@ class BucketStudy:
         the other process's trial)."""
         if isinstance(outcome, tuple) and outcome[0] == "busy":
             other = outcome[1]
-            owner = other.user_attrs.get("owner") or {}
-            trial.set_user_attr("result", {
-                "measured": False, "stage": "busy",
-                "reason": f"being measured by trial {other.number} of process "
-                          f"{owner.get('pid')} on {owner.get('host')}"})
+            if other is None:
+                why = "the budget's last trials are being measured by other processes"
+            else:
+                owner = other.user_attrs.get("owner") or {}
+                why = (f"being measured by trial {other.number} of process {owner.get('pid')} "
+                       f"on {owner.get('host')}")
+            trial.set_user_attr("result", {"measured": False, "stage": "busy", "reason": why})
             self.study.tell(trial, state=TrialState.FAIL)
             self.counts["busy"] += 1
             return

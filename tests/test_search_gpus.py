@@ -61,6 +61,7 @@ def _span(cfg) -> float:
             - min(t.datetime_start for t in ts)).total_seconds()
 
 
+@pytest.mark.slow  # ~60 s here: six processes import torch on a shared 2-core machine
 def test_two_gpu_processes_halve_a_timing_bound_search(tmp_path):
     rec = _recording(tmp_path)
     runs = {}
@@ -84,7 +85,7 @@ def test_two_gpu_processes_halve_a_timing_bound_search(tmp_path):
     # 16 measurements of DELAY each: one process cannot beat 16 x DELAY, two about half
     one, two = runs[1][2], runs[2][2]
     assert one >= 16 * DELAY * 0.95, one
-    assert two / one <= 0.65, (one, two, runs[1][1].wall_s, runs[2][1].wall_s)
+    assert two / one <= 0.7, (one, two, runs[1][1].wall_s, runs[2][1].wall_s)  # ideal: 0.5
     # winners as good: within the recording's noise (+-3%) of each other
     for b1, b2 in zip(runs[1][1].buckets, runs[2][1].buckets):
         assert b1.label == b2.label and b1.winner and b2.winner
