@@ -74,6 +74,33 @@ for step in ${STEPS:-fwdtests}; do
     hf)       timeout ${HF_TIMEOUT:-240} python3 -m pytest -q tests/test_transformers_backend.py 2>&1 | tail -5
               timeout 240 python3 bench/transformers_bench.py --out "$OUT/transformers.json" 2>&1 \
                 | tee "$OUT/transformers.log" | tail -20 ;;
+    scaling)  # the same search with --gpus 0, then 0,1 (SCALING_GPUS="0 0,1 0,1,2,3" on 4 GPUs): wall,
+              # trials/s, winners compared; --warm fills Triton's cache first (SCALING_ARGS=--cold: none)
+              nvidia-smi -L
+              timeout ${SCALING_TIMEOUT:-590} python3 bench/search_scaling.py --gpus ${SCALING_GPUS:-0 0,1} \
+                ${SCALING_ARGS:---warm} --out "$OUT/scaling.json" 2>&1 | tee "$OUT/scaling.log" | tail -24 ;;
+    proposalcost) timeout 200 python3 bench/proposal_cost.py --trials 120 --json "$OUT/proposal_cost.json" 2>&1 \
+                | tee "$OUT/proposal_cost.log" | tail -4 ;;
+    tables)   # every family on its grid, resumable over calls: the Optuna journal and the tuned DB live
+              # in $TABLES_STATE (default tables_state/); they come back in $OUT/tables_state/ -- copy
+              # them into tables_state/ and pass carry=["tables_state"] to the next call, which resumes
+              st=${TABLES_STATE:-tables_state}; mkdir -p "$st" "$OUT/tables" "$OUT/tables_state"
+              name=$(python3 -c "import torch;print(torch.cuda.get_device_name())")
+              slug=$(python3 -c "from flashtune import targets;print(targets.slug_of('$name'))")
+              gpus=${TABLES_GPUS:-$(python3 -c "import torch;print(','.join(map(str,range(torch.cuda.device_count()))))")}
+              [ -f "$st/$slug.journal.gz" ] && gunzip -f "$st/$slug.journal.gz"
+              t0=$(date +%s)
+              timeout ${TABLES_TIMEOUT:-570} flashtune search --gpu auto --gpus "$gpus" --trials ${TRIALS:-40} \
+                --time-budget ${TABLES_BUDGET:-480} --in-order --storage "$PWD/$st/$slug.journal" \
+                --db "sqlite:///$PWD/$st/$slug.db" --progress lines 2>&1 | tee -a "$OUT/tables_search.log" \
+                | grep -v "measured so far\|^\[all\]" | tail -30
+              echo "$(date -u +%FT%TZ) $name --gpus $gpus: $(( $(date +%s) - t0 )) s" >> "$st/$slug.calls"
+              flashtune search --gpu auto --status --trials ${TRIALS:-40} --storage "$PWD/$st/$slug.journal" \
+                > "$OUT/tables_status.txt"; tail -2 "$OUT/tables_status.txt"
+              flashtune db export --gpu "$name" --db "sqlite:///$PWD/$st/$slug.db" -o "$OUT/tables/$slug.json" 2>&1 | tail -2
+              gzip -c "$st/$slug.journal" > "$OUT/tables_state/$slug.journal.gz"
+              cp "$st/$slug.db" "$st/$slug.calls" "$OUT/tables_state/"
+              echo "calls so far:"; cat "$st/$slug.calls" ;;
     *) echo "unknown step $step" ;;
   esac
 done

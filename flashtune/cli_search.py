@@ -76,7 +76,11 @@ def _seconds(text):
 @click.option("--status", "show_status", is_flag=True, help="print what the storage holds for "
               "the plan: per bucket trials measured, winner picked, done or left; measures "
               "nothing, needs no GPU")
-@click.option("--time-budget", default=None, help="stop asking after this long (90m, 2h, 600)")
+@click.option("--time-budget", default=None, help="stop asking after this long (90m, 2h, 600); "
+              "shared evenly over the buckets left, or see --in-order")
+@click.option("--in-order", is_flag=True, help="with --time-budget: search the buckets to the "
+              "end one after another and leave the rest untouched when time is up, for the next "
+              "run on the same --storage to resume (tables built over several calls)")
 @click.option("--top-k", type=click.IntRange(1), default=5, show_default=True,
               help="candidates re-timed interleaved for the final pick")
 @click.option("--trial-timeout", type=float, default=120.0, show_default=True,
@@ -93,7 +97,7 @@ def _seconds(text):
               show_default=True, help="the summary (or the --dry-run plan) as a table or as JSON")
 def search(gpu, families, dtypes, head_dims, causal, seqlens, batches, trials, sampler, seed,
            db_url, storage, gpus, workers, compile_workers, resume, dry_run, show_status,
-           time_budget, top_k, trial_timeout, replay, no_prune, progress, fmt):
+           time_budget, in_order, top_k, trial_timeout, replay, no_prune, progress, fmt):
     """Tune this GPU's kernels and store the winners.
 
     Searches the kernel variants of each bucket on the GPU present and writes each bucket's
@@ -118,9 +122,11 @@ def search(gpu, families, dtypes, head_dims, causal, seqlens, batches, trials, s
         trials=trials, sampler=sampler, seed=seed, storage=storage, db=db_url, workers=workers,
         gpus=_split((gpus,), int, "--gpus") if gpus else (),
         compile_workers=compile_workers, resume=resume, time_budget_s=_seconds(time_budget),
+        in_order=in_order,
         top_k=top_k, trial_timeout_s=trial_timeout, prune=not no_prune, replay=replay)
     try:
-        target = resolve_target(cfg, dry_run=dry_run or show_status)
+        # --status reads storage only: any GPU may be named; auto detects the one present
+        target = resolve_target(cfg, dry_run=dry_run or (show_status and gpu != "auto"))
     except targets.GpuMismatch as e:
         raise click.BadParameter(str(e).removeprefix("--gpu "), param_hint="--gpu") from None
     if dry_run:

@@ -55,6 +55,7 @@ class SearchConfig:
     compile_workers: int = 0       # 0: one per spare CPU core, at most 16
     resume: bool = True            # False (--fresh): delete the buckets' studies first
     time_budget_s: float | None = None
+    in_order: bool = False         # the budget goes to the buckets in order; the rest are left
     top_k: int = 5                 # re-timed interleaved at the end
     retime_rounds: int = 5
     noise: float = 0.01            # "within noise": prefer the simpler config this close
@@ -365,7 +366,7 @@ class _Run:
             for i in pending:
                 if stop.is_set():
                     self.interrupted = True
-                if self.interrupted:
+                if self.interrupted or (self.cfg.in_order and self._out_of_time()):
                     return
                 if not self._bucket(i, len(pending) - pending.index(i), stop):
                     left.append(i)
@@ -378,6 +379,9 @@ class _Run:
                 quiet_since = None
             pending = left
 
+    def _out_of_time(self) -> bool:
+        return self.deadline is not None and time.monotonic() > self.deadline
+
     def _bucket(self, i: int, n_left: int, stop: threading.Event) -> bool:
         """Search bucket i (again); False when others are measuring its last trials, so its
         winner is picked later (by whoever finds it complete)."""
@@ -388,8 +392,9 @@ class _Run:
         if first:
             self.progress.bucket_start(label, cfg.trials, bs.measured())
         t_b = time.monotonic()
-        bucket_deadline = None
-        if self.deadline is not None:  # share what is left evenly among the buckets left
+        bucket_deadline = self.deadline
+        if self.deadline is not None and not cfg.in_order:
+            # share what is left evenly among the buckets left
             bucket_deadline = t_b + (self.deadline - t_b) / n_left
         try:
             status = search_bucket(bs, self.pipeline, cfg.trials, bucket_deadline,
@@ -402,14 +407,23 @@ class _Run:
             status, pipeline = "interrupted", None
         feasible = len(bs.space.feasible) if bs.prune else len(bs.space.variants())
         complete = bs.measured() >= min(cfg.trials, feasible) or bs.converged
-        if status == "done" and not complete:
-            if first:  # a placeholder until it is picked
+        if complete and status == "time budget":
+            status = "done"  # its last trial came in as time ran out
+        cut = status == "time budget" and cfg.in_order and not complete
+        if (status == "done" and not complete) or cut:
+            # others are measuring its last trials (picked later, by whoever finds it
+            # complete), or the budget ran out (--in-order: left as it is for the next run)
+            if first or cut:
                 self.results[i] = BucketResult(
-                    label=label, study=name, status="shared", measured=bs.measured(),
+                    label=label, study=name, status="shared" if not cut else "left",
+                    measured=bs.measured(),
                     failed=bs.counts["failed"], infeasible=bs.counts["infeasible"],
                     duplicates=bs.counts["duplicate"], busy=bs.counts["busy"],
                     unit=get_family(pb.bucket.family).unit, wall_s=time.monotonic() - t_b)
-            return False
+            if cut:
+                self.progress.bucket_end(label, f"left: the time budget ran out at "
+                                                f"{bs.measured()}/{cfg.trials} measured")
+            return cut
         rec, res, here = self._pick(bs, pipeline, pb, label, name, status, t_b)
         self.results[i] = res
         # saved as soon as it is known; a pick made before (a resumed search) is saved again,

@@ -138,6 +138,7 @@ def run_on_gpus(cfg, *, target, progress=None):
     from .search import SearchResult, _backend, _from_final, _write, open_bucket, plan_of
     from .search_claims import Liveness
     from .search_progress import make_progress
+    from .search_status import bucket_status
     from .search_study import bucket_label, default_storage, make_storage
 
     t_start = time.monotonic()
@@ -163,18 +164,30 @@ def run_on_gpus(cfg, *, target, progress=None):
     # others' trials; two children could both enqueue the first points)
     already = {}
     measured0 = 0
+    finals = []
     for pb in planned:
         bs = open_bucket(cfg, storage, pb, liveness)
         already[bucket_label(pb.bucket)] = bs.measured()
         measured0 += bs.measured()
+        finals.append(bucket_status(storage, pb, cfg.trials)["state"] == "done"
+                      and bs.study.user_attrs.get("final"))
+    if all(finals):  # nothing left to search: no processes to start
+        recs = [_from_final(f) for f in finals]
+        if cfg.write_db and any(r for r, _ in recs):
+            _write(cfg, None, [r for r, _ in recs if r])
+        return SearchResult(target.short, tuple(res for _, res in recs),
+                            time.monotonic() - t_start, False, 0, 0)
     cw = cfg.compile_workers or max(1, min(16, (os.cpu_count() or 2) // len(gpus) - 1))
     progress = MultiProgress(progress or make_progress(), len(planned), cfg.trials, already)
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     procs = {}
     for k, (g, dev) in enumerate(zip(gpus, devices)):
+        budget = cfg.time_budget_s
+        if budget is not None:  # counted from this command's start, as without --gpus
+            budget = max(0.0, budget - (time.monotonic() - t_start))
         child = dataclasses.replace(cfg, gpus=(), workers=1, storage=url, resume=True,
-                                    compile_workers=cw, tag=f"gpu{g}",
+                                    compile_workers=cw, tag=f"gpu{g}", time_budget_s=budget,
                                     seed=None if cfg.seed is None else cfg.seed + k)
         p = ctx.Process(target=_child, args=(child, target, dev, q), name=f"flashtune-gpu{g}")
         p.start()

@@ -1,0 +1,177 @@
+"""Search scaling over GPUs: the same search with `--gpus 0`, then `--gpus 0,1` (...), each on
+fresh storage and a fresh tuned DB, same seed; wall time, trials per second, and whether the
+winners agree within noise. JSON to --out.
+
+    python3 bench/search_scaling.py --gpus 0 0,1 --out $OUT/scaling.json      # on nvidia-h200-x2
+    python3 bench/search_scaling.py --gpus 0 0,1 --gpu H100 --replay rec.jsonl   # CPU smoke run
+
+--warm first runs the search once with the most GPUs (its own storage), so that Triton's cache
+holds most kernels the measured runs compile: the runs then compare the search, not the
+compiler. --cold gives each run an empty Triton and flashtune cache instead (what a first
+search on a new machine pays). Each run is a `flashtune search` subprocess; its progress
+lines go to <out dir>/scaling-gpus<N>.log.
+
+Reported per run: wall (the command, start-up included), span (first trial started to last
+trial done, from the storage: the search without process start-up), measured variants and
+trials/s over both; speedups against the first run; per bucket, each run's winner and speed, and
+`agree`: the same variant, or speeds within --noise of each other.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def search_args(a, gpus: str, storage: str, db: str) -> list[str]:
+    args = [sys.executable, "-m", "flashtune.cli", "search", "--gpu", a.gpu, "--gpus", gpus,
+            "--fresh", "--seed", str(a.seed), "--trials", str(a.trials),
+            "--head-dim", a.head_dim, "--seqlen", a.seqlen, "--causal", a.causal,
+            "--storage", storage, "--db", db, "--progress", "lines", "--format", "json"]
+    for f in a.family.split(","):
+        args += ["--family", f]
+    if a.replay:
+        args += ["--replay", a.replay]
+    if a.compile_workers:
+        args += ["--compile-workers", str(a.compile_workers)]
+    return args
+
+
+def span_of(storage: str) -> tuple[float, int]:
+    """(seconds from the first trial's start to the last measured trial's end, measured)."""
+    import optuna
+    from optuna.trial import TrialState
+
+    from flashtune.search_claims import CLAIMS_STUDY
+    from flashtune.search_study import make_storage
+
+    st = make_storage(storage)
+    starts, ends, n = [], [], 0
+    for s in optuna.get_all_study_summaries(st, include_best_trial=False):
+        if s.study_name == CLAIMS_STUDY:
+            continue
+        for t in optuna.load_study(study_name=s.study_name, storage=st).get_trials(deepcopy=False):
+            if t.datetime_start:
+                starts.append(t.datetime_start)
+            r = t.user_attrs.get("result") or {}
+            if t.state == TrialState.COMPLETE and r.get("measured"):
+                ends.append(t.datetime_complete)
+                n += 1
+    if not ends:
+        return 0.0, 0
+    return (max(ends) - min(starts)).total_seconds(), n
+
+
+def run(a, gpus: str, work: Path, log: Path, env: dict) -> dict:
+    storage = f"journal:///{work}/optuna.journal"
+    db = f"sqlite:///{work}/tuned.db"
+    t0 = time.monotonic()
+    with open(log, "w") as errf:
+        p = subprocess.run(search_args(a, gpus, storage, db), env=env, stdout=subprocess.PIPE,
+                           stderr=errf, text=True, timeout=a.timeout)
+    wall = time.monotonic() - t0
+    if p.returncode != 0:
+        tail = log.read_text()[-2000:]
+        raise SystemExit(f"--gpus {gpus}: flashtune search exited {p.returncode}\n{tail}")
+    summary = json.loads(p.stdout)
+    span, measured = span_of(storage)
+    return {"gpus": gpus, "n_gpus": len(gpus.split(",")), "wall_s": round(wall, 2),
+            "span_s": round(span, 2), "measured": measured,
+            "trials_per_s": round(measured / wall, 3) if wall else 0.0,
+            "trials_per_s_span": round(measured / span, 3) if span else 0.0,
+            "search_wall_s": summary["wall_s"], "notes": summary.get("notes", []),
+            "buckets": {b["label"]: {"winner": b["winner"], "speed": b["tflops"],
+                                     "unit": b["unit"], "measured": b["measured"],
+                                     "status": b["status"], "by": b.get("by")}
+                        for b in summary["buckets"]}}
+
+
+def agree(runs: list[dict], noise: float) -> dict:
+    out = {}
+    base = runs[0]["buckets"]
+    for label, b0 in base.items():
+        row = {"winners": [r["buckets"].get(label, {}).get("winner") for r in runs],
+               "speeds": [r["buckets"].get(label, {}).get("speed") for r in runs]}
+        sp = [s for s in row["speeds"] if s]
+        row["agree"] = (len(set(row["winners"])) == 1 or
+                        (len(sp) == len(runs) and max(sp) / min(sp) - 1 <= noise))
+        out[label] = row
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--gpus", nargs="+", default=["0", "0,1"], help="one run per value")
+    ap.add_argument("--gpu", default="auto")
+    ap.add_argument("--family", default="fwd")
+    ap.add_argument("--head-dim", default="64,128")
+    ap.add_argument("--seqlen", default="1024,4096")
+    ap.add_argument("--causal", default="both")
+    ap.add_argument("--trials", type=int, default=32)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--compile-workers", type=int, default=0)
+    ap.add_argument("--replay", default=None, help="a recording: CPU smoke runs")
+    ap.add_argument("--warm", action="store_true", help="fill Triton's cache first")
+    ap.add_argument("--cold", action="store_true", help="empty caches for every run")
+    ap.add_argument("--noise", type=float, default=0.03, help="winners agree within this")
+    ap.add_argument("--timeout", type=float, default=540)
+    ap.add_argument("--out", default=None, help="JSON results (logs go beside it)")
+    a = ap.parse_args(argv)
+
+    out_dir = Path(a.out).parent if a.out else Path(tempfile.mkdtemp(prefix="ft-scaling-"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    tmp = Path(tempfile.mkdtemp(prefix="ft-scaling-work-"))
+    if a.warm and not a.cold:
+        most = max(a.gpus, key=lambda g: len(g.split(",")))
+        work = tmp / "warm"
+        work.mkdir()
+        t0 = time.monotonic()
+        run(a, most, work, out_dir / "scaling-warm.log", env)
+        print(f"warm-up (--gpus {most}): {time.monotonic() - t0:.0f} s", flush=True)
+    runs = []
+    for gpus in a.gpus:
+        work = tmp / f"gpus{gpus.replace(',', '_')}"
+        work.mkdir()
+        run_env = dict(env)
+        if a.cold:
+            run_env.update(TRITON_CACHE_DIR=str(work / "triton"),
+                           FLASHTUNE_CACHE_DIR=str(work / "flashtune"))
+        r = run(a, gpus, work, out_dir / f"scaling-gpus{len(gpus.split(','))}.log", run_env)
+        runs.append(r)
+        print(f"--gpus {gpus:<8} wall {r['wall_s']:7.1f} s  span {r['span_s']:7.1f} s  "
+              f"{r['measured']:4d} measured  {r['trials_per_s']:6.2f} trials/s "
+              f"({r['trials_per_s_span']:6.2f}/s over the span)", flush=True)
+        for n in r["notes"]:
+            print(f"  {n}")
+    base = runs[0]
+    for r in runs:
+        r["speedup_wall"] = round(base["wall_s"] / r["wall_s"], 3) if r["wall_s"] else None
+        r["speedup_span"] = round(base["span_s"] / r["span_s"], 3) if r["span_s"] else None
+    winners = agree(runs, a.noise)
+    print(f"\n{'run':<12} {'wall':>8} {'span':>8} {'trials/s':>9} {'x wall':>7} {'x span':>7}")
+    for r in runs:
+        print(f"--gpus {r['gpus']:<5} {r['wall_s']:8.1f} {r['span_s']:8.1f} "
+              f"{r['trials_per_s']:9.2f} {r['speedup_wall']:7.2f} {r['speedup_span']:7.2f}")
+    n_agree = sum(w["agree"] for w in winners.values())
+    print(f"\nwinners agree (same variant, or within {a.noise:.0%}): {n_agree}/{len(winners)}")
+    for label, w in winners.items():
+        if not w["agree"]:
+            sp = ", ".join(f"{x:.1f}" if x else "-" for x in w["speeds"])
+            print(f"  {label}: {' vs '.join(str(x) for x in w['winners'])} ({sp})")
+    result = {"args": vars(a), "runs": runs, "winners": winners, "agree": n_agree,
+              "buckets": len(winners)}
+    if a.out:
+        Path(a.out).write_text(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
