@@ -254,7 +254,7 @@ def search_bucket(bs: BucketStudy, pipeline: Pipeline, trials: int, deadline: fl
                 # the budget is the study's: count what the others measure, read after this
                 # trial carries its variant (two processes taking the last slot at once: at
                 # least one sees the other and stands back; never more than the budget)
-                others, synced = bs.sync(), time.monotonic()
+                others, synced = bs.others, time.monotonic()  # ask() read them just now
                 if bs.measured() + len(inflight) + others >= min(trials, feasible):
                     bs.tell(trial, variant, ("busy", None))
                     continue

@@ -156,6 +156,7 @@ class BucketStudy:
         self.owner = me()
         self.liveness = liveness or Liveness(study._storage)
         self.converged = False  # the sampler only repeats itself (set by search_bucket)
+        self.others: int | None = None  # variants other processes measure (the last read)
         # the objective: speed in the family's unit (TFLOP/s; GB/s for decoding). The result key
         # stays "tflops" so that studies started before GB/s families resume
         self._speed = partial(get_family(problem.family).throughput, problem)
@@ -194,7 +195,11 @@ class BucketStudy:
     def sync(self) -> int:
         """Read the study once: learn what other processes measured, fail what dead ones left
         RUNNING, and return how many variants other live processes are measuring now."""
-        busy = set()
+        return self._scan()[0]
+
+    def _scan(self, trial=None, variant: Variant | None = None):
+        """sync(), and another live process's RUNNING trial of `variant` (not `trial`)."""
+        busy, other = set(), None
         for t in self.study.get_trials(deepcopy=False):
             a = t.user_attrs
             if t.state == TrialState.COMPLETE:
@@ -205,7 +210,11 @@ class BucketStudy:
                                                                                 self.owner):
                 if not self._reap(t):
                     busy.add(_key_of(a["variant"]))
-        return len(busy - set(self._known))
+                    if (variant is not None and other is None and t.number != trial.number
+                            and a["variant"] == variant.name):
+                        other = t
+        self.others = len(busy - set(self._known))
+        return self.others, other
 
     def _reap(self, t) -> bool:
         """FAIL a RUNNING trial whose owner is dead (kill -9, power loss, a lost host), so that
@@ -225,17 +234,6 @@ class BucketStudy:
         return sum(self._reap(t) for t in
                    self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)))
 
-    def _busy_elsewhere(self, trial, variant: Variant):
-        """Another live process's RUNNING trial of the same variant, if any. Both trials carry
-        their variant before either looks, so of two processes proposing one variant at once
-        at least one sees the other and stands back (rarely both: the variant waits for a
-        later proposal); it is never measured twice."""
-        for t in self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-            a = t.user_attrs
-            if (t.number != trial.number and a.get("variant") == variant.name
-                    and not same(a.get("owner"), self.owner) and not self._reap(t)):
-                return t
-        return None
 
     def enqueue(self, variant: Variant) -> None:
         """Propose `variant` first (the built-in default: a good first point for TPE)."""
@@ -257,15 +255,18 @@ class BucketStudy:
             if not verdict.ok:
                 return trial, variant, Outcome.fail("infeasible", verdict.reason)
         if variant.key not in self._known:
-            self.refresh()  # another process may have measured it meanwhile
+            # one read of the study, after this trial carries its variant: what the others
+            # measured meanwhile (then it is a duplicate), are measuring (self.others, for the
+            # budget), and whether one of them is measuring this variant now. Of two processes
+            # proposing one variant at once at least one sees the other and stands back (rarely
+            # both: the variant waits for a later proposal); it is never measured twice.
+            _, other = self._scan(trial, variant)
+            if variant.key not in self._known and other is not None:
+                return trial, variant, ("busy", other)
+        else:
+            self.others = None  # not read
         if variant.key in self._known:
             return trial, variant, "duplicate"
-        other = self._busy_elsewhere(trial, variant)
-        if other is not None:
-            self.refresh()  # it may have finished meanwhile: then it is a duplicate
-            if variant.key in self._known:
-                return trial, variant, "duplicate"
-            return trial, variant, ("busy", other)
         return trial, variant, None
 
     def _finish(self, trial, value: float, result: dict) -> None:
