@@ -23,7 +23,7 @@ from flashtune import targets
 from flashtune.sampler_eval import synthesize
 from flashtune.search import SearchConfig, plan_of, run_search
 from flashtune.search_progress import NoProgress
-from flashtune.search_study import make_storage, study_name
+from flashtune.search_study import bucket_label, make_storage, study_name
 
 H100 = targets.get("H100")
 BASE = dict(gpu="H100", families=("fwd",), head_dims=(64,), seqlens=(1024, 2048),
@@ -63,10 +63,10 @@ def _span(cfg) -> float:
 
 @pytest.mark.slow  # ~60 s here: six processes import torch on a shared 2-core machine
 def test_two_gpu_processes_halve_a_timing_bound_search(tmp_path):
-    rec = _recording(tmp_path)
+    rec = _recording(tmp_path, delay=0.5)
     runs = {}
     for gpus in ((0,), (0, 1)):
-        cfg = SearchConfig(**dict(BASE, replay=rec, trials=8, gpus=gpus,
+        cfg = SearchConfig(**dict(BASE, replay=rec, trials=10, gpus=gpus,
                                   storage=f"journal:///{tmp_path}/s{len(gpus)}.journal",
                                   db=f"sqlite:///{tmp_path}/t{len(gpus)}.db"))
         res = run_search(cfg, progress=NoProgress())
@@ -74,22 +74,29 @@ def test_two_gpu_processes_halve_a_timing_bound_search(tmp_path):
     for n, (cfg, res, _) in runs.items():
         assert not res.interrupted and not res.notes
         assert [b.status for b in res.buckets] == ["done", "done"], res.buckets
-        assert res.measured == 16 and res.db_written == 2
+        assert res.measured == 20 and res.db_written == 2
         for trials in _trials(cfg).values():
             names = [t.user_attrs["variant"] for t in _measured(trials)]
-            assert len(names) == len(set(names)) == 8  # none lost, none measured twice
+            assert len(names) == len(set(names)) == 10  # none lost, none measured twice
             owners = {t.user_attrs["owner"]["pid"] for t in _measured(trials)}
             notes = {t.user_attrs["result"]["notes"] for t in _measured(trials)}
             assert len(owners) == n  # every process measured part of every bucket
             assert notes == {f"replayed on device {g}" for g in range(n)}  # each on its GPU
-    # 16 measurements of DELAY each: one process cannot beat 16 x DELAY, two about half
+    # 20 measurements of 0.5 s: one process cannot beat 10 s, two take about half (ideal 0.5;
+    # here the second process's later start and the buckets' ends, on a loaded CPU, add ~0.15)
     one, two = runs[1][2], runs[2][2]
-    assert one >= 16 * DELAY * 0.95, one
-    assert two / one <= 0.7, (one, two, runs[1][1].wall_s, runs[2][1].wall_s)  # ideal: 0.5
-    # winners as good: within the recording's noise (+-3%) of each other
-    for b1, b2 in zip(runs[1][1].buckets, runs[2][1].buckets):
-        assert b1.label == b2.label and b1.winner and b2.winner
-        assert abs(b1.tflops / b2.tflops - 1) <= 0.06, (b1, b2)
+    assert one >= 20 * 0.5 * 0.95, one
+    assert two / one <= 0.75, (one, two, runs[1][1].wall_s, runs[2][1].wall_s)
+    # each pick saw every process's trials: the winner is the fastest variant measured in the
+    # shared study (or a simpler one within noise). Whether 1 and 2 GPUs find the same winners
+    # is for the GPU run (bench/search_scaling.py): at 10 trials TPE is still sampling at
+    # random (n_startup_trials), so two sample paths find different bests
+    for n, (cfg, res, _) in runs.items():
+        for b in res.buckets:
+            trials = next(ts for bk, ts in _trials(cfg).items() if b.study.startswith(
+                bucket_label(bk)))
+            best = max(t.value for t in _measured(trials))
+            assert b.winner and b.tflops >= best / 1.02, (n, b, best)
 
 
 def _cli(tmp_path, rec, *extra):
