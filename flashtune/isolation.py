@@ -31,7 +31,9 @@ def _describe_exit(code) -> str:
 
 def _serve(conn, backend, role: str, index: int) -> None:
     # Ctrl-C reaches the whole process group: the driver decides what stops, not the workers
+    # (started with SIGINT blocked, so that one during start-up does not kill the import)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     try:
         backend.setup(role, index)
         conn.send(("ready", backend.environment() if role == "time" else {}))
@@ -80,7 +82,11 @@ class Worker:
         with self._lock:
             if self._closed:
                 raise WorkerLost("interrupted")
-            proc.start()
+            mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+            try:
+                proc.start()
+            finally:
+                signal.pthread_sigmask(signal.SIG_SETMASK, mask)
             self._proc, self._conn = proc, parent
         child.close()
         if not parent.poll(self.startup_timeout):

@@ -391,6 +391,8 @@ class _Run:
         first = i not in self.results
         if first:
             self.progress.bucket_start(label, cfg.trials, bs.measured())
+        elif hasattr(self.progress, "label"):
+            self.progress.label = label  # back to a bucket left for later: its trials count
         t_b = time.monotonic()
         bucket_deadline = self.deadline
         if self.deadline is not None and not cfg.in_order:

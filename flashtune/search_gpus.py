@@ -127,7 +127,13 @@ def _child(cfg, target, device: str, q) -> None:
     os.environ["CUDA_VISIBLE_DEVICES"] = device  # before anything here touches CUDA
     from .search import run_search
     try:
+        # started with SIGINT blocked (a Ctrl-C while it imported would kill it mid-import);
+        # one that came meanwhile arrives now, as a KeyboardInterrupt
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
         res = run_search(cfg, target=target, progress=QueueProgress(q, cfg.tag))
+    except KeyboardInterrupt:
+        q.put((cfg.tag, "interrupted", ()))
+        raise SystemExit(130) from None
     except BaseException as e:  # noqa: BLE001 -- told to the parent, then this process fails
         q.put((cfg.tag, "error", (f"{type(e).__name__}: {e}",)))
         raise SystemExit(1) from None
@@ -182,6 +188,7 @@ def run_on_gpus(cfg, *, target, progress=None):
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     procs = {}
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     for k, (g, dev) in enumerate(zip(gpus, devices)):
         budget = cfg.time_budget_s
         if budget is not None:  # counted from this command's start, as without --gpus
@@ -192,6 +199,7 @@ def run_on_gpus(cfg, *, target, progress=None):
         p = ctx.Process(target=_child, args=(child, target, dev, q), name=f"flashtune-gpu{g}")
         p.start()
         procs[child.tag] = p
+    signal.pthread_sigmask(signal.SIG_SETMASK, mask)
     results, errors, notes = {}, {}, []
     interrupted = False
 
@@ -213,6 +221,8 @@ def run_on_gpus(cfg, *, target, progress=None):
                 continue
             if method == "result":
                 results[tag] = args[0]
+            elif method == "interrupted":
+                interrupted = True
             elif method == "error":
                 errors[tag] = args[0]
             else:
@@ -225,13 +235,13 @@ def run_on_gpus(cfg, *, target, progress=None):
         for tag, p in procs.items():
             if tag in errors:
                 notes.append(f"{tag}: {errors[tag]}")
-            elif tag not in results:
+            elif tag not in results and not interrupted:
                 notes.append(f"{tag}: the search process {_describe_exit(p.exitcode)}; its "
                              "completed trials are kept, its running ones measured again")
         for n in notes:
             progress.base.log(n)
         progress.close()
-    if errors and not results:
+    if errors and not results and not interrupted:
         raise ValueError("; ".join(f"{t}: {e}" for t, e in errors.items()))
     # one result per bucket, in plan order: the process that picked it, else any
     merged = {}
