@@ -84,20 +84,20 @@ for step in ${STEPS:-fwdtests}; do
     tables)   # every family on its grid, resumable over calls: the Optuna journal and the tuned DB live
               # in $TABLES_STATE (default tables_state/); they come back in $OUT/tables_state/ -- copy
               # them into tables_state/ and pass carry=["tables_state"] to the next call, which resumes
-              st=${TABLES_STATE:-tables_state}; mkdir -p "$st" "$OUT/tables" "$OUT/tables_state"
+              st=$(realpath -m "${TABLES_STATE:-tables_state}"); mkdir -p "$st" "$OUT/tables" "$OUT/tables_state"
               name=$(python3 -c "import torch;print(torch.cuda.get_device_name())")
               slug=$(python3 -c "from flashtune import targets;print(targets.slug_of('$name'))")
               gpus=${TABLES_GPUS:-$(python3 -c "import torch;print(','.join(map(str,range(torch.cuda.device_count()))))")}
               [ -f "$st/$slug.journal.gz" ] && gunzip -f "$st/$slug.journal.gz"
               t0=$(date +%s)
               timeout ${TABLES_TIMEOUT:-570} flashtune search --gpu auto --gpus "$gpus" --trials ${TRIALS:-40} \
-                --time-budget ${TABLES_BUDGET:-480} --in-order --storage "$PWD/$st/$slug.journal" \
-                --db "sqlite:///$PWD/$st/$slug.db" --progress lines 2>&1 | tee -a "$OUT/tables_search.log" \
+                --time-budget ${TABLES_BUDGET:-480} --in-order --storage "$st/$slug.journal" \
+                --db "sqlite:///$st/$slug.db" --progress lines 2>&1 | tee -a "$OUT/tables_search.log" \
                 | grep -v "measured so far\|^\[all\]" | tail -30
               echo "$(date -u +%FT%TZ) $name --gpus $gpus: $(( $(date +%s) - t0 )) s" >> "$st/$slug.calls"
-              flashtune search --gpu auto --status --trials ${TRIALS:-40} --storage "$PWD/$st/$slug.journal" \
+              flashtune search --gpu auto --status --trials ${TRIALS:-40} --storage "$st/$slug.journal" \
                 > "$OUT/tables_status.txt"; tail -2 "$OUT/tables_status.txt"
-              flashtune db export --gpu "$name" --db "sqlite:///$PWD/$st/$slug.db" -o "$OUT/tables/$slug.json" 2>&1 | tail -2
+              flashtune db export --gpu "$name" --db "sqlite:///$st/$slug.db" -o "$OUT/tables/$slug.json" 2>&1 | tail -2
               gzip -c "$st/$slug.journal" > "$OUT/tables_state/$slug.journal.gz"
               cp "$st/$slug.db" "$st/$slug.calls" "$OUT/tables_state/"
               echo "calls so far:"; cat "$st/$slug.calls" ;;
