@@ -54,7 +54,10 @@ def _serve(conn, backend, role: str, index: int) -> None:
             reply = ("error", f"{type(e).__name__}: {e}")
         # the process state may be broken (a CUDA error poisons the context): say so, so the
         # driver replaces this process before its next call
-        conn.send(reply + (backend.poisoned,))
+        try:
+            conn.send(reply + (backend.poisoned,))
+        except OSError:  # the driver is gone (killed): so is this worker's purpose
+            return
         if backend.poisoned:
             conn.close()
             os._exit(3)

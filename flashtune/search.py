@@ -47,7 +47,7 @@ class SearchConfig:
     trials: int = 40               # measured variants per bucket (infeasible/duplicates free)
     sampler: str = "tpe"
     seed: int | None = None
-    storage: str | None = None     # Optuna storage URL (default: SQLite in the cache folder)
+    storage: str | None = None     # Optuna storage URL (default: journal file in the cache)
     db: str | None = None          # tuned DB URL (default: TunedDB's)
     workers: int = 1               # timing workers, one per GPU
     gpus: tuple = ()               # one search process per GPU (--gpus 0,1), sharing the storage

@@ -216,7 +216,8 @@ def run_on_gpus(cfg, *, target, progress=None):
             try:
                 tag, method, args = q.get(timeout=0.5)
             except queue.Empty:
-                if not any(p.is_alive() for p in procs.values()):
+                # every child is polled (waited for): a dead one must not linger as a zombie
+                if not [p for p in procs.values() if p.is_alive()]:
                     break
                 continue
             if method == "result":

@@ -206,9 +206,8 @@ class BucketStudy:
                 r = a.get("result")
                 if r and r.get("measured") and "variant" in a:
                     self._known.setdefault(_key_of(a["variant"]), (t.value, r))
-            elif t.state == TrialState.RUNNING and "variant" in a and not same(a.get("owner"),
-                                                                                self.owner):
-                if not self._reap(t):
+            elif t.state == TrialState.RUNNING and not same(a.get("owner"), self.owner):
+                if not self._reap(t) and "variant" in a:
                     busy.add(_key_of(a["variant"]))
                     if (variant is not None and other is None and t.number != trial.number
                             and a["variant"] == variant.name):
@@ -223,10 +222,13 @@ class BucketStudy:
         if same(owner, self.owner) or self.liveness.alive(owner):
             return False
         trial = optuna.trial.Trial(self.study, t._trial_id)
-        trial.set_user_attr("result", {"measured": False, "stage": "lost",
-                                       "reason": f"abandoned by process {owner.get('pid')} "
-                                                 f"on {owner.get('host')}"})
-        self.study.tell(t.number, state=TrialState.FAIL, skip_if_finished=True)
+        try:
+            trial.set_user_attr("result", {"measured": False, "stage": "lost",
+                                           "reason": f"abandoned by process {owner.get('pid')} "
+                                                     f"on {owner.get('host')}"})
+            self.study.tell(t.number, state=TrialState.FAIL, skip_if_finished=True)
+        except optuna.exceptions.UpdateFinishedTrialError:
+            pass  # another process reaped it first
         return True
 
     def reap_abandoned(self) -> int:
@@ -269,11 +271,20 @@ class BucketStudy:
             return trial, variant, "duplicate"
         return trial, variant, None
 
-    def _finish(self, trial, value: float, result: dict) -> None:
-        trial.set_user_attr("result", result)
-        if _TRIAL_CONSTRAINTS:
-            trial.set_constraint("failed", result.get("violation", 0.0))
-        self.study.tell(trial, value)
+    def _finish(self, trial, value: float | None, result: dict) -> None:
+        """Store the result and close the trial: COMPLETE with `value`, FAIL without one. A
+        trial another process failed first (it took this one for dead: a host whose heartbeat
+        stopped reaching the storage) stays as that process left it."""
+        try:
+            trial.set_user_attr("result", result)
+            if value is None:
+                self.study.tell(trial, state=TrialState.FAIL)
+                return
+            if _TRIAL_CONSTRAINTS:
+                trial.set_constraint("failed", result.get("violation", 0.0))
+            self.study.tell(trial, value)
+        except optuna.exceptions.UpdateFinishedTrialError:
+            pass
 
     def tell(self, trial, variant: Variant | None, outcome) -> None:
         """Record what happened to a proposal; outcome is an Outcome, "duplicate", or ("busy",
@@ -286,8 +297,7 @@ class BucketStudy:
                 owner = other.user_attrs.get("owner") or {}
                 why = (f"being measured by trial {other.number} of process {owner.get('pid')} "
                        f"on {owner.get('host')}")
-            trial.set_user_attr("result", {"measured": False, "stage": "busy", "reason": why})
-            self.study.tell(trial, state=TrialState.FAIL)
+            self._finish(trial, None, {"measured": False, "stage": "busy", "reason": why})
             self.counts["busy"] += 1
             return
         if outcome == "duplicate":
@@ -297,9 +307,7 @@ class BucketStudy:
             return
         o: Outcome = outcome
         if o.transient:
-            trial.set_user_attr("result", {"measured": False, "stage": o.stage,
-                                           "reason": o.reason})
-            self.study.tell(trial, state=TrialState.FAIL)
+            self._finish(trial, None, {"measured": False, "stage": o.stage, "reason": o.reason})
             return
         measured = o.stage != "infeasible"
         result = {"measured": measured, "violation": 0.0 if o.ok else 1.0}
