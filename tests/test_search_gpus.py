@@ -209,3 +209,19 @@ def test_claims_are_held_once_and_freed_by_death(tmp_path, url):
                                                                "pid": dead.pid}})
     assert same(claim(storage, "j"), me())
     assert same(claim(storage, "j"), me())  # held: claiming again keeps it
+
+
+def test_in_order_budget_leaves_what_it_cannot_finish_untouched(tmp_path):
+    from flashtune.search_status import status_rows
+
+    rec = _recording(tmp_path, delay=0.0)
+    cfg = SearchConfig(**dict(BASE, replay=rec, trials=4, time_budget_s=1e-3, in_order=True,
+                              storage=f"journal:///{tmp_path}/s.journal", write_db=False))
+    res = run_search(cfg, progress=NoProgress())
+    # out of time before the first bucket: nothing picked from zero trials, nothing written
+    assert res.buckets == () and res.db_written == 0
+    assert [r["state"] for r in status_rows(cfg, H100)] == ["not started", "not started"]
+    res = run_search(SearchConfig(**dict(BASE, replay=rec, trials=4, write_db=False,
+                                         storage=cfg.storage)), progress=NoProgress())
+    assert [b.status for b in res.buckets] == ["done", "done"]
+    assert [r["state"] for r in status_rows(cfg, H100)] == ["done", "done"]
