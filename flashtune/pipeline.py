@@ -29,6 +29,7 @@ class Pipeline:
         self._all: list[Worker] = []
         self._measured_on: dict = {}  # (problem, variant) keys -> the timing worker's index
         self.depth = 1
+        self.feed = 1  # in flight enough to keep every timing worker busy (one waiting each)
         if inline:
             return
         for i in range(compile_workers):
@@ -40,6 +41,7 @@ class Pipeline:
             self._all.append(w)
             self._timers.put(w)
         self.depth = compile_workers + 2 * len(devices)
+        self.feed = 2 * len(devices)
         self._pool = ThreadPoolExecutor(max_workers=self.depth + 1,
                                         thread_name_prefix="flashtune-pipeline")
 

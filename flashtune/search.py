@@ -230,7 +230,7 @@ def search_bucket(bs: BucketStudy, pipeline: Pipeline, trials: int, deadline: fl
             # tell what is done before asking more: the sampler sees results as soon as they
             # exist, and fewer of its proposals are lies (constant liar)
             settle([f for f in inflight if f.done()])
-            if len(inflight) < pipeline.depth and time.monotonic() - synced > 0.25:
+            if time.monotonic() - synced > 0.25:
                 others, synced = bs.sync(), time.monotonic()
             budget_left = bs.measured() + len(inflight) + others < min(trials, feasible)
             if until is not None and until(bs):
@@ -241,7 +241,13 @@ def search_bucket(bs: BucketStudy, pipeline: Pipeline, trials: int, deadline: fl
             if idle_asks > 200 or asks >= max_asks:
                 budget_left = False  # the sampler keeps proposing what is known: it has converged
                 bs.converged = True
-            if budget_left and len(inflight) < pipeline.depth:
+            # at most half the budget left in flight (shared among the processes measuring
+            # here): the sampler learns from what comes back before it proposes the rest, and
+            # a bucket's end leaves few trials queued behind one GPU; never less than keeps
+            # every timing worker busy
+            left = min(trials, feasible) - bs.measured()
+            cap = max(pipeline.feed, left // (2 * (1 + bs.sharing)))
+            if budget_left and len(inflight) < min(pipeline.depth, cap):
                 trial, variant, answer = bs.ask()
                 asks += 1
                 if answer is None and variant.key in waiting:

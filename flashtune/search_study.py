@@ -157,6 +157,7 @@ class BucketStudy:
         self.liveness = liveness or Liveness(study._storage)
         self.converged = False  # the sampler only repeats itself (set by search_bucket)
         self.others: int | None = None  # variants other processes measure (the last read)
+        self.sharing = 0  # other processes measuring in this study (the last read)
         # the objective: speed in the family's unit (TFLOP/s; GB/s for decoding). The result key
         # stays "tflops" so that studies started before GB/s families resume
         self._speed = partial(get_family(problem.family).throughput, problem)
@@ -199,7 +200,7 @@ class BucketStudy:
 
     def _scan(self, trial=None, variant: Variant | None = None):
         """sync(), and another live process's RUNNING trial of `variant` (not `trial`)."""
-        busy, other = set(), None
+        busy, other, owners = set(), None, set()
         for t in self.study.get_trials(deepcopy=False):
             a = t.user_attrs
             if t.state == TrialState.COMPLETE:
@@ -209,10 +210,13 @@ class BucketStudy:
             elif t.state == TrialState.RUNNING and not same(a.get("owner"), self.owner):
                 if not self._reap(t) and "variant" in a:
                     busy.add(_key_of(a["variant"]))
+                    o = a.get("owner") or {}
+                    owners.add((o.get("host"), o.get("pid")))
                     if (variant is not None and other is None and t.number != trial.number
                             and a["variant"] == variant.name):
                         other = t
         self.others = len(busy - set(self._known))
+        self.sharing = len(owners)
         return self.others, other
 
     def _reap(self, t) -> bool:
