@@ -13,6 +13,7 @@ import torch
 
 from . import dispatch, launch, launch_bwd
 from .ops import call_forced, check_grad_output, separate_twin
+from .problem import dtype_name
 from .validate_varlen import check_cu_seqlens_values
 
 
@@ -34,9 +35,21 @@ def run_forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, m
         if len(_plans) >= 4096:
             _plans.clear()
         variant = dispatch.select_varlen("fwd", q, k, batch, max_seqlen_q, max_seqlen_k, causal)
+        if variant.loads == "descriptor" and not _tma_strides(q, k, v):
+            variant = dispatch.varlen_pointer_fallback("fwd", q.shape[2], dtype_name(q.dtype))
         plan = _plans[key] = launch.VarlenFwdPlan(q, k, v, batch, max_seqlen_q, max_seqlen_k,
                                                   causal, scale, variant)
+    if plan.descriptor and (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15:
+        plan = launch.VarlenFwdPlan(
+            q, k, v, batch, max_seqlen_q, max_seqlen_k, causal, scale,
+            dispatch.varlen_pointer_fallback("fwd", q.shape[2], dtype_name(q.dtype)))
     return plan.run(q, k, v, cu_seqlens_q, cu_seqlens_k)
+
+
+def _tma_strides(*packed) -> bool:
+    """Whether every packed (total, heads, D) tensor's strides suit TMA descriptors (bases are
+    checked per call)."""
+    return all(not ((t.stride(0) | t.stride(1)) * t.element_size()) & 15 for t in packed)
 
 
 # call signature -> launch.VarlenFwdPlan (as ops.py's dense plans; cleared with the dispatcher)
@@ -56,6 +69,8 @@ def run_backward_varlen(grad_out, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, m
     variant = dispatch.select_varlen("bwd", q, k, batch, max_seqlen_q, max_seqlen_k, causal)
     if deterministic:
         variant = separate_twin(variant, q.shape[2], q.dtype)
+    if variant.loads == "descriptor":  # the bwd template has pointer loads only
+        variant = dispatch.pointer_twin(variant)
     return launch_bwd.backward_varlen(grad_out, q, k, v, o, lse.contiguous(), cu_seqlens_q,
                                       cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale,
                                       variant)

@@ -138,6 +138,26 @@ def test_equal_lengths_equal_dense_attention(device):
     torch.testing.assert_close(out, dense.transpose(1, 2).reshape(b * n, h, d), atol=2e-3, rtol=0)
 
 
+def test_descriptor_forward_falls_back_for_unaligned_tensors(device, monkeypatch):
+    # a TMA variant forced on tensors whose base is not 16-byte aligned (sliced 1 element in):
+    # the portable pointer default runs instead, with the same numbers
+    from flashtune import dispatch, launch
+    seen = []
+    real = launch.VarlenFwdPlan.__init__
+
+    def spy(self, *a, **kw):
+        real(self, *a, **kw)
+        seen.append(self.variant)
+    monkeypatch.setattr(launch.VarlenFwdPlan, "__init__", spy)
+    buf = torch.randn(3, 29, 2, 33, dtype=torch.float16, device=device)
+    q, k, v = (t[..., 1:] for t in buf.unbind(0))
+    c = cu([12, 17], device)
+    with flashtune.force("fwd-m16-n32-w4-s1-loads=descriptor"):
+        assert_varlen_matches(q, k, v, c, c, causal=True, grads=False)
+    assert seen and seen[-1] == dispatch.varlen_pointer_fallback("fwd", 32, "float16")
+    assert seen[-1].loads == "pointer"
+
+
 def test_strided_packed_qkv(device):
     # q, k, v sliced out of one (total, 3, H, D) projection: token stride 3*H*D, no copy
     qkv = torch.randn(30, 3, 2, 32, dtype=torch.float16, device=device)
@@ -304,6 +324,7 @@ def test_varlen_renders_compile_for_sm90():
             "from flashtune.compile_check import check_variant\n"
             "out = {}\n"
             "for n in ('fwd-m128-n64-w8-s2', 'fwd-m64-n32-w4-s2-causal_split=false',\n"
+            "          'fwd-m128-n64-w4-s2-loads=descriptor',\n"
             "          'bwd-m32-n128-w8-s2-dq=separate-mq128-nq64-wq8-sq2',\n"
             "          'bwd-m32-n128-w8-s3-dq=atomic'):\n"
             "    v = dataclasses.replace(Variant.parse(n), varlen=True)\n"
@@ -313,6 +334,6 @@ def test_varlen_renders_compile_for_sm90():
                        env={**os.environ, "TRITON_INTERPRET": "0"})
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     res = json.loads(r.stdout.strip().splitlines()[-1])
-    assert len(res) == 4 and all(0 < k["smem"] <= 232448 for v in res.values() for k in v.values())
+    assert len(res) == 5 and all(0 < k["smem"] <= 232448 for v in res.values() for k in v.values())
     assert set(res["bwd-m32-n128-w8-s2-dq=separate-mq128-nq64-wq8-sq2-varlen=true"]) == \
         {"pre", "dkdv", "dq"}
