@@ -82,6 +82,10 @@ for step in ${STEPS:-fwdtests}; do
                 --metrics gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,dram__bytes_read.sum,launch__grid_size,launch__registers_per_thread,sm__warps_active.avg.pct_of_peak_sustained_active,launch__occupancy_limit_shared_mem,launch__occupancy_limit_registers \
                 --csv python3 bench/decode_sweep.py --ncu > "$OUT/decode_ncu.csv" 2> "$OUT/decode_ncu.err"
               tail -3 "$OUT/decode_ncu.err"; wc -l "$OUT/decode_ncu.csv" ;;
+    varlentests) timeout ${VARLENTESTS_TIMEOUT:-240} python3 -m pytest -q -x tests/test_varlen.py 2>&1 \
+                | tee "$OUT/varlentests.log" | tail -6 ;;
+    hfstatic) timeout 240 python3 -m pytest -q -x --tb=long tests/test_transformers_backend.py -k "static" 2>&1 \
+                | tee "$OUT/hfstatic.log" | tail -40 ;;
     *) echo "unknown step $step" ;;
   esac
 done
