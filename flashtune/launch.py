@@ -149,7 +149,7 @@ class VarlenFwdPlan:
         self.lse_shape = (h, total_q)
         self.args = (_scale(scale, d), *strides3(packed_view(q), packed_view(k), packed_view(v),
                                                  packed_view(o_strides)),
-                     h, max_seqlen_q, max_seqlen_k, total_q)
+                     h, max_seqlen_q, max_seqlen_k, total_q, k.shape[0])
         self.kwargs = fwd_params(variant, q.dtype, d, causal, h // k.shape[1], even_n=False)
 
     def run(self, q, k, v, cu_seqlens_q, cu_seqlens_k):

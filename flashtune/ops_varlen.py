@@ -2,8 +2,9 @@
 variable-length sequences) and their autograd formula, as ops.py does for the dense ops.
 
 The offsets' values are checked here, in the ops' real implementations (one device->host copy
-of cu_seqlens per call, see validate_varlen), so that torch.compile traces the public function
-without a sync and still no kernel ever launches on bad offsets.
+of cu_seqlens per new or changed offsets tensor, see validate_varlen and checked.py), so that
+torch.compile traces the public function without a sync and still no kernel ever launches on bad
+offsets.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch
 
 from . import dispatch, launch, launch_bwd
 from .ops import call_forced, check_grad_output, separate_twin
+from .checked import CheckedValues
 from .problem import dtype_name
 from .validate_varlen import check_cu_seqlens_values
 
@@ -21,8 +23,11 @@ def run_forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, m
                        causal: bool, scale):
     """Validated shapes -> (O like q, LSE float32 (H, total_q)). Checks the offsets' values."""
     total_q, h, _ = q.shape
-    check_cu_seqlens_values(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, total_q,
-                            k.shape[0])
+    bounds = (max_seqlen_q, max_seqlen_k, total_q, k.shape[0])
+    if _checked.get((cu_seqlens_q, cu_seqlens_k), bounds) is None:
+        check_cu_seqlens_values(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, total_q,
+                                k.shape[0])  # a device->host copy
+        _checked.put((cu_seqlens_q, cu_seqlens_k), bounds, True)
     if total_q == 0 or k.shape[0] == 0:
         # no query, or no key anywhere: zeros (a row that sees no key returns zeros), LSE = -inf
         return (torch.zeros_like(q),
@@ -51,6 +56,9 @@ def _tma_strides(*packed) -> bool:
     checked per call)."""
     return all(not ((t.stride(0) | t.stride(1)) * t.element_size()) & 15 for t in packed)
 
+
+# offsets already checked: the layers of one step share cu_seqlens and pay for one sync
+_checked = CheckedValues()
 
 # call signature -> launch.VarlenFwdPlan (as ops.py's dense plans; cleared with the dispatcher)
 _plans: dict = {}
