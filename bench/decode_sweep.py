@@ -33,6 +33,11 @@ SHAPES = [
     ("mqa-b32-32k", 8, 1, 32, 32768, None),
     ("gqa-b64-8k", 32, 8, 64, 8192, None),
     ("mqa-b8-8k", 8, 1, 8, 8192, None),
+    ("gqa-b64-32k", 32, 8, 64, 32768, None),
+    ("gqa-b64-32k-paged64", 32, 8, 64, 32768, 64),
+    ("mqa-b64-32k-paged64", 8, 1, 64, 32768, 64),
+    ("gqa-b8-32k-paged64", 32, 8, 8, 32768, 64),
+    ("gqa-b1-32k-paged64", 32, 8, 1, 32768, 64),
 ]
 D = 128
 
@@ -85,11 +90,13 @@ def main(argv=None):
     ap.add_argument("--out", default="decode_sweep.jsonl")
     ap.add_argument("--ncu", action="store_true", help="run each default and cuDNN a few times")
     ap.add_argument("--budget", type=float, default=240.0, help="seconds for the whole sweep")
+    ap.add_argument("--shapes", default="", help="comma-separated labels to run (default: all)")
     args = ap.parse_args(argv)
+    shapes = [sh for sh in SHAPES if not args.shapes or sh[0] in args.shapes.split(",")]
     t0 = time.time()
     out = open(args.out, "w")
     base = Variant("splitkv", block_m=64, block_n=64, num_warps=4, num_stages=3)
-    for label, hq, hk, b, nk, page in SHAPES:
+    for label, hq, hk, b, nk, page in shapes:
         q, kc, vc, seqlens, bt = make(hq, hk, b, nk, page)
         kv_bytes = 2.0 * b * hk * nk * D * 2
         if args.ncu:
@@ -107,7 +114,7 @@ def main(argv=None):
             out.write(json.dumps({"shape": label, "impl": "cudnn", "ms": ms,
                                   "gbps": kv_bytes / ms / 1e6}) + "\n")
             print(f"{label:24s} cudnn {kv_bytes / ms / 1e6:7.0f} GB/s", flush=True)
-        grid = [g for g in itertools.product([32, 64, 128], [2, 3, 4], [4], ["pointer", "descriptor"],
+        grid = [g for g in itertools.product([32, 64, 128] if not page else [32, 64], [2, 3, 4], [4], ["pointer", "descriptor"],
                                              splits_for(hk, b) + [0], [True])]
         grid = [g for g in grid if g[4] <= MAX_SPLITS]
         # the default tile (auto splits) with and without PDL first, the rest in random order
@@ -118,7 +125,7 @@ def main(argv=None):
         best = None
         t_shape = time.time()
         for bn, st, w, loads, ns, pdl in grid:
-            if time.time() - t_shape > args.budget / len(SHAPES):
+            if time.time() - t_shape > args.budget / len(shapes):
                 break
             v = Variant("splitkv", block_m=64, block_n=bn, num_warps=w, num_stages=st,
                         loads=loads, num_splits=ns, paged=bool(page))

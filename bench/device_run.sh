@@ -76,7 +76,7 @@ for step in ${STEPS:-fwdtests}; do
                 | tee "$OUT/transformers.log" | tail -20 ;;
     splitkvtests) timeout ${SPLITKV_TIMEOUT:-200} python3 -m pytest -q -x tests/test_splitkv.py \
                 2>&1 | tee "$OUT/splitkvtests.log" | tail -8 ;;
-    dsweep)   timeout ${DSWEEP_TIMEOUT:-330} python3 bench/decode_sweep.py --out "$OUT/decode_sweep.jsonl" \
+    dsweep)   timeout ${DSWEEP_TIMEOUT:-330} python3 bench/decode_sweep.py --out "$OUT/decode_sweep.jsonl" ${DSWEEP_ARGS:-} \
                 --budget ${DSWEEP_BUDGET:-300} 2>&1 | tee "$OUT/decode_sweep.log" | tail -20 ;;
     dncu)     timeout 200 ncu --clock-control none -k "regex:splitkv|sdpa|fmha|cudnn|attn" \
                 --metrics gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,dram__bytes_read.sum,launch__grid_size,launch__registers_per_thread,sm__warps_active.avg.pct_of_peak_sustained_active,launch__occupancy_limit_shared_mem,launch__occupancy_limit_registers \
