@@ -11,7 +11,7 @@ import torch
 import triton
 
 from .codegen import Variant, load
-from .launch import _DOT_PRECISION, _need_allocator, block_d, capturing, pdl_ok
+from .launch import _DOT_PRECISION, _need_allocator, block_d, pdl_ok
 
 # Provisional defaults until measured (no GPU measurement chose them yet; the split count is
 # decided at launch, see auto_num_splits). Keyed by the largest head dim each serves.
@@ -122,7 +122,8 @@ class SplitKVPlan:
             HEAD_DIM=d, BLOCK_D=block_d(d), BLOCK_M=self.block_m, BLOCK_N=variant.block_n,
             IS_CAUSAL=causal, GROUP=group, PAGE=k_cache.shape[1] if self.paged else 0,
             DOT_PRECISION=_DOT_PRECISION.get(q.dtype, "tf32"), PRECISE=q.dtype == torch.float32,
-            USE_PDL=self.pdl, num_warps=variant.num_warps, num_stages=variant.num_stages)
+            USE_PDL=self.pdl, UNIFORM=False, num_warps=variant.num_warps,
+            num_stages=variant.num_stages)
         self._splits: dict = {}
 
     def num_splits(self, max_seqlen: int) -> int:
@@ -138,8 +139,9 @@ class SplitKVPlan:
 
     def run(self, q, k_cache, v_cache, seqlens, block_table=None, max_seqlen: int = 0):
         """Returns O (q's shape, dtype and layout) and LSE (B, Hq, Nq) float32.
-        seqlens (B,) int32 on q's device: the keys each sequence attends to; max_seqlen (a host
-        int, their maximum) sizes the splits."""
+        seqlens (B,) int32 on q's device: the keys each sequence attends to, or None where every
+        sequence holds the whole cache (kwargs UNIFORM); max_seqlen (a host int, their maximum)
+        sizes the splits."""
         b, nq, h, d = self.shape
         hk = k_cache.shape[2]
         s = self.num_splits(max_seqlen)
@@ -157,13 +159,13 @@ class SplitKVPlan:
             l_strides = (h * nq * s, s, nq * s, 1)
         if self.variant.loads == "descriptor":
             _need_allocator()
-        bt = block_table if self.paged else seqlens
+        bt = block_table if self.paged else seqlens  # (unused when not paged)
         self.partial[(self.programs, s)](
             q, k_cache, v_cache, bt, seqlens, o_dst, l_dst, self.scale,
             q.stride(0), q.stride(1), q.stride(2),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-            bt.stride(0),
+            bt.stride(0) if bt is not None else 0,
             *o_strides, *l_strides,
             hk, nq, s, k_cache.shape[0] if self.paged else 0,
             bt.shape[1] * k_cache.shape[1] if self.paged else k_cache.shape[1],
@@ -188,8 +190,10 @@ def combine_tile(num_splits: int, block_d: int) -> tuple:
 class DensePlan:
     """splitkv serving a dense forward call: q (B, H, Nq, D), k/v (B, Hk, Nk, D) in SDPA's
     layout, viewed (no copy) as the (B, N, H, D) cache layout the kernels take, every sequence
-    holding all Nk keys. run(q, k, v) -> (O in q's layout, LSE (B, H, Nq)), as launch.FwdPlan."""
-    __slots__ = ("variant", "plan", "descriptor", "_seqlens")
+    holding all Nk keys (UNIFORM: no lengths tensor, so nothing is allocated or kept between
+    calls -- a kept one broke torch.compile's CUDA graph trees). run(q, k, v) -> (O in q's
+    layout, LSE (B, H, Nq)), as launch.FwdPlan."""
+    __slots__ = ("variant", "plan", "descriptor")
 
     def __init__(self, q, k, v, causal: bool, scale: float | None, variant: Variant):
         if variant.loads == "descriptor" and not descriptor_ok(k.transpose(1, 2),
@@ -197,17 +201,11 @@ class DensePlan:
             variant = dataclasses.replace(variant, loads="pointer")
         self.variant = variant
         self.plan = SplitKVPlan(q.transpose(1, 2), k.transpose(1, 2), causal, scale, variant)
+        self.plan.kwargs["UNIFORM"] = True
         # ops.run_forward checks each call's base addresses for TMA (strides: above, once)
         self.descriptor = variant.loads == "descriptor"
-        self._seqlens = {}
 
     def run(self, q, k, v):
-        key = q.device
-        seqlens = self._seqlens.get(key)
-        if seqlens is None:
-            seqlens = torch.full((q.shape[0],), k.shape[2], dtype=torch.int32, device=q.device)
-            if not capturing(q):  # a tensor made during CUDA-graph capture belongs to its pool
-                self._seqlens[key] = seqlens
-        o, lse = self.plan.run(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), seqlens,
+        o, lse = self.plan.run(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None,
                                None, k.shape[2])
         return o.transpose(1, 2), lse
