@@ -78,9 +78,10 @@ def render(doc: dict, out: Path, plots: bool = True) -> list[Path]:
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path),
               default=Path("bench_out"), show_default=True,
               help=f"folder for the report: {OUT_FILES}")
-@click.option("--from", "from_json", type=click.Path(exists=True, dir_okay=False, path_type=Path),
-              default=None, help="render the report (tables, plots) from a saved bench.json "
-                                 "instead of measuring: no GPU needed")
+@click.option("--from", "from_json", multiple=True,
+              type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="render the report (tables, plots) from saved bench.json files instead of "
+                   "measuring: no GPU needed (repeat to merge runs of one device)")
 @click.option("--section", "sections", multiple=True, default=(),
               callback=_names(("dense", "decode", "varlen", "masks", "memory")),
               help="what to run (repeat or comma-separate): dense, decode, varlen, masks, "
@@ -111,19 +112,23 @@ def render(doc: dict, out: Path, plots: bool = True) -> list[Path]:
 @click.pass_context
 def bench(ctx, quick, out_dir, from_json, sections, peers, modes, head_dims, seqlens, device,
           budget_ms, graph, plots, progress):
-    """Time flashtune (as dispatched and with its built-in defaults) beside SDPA's flash, cuDNN
-    and efficient backends and FlexAttention under torch.compile, in one run; print and write
-    the report. A peer that cannot run a case is reported, never a crash.
+    """Benchmark flashtune beside SDPA and FlexAttention.
+
+    Times flashtune (as dispatched, and with its built-in defaults) beside SDPA's flash, cuDNN
+    and efficient backends and FlexAttention under torch.compile, in one run, on the standard,
+    decode, varlen and mask grids, with peak memory and the matmul / copy ceilings of the
+    device; prints the tables and writes them (markdown, CSV, JSON, PNG). A peer that cannot
+    run a case is reported, never a crash.
 
     \b
       flashtune bench --out bench_out           # the full grids (~tens of minutes on an H100)
       flashtune bench --quick                   # smoke run
       flashtune bench --from bench_out/bench.json --out docs/bench   # re-render, no GPU
     """
-    if from_json is not None:
-        from .bench.report import read_json
+    if from_json:
+        from .bench.report import merge, read_json
         try:
-            doc = read_json(from_json)
+            doc = merge([read_json(p) for p in from_json])
         except ValueError as e:
             raise click.ClickException(str(e)) from None
         written = render(doc, out_dir, plots)

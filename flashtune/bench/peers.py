@@ -180,25 +180,38 @@ def dense_mask(case: Case, device) -> torch.Tensor:
 @functools.cache
 def compiled_flex():
     from torch.nn.attention.flex_attention import flex_attention
+    # one compile per shape (as a model compiles it); past dynamo's default limit of 8 it would
+    # fall back to eager flex, which materializes the scores: not what is being measured
+    import torch._dynamo.config as dynamo
+    for knob in ("cache_size_limit", "recompile_limit", "accumulated_cache_size_limit",
+                 "accumulated_recompile_limit"):
+        if hasattr(dynamo, knob):
+            setattr(dynamo, knob, max(getattr(dynamo, knob), 1024))
     return torch.compile(flex_attention, dynamic=False)
 
 
-def _mask_mod(case: Case, mask):
+def _mask_mod(causal: bool, mask):
     if isinstance(mask, WindowMask):
         w = mask.left
         return lambda b, h, q, k: (k <= q) & (k > q - w)
     if isinstance(mask, BlockSparseMask):
         blk, st = mask.block, mask.stride
         return lambda b, h, q, k: (q // blk == k // blk) | ((k // blk) % st == 0)
-    return (lambda b, h, q, k: k <= q) if case.causal else None
+    return (lambda b, h, q, k: k <= q) if causal else None
 
 
 def flex_block_mask(case: Case, mask, device):
+    return _block_mask(case.seqlen_q, case.seqlen_k, case.causal, mask, str(device))
+
+
+@functools.lru_cache(maxsize=4)
+def _block_mask(nq: int, nk: int, causal: bool, mask, device: str):
+    """One BlockMask per shape and mask, shared by the passes and peers that use it."""
     from torch.nn.attention.flex_attention import create_block_mask
-    mod = _mask_mod(case, mask)
+    mod = _mask_mod(causal, mask)
     if mod is None:
         return None
-    return create_block_mask(mod, None, None, case.seqlen_q, case.seqlen_k, device=device)
+    return create_block_mask(mod, None, None, nq, nk, device=device)
 
 
 class Flex(Peer):

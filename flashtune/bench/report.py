@@ -57,6 +57,10 @@ def _num(x) -> str:
     return f"{x:.0f}" if abs(x) >= 100 else f"{x:.3g}"
 
 
+def _pct(x: float) -> str:
+    return f"{100 * x:.0f}%" if x >= 0.01 else f"{100 * x:.2g}%"
+
+
 def _cell(row: dict | None, field: str) -> str:
     if row is None:
         return ""
@@ -119,7 +123,7 @@ def table(doc: dict, section: str, mode: str | None = None) -> str:
             line.append(f"{x:.2f}x" if x else "-")
         if field == "throughput" and ceiling:
             ours = by_peer.get(OURS, {}).get("throughput")
-            line.append(f"{100 * ours / ceiling:.0f}%" if ours else "-")
+            line.append(_pct(ours / ceiling) if ours else "-")
         body.append(line)
     if others:
         g = [geomean(rel[p]) for p in others]
@@ -224,3 +228,26 @@ def read_json(path) -> dict:
     if not isinstance(doc, dict) or "rows" not in doc or "env" not in doc:
         raise ValueError(f"{path} is not a `flashtune bench` result (no 'env' and 'rows')")
     return doc
+
+
+def merge(docs: list[dict]) -> dict:
+    """Several runs of one device (e.g. one section each, to fit a time limit) as one document:
+    rows in order, a later run's cell replacing an earlier one of the same case and peer; the
+    first run's environment and ceilings, every run's command."""
+    devices = {d["env"].get("device") for d in docs}
+    if len(devices) > 1:
+        raise ValueError(f"results of different devices cannot share tables: {sorted(map(str, devices))}")
+    out = {**docs[0], "env": dict(docs[0]["env"]), "peers": {}, "masks": {}}
+    cells: OrderedDict = OrderedDict()
+    commands = []
+    for d in docs:
+        out["peers"].update(d.get("peers", {}))
+        out["masks"].update(d.get("masks", {}))
+        if d["env"].get("command") and d["env"]["command"] not in commands:
+            commands.append(d["env"]["command"])
+        for r in d["rows"]:
+            cells[(case_key(r), r["peer"])] = r
+    out["rows"] = list(cells.values())
+    if commands:
+        out["env"]["command"] = "; ".join(commands)
+    return out
