@@ -74,6 +74,16 @@ for step in ${STEPS:-fwdtests}; do
     hf)       timeout ${HF_TIMEOUT:-240} python3 -m pytest -q tests/test_transformers_backend.py 2>&1 | tail -5
               timeout 240 python3 bench/transformers_bench.py --out "$OUT/transformers.json" 2>&1 \
                 | tee "$OUT/transformers.log" | tail -20 ;;
+    # flashtune bench: BENCH_ARGS narrows it (--section dense --mode fwd --head-dim 128 ...) to
+    # fit a call; BENCH_NAME names the folder, so two runs of one call do not collide. The JSON
+    # is rewritten after every case (a run cut by the timeout keeps its rows). Plots and the
+    # merged report: `flashtune bench --from A/bench.json --from B/bench.json --out DIR` here.
+    bench)    d="$OUT/bench${BENCH_NAME:+_$BENCH_NAME}"
+              timeout ${BENCH_TIMEOUT:-560} flashtune bench --no-plots --progress lines --out "$d" \
+                ${BENCH_ARGS:-} > "$d.log" 2>&1; echo "rc $?"; tail -${BENCH_TAIL:-60} "$d.log" ;;
+    benchquick) timeout ${BENCH_TIMEOUT:-560} flashtune bench --quick --no-plots --progress lines \
+                --out "$OUT/benchquick" ${BENCH_ARGS:-} > "$OUT/benchquick.log" 2>&1; echo "rc $?"
+              tail -${BENCH_TAIL:-60} "$OUT/benchquick.log" ;;
     *) echo "unknown step $step" ;;
   esac
 done

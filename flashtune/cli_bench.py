@@ -105,13 +105,16 @@ def render(doc: dict, out: Path, plots: bool = True) -> list[Path]:
 @click.option("--graph/--no-graph", default=True, show_default=True,
               help="time decoding steps as CUDA-graph replays (every peer alike: the GPU's "
                    "time without Python's launch cost)")
+@click.option("--flex-dynamic/--flex-static", default=False, show_default=True,
+              help="compile FlexAttention once with dynamic shapes instead of once per shape "
+                   "(faster runs; static is what a model compiled for one shape gets)")
 @click.option("--plots/--no-plots", default=True, show_default=True,
               help="write PNG plots (needs matplotlib: pip install 'flashtune[bench]')")
 @click.option("--progress", type=click.Choice(["auto", "bar", "lines", "none"]), default="auto",
               show_default=True, help="a bar with ETA on a terminal, a line per case otherwise")
 @click.pass_context
 def bench(ctx, quick, out_dir, from_json, sections, peers, modes, head_dims, seqlens, device,
-          budget_ms, graph, plots, progress):
+          budget_ms, graph, flex_dynamic, plots, progress):
     """Benchmark flashtune beside SDPA and FlexAttention.
 
     Times flashtune (as dispatched, and with its built-in defaults) beside SDPA's flash, cuDNN
@@ -144,7 +147,7 @@ def bench(ctx, quick, out_dir, from_json, sections, peers, modes, head_dims, seq
     if device == "cuda" and not torch.cuda.is_available():
         raise click.BadParameter("no CUDA device here", param_hint="--device")
     try:
-        chosen = by_names(peers) if peers else default_peers()
+        chosen = by_names(peers, flex_dynamic) if peers else default_peers(flex_dynamic)
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--peer") from None
     shapes = grid.Shapes.tiny() if device == "cpu" else grid.Shapes.quick() if quick else grid.Shapes()
@@ -153,10 +156,11 @@ def bench(ctx, quick, out_dir, from_json, sections, peers, modes, head_dims, seq
     if over:
         import dataclasses
         shapes = dataclasses.replace(shapes, **over)
+    out_dir.mkdir(parents=True, exist_ok=True)
     doc = runner.run(shapes, sections or grid.SECTIONS, chosen, device, quick=quick,
                      budget_ms=budget_ms or (25.0 if quick else 60.0), graph=graph,
-                     progress=progress)
-    doc["env"]["command"] = _command_line(ctx)
+                     progress=progress, checkpoint=out_dir / "bench.json",
+                     command=_command_line(ctx))
     written = render(doc, out_dir, plots)
     from .bench.report import markdown
     click.echo("\n" + markdown(doc, {}))

@@ -89,11 +89,14 @@ class _Absent(Peer):
         return "not installed"
 
 
-def test_a_failing_peer_is_a_reported_cell_not_a_crash(capsys):
+def test_a_failing_peer_is_a_reported_cell_not_a_crash(capsys, tmp_path):
     shapes = grid.Shapes(head_dims=(16,), seqlens=(32,), tokens=64, hidden=32,
                          modes=("fwd", "fwd+bwd"), causals=(True,))
     doc = runner.run(shapes, ("dense",), [_Ref(), _Raises(), _Absent()], "cpu",
-                     progress="lines")
+                     progress="lines", checkpoint=tmp_path / "partial.json")
+    # what a run cut short would leave: every finished case, marked partial
+    saved = json.loads((tmp_path / "partial.json").read_text())
+    assert saved["partial"] is True and saved["rows"] == doc["rows"]
     assert [r["peer"] for r in doc["rows"]] == ["flashtune", "broken", "absent"] * 2
     assert all(r["throughput"] > 0 for r in _rows(doc, peer="flashtune"))
     assert all(r["error"] == "RuntimeError: kernel exploded" for r in _rows(doc, peer="broken"))

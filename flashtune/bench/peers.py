@@ -178,7 +178,7 @@ def dense_mask(case: Case, device) -> torch.Tensor:
 
 # -- FlexAttention ------------------------------------------------------------------------------
 @functools.cache
-def compiled_flex():
+def compiled_flex(dynamic: bool = False):
     from torch.nn.attention.flex_attention import flex_attention
     # one compile per shape (as a model compiles it); past dynamo's default limit of 8 it would
     # fall back to eager flex, which materializes the scores: not what is being measured
@@ -187,7 +187,7 @@ def compiled_flex():
                  "accumulated_recompile_limit"):
         if hasattr(dynamo, knob):
             setattr(dynamo, knob, max(getattr(dynamo, knob), 1024))
-    return torch.compile(flex_attention, dynamic=False)
+    return torch.compile(flex_attention, dynamic=dynamic)
 
 
 def _mask_mod(causal: bool, mask):
@@ -216,7 +216,12 @@ def _block_mask(nq: int, nk: int, causal: bool, mask, device: str):
 
 class Flex(Peer):
     name = "flex"
-    doc = "FlexAttention under torch.compile"
+
+    def __init__(self, dynamic: bool = False):
+        self.dynamic = dynamic
+        self.doc = ("FlexAttention under torch.compile" +
+                    (" (dynamic shapes: one compile serves every N)" if dynamic else
+                     " (one compile per shape)"))
 
     def why_not(self, case, device):
         if device != "cuda":
@@ -229,7 +234,7 @@ class Flex(Peer):
 
     def prepare(self, case, inp):
         from torch.nn.attention.flex_attention import create_block_mask
-        flex = compiled_flex()
+        flex = compiled_flex(self.dynamic)
         dev = inp.tensors[0].device
         gqa = case.heads != case.kv_heads
         if case.section == "decode":
@@ -262,13 +267,13 @@ class Flex(Peer):
         return lambda q, k, v: flex(q, k, v, block_mask=bm, score_mod=score_mod, enable_gqa=gqa)
 
 
-def default_peers() -> list[Peer]:
+def default_peers(flex_dynamic: bool = False) -> list[Peer]:
     return [Flashtune(True), Flashtune(False), Sdpa("flash"), Sdpa("cudnn"), Sdpa("efficient"),
-            Flex(), Sdpa("math")]
+            Flex(flex_dynamic), Sdpa("math")]
 
 
-def by_names(names) -> list[Peer]:
-    known = {p.name: p for p in default_peers()}
+def by_names(names, flex_dynamic: bool = False) -> list[Peer]:
+    known = {p.name: p for p in default_peers(flex_dynamic)}
     bad = [n for n in names if n not in known]
     if bad:
         raise ValueError(f"unknown peer(s) {', '.join(bad)}; known: {', '.join(known)}")

@@ -115,9 +115,13 @@ def _summary(case: Case, rows: list[dict]) -> str:
 
 def run(shapes: grid.Shapes, sections, peers: list[Peer], device: str, *, quick: bool = False,
         budget_ms: float = 60.0, graph: bool = True, progress: str = "auto",
-        stream=None) -> dict:
-    """The whole benchmark; returns the result document (report.py renders it)."""
+        stream=None, checkpoint=None, command: str | None = None) -> dict:
+    """The whole benchmark; returns the result document (report.py renders it). checkpoint: a
+    path the document so far is written to after every case ("partial": true), so that a run
+    cut short (a time limit) still leaves its rows for `flashtune bench --from`."""
     env = environment(device)
+    if command:
+        env["command"] = command
     cases = grid.cases(shapes, sections)
     plan = [(c, [p for p in peers if c.section in p.sections]) for c in cases]
     bar = Progress(sum(len(ps) for _, ps in plan), progress, stream)
@@ -127,6 +131,8 @@ def run(shapes: grid.Shapes, sections, peers: list[Peer], device: str, *, quick:
     bar.line(f"ceilings: {ceil['matmul']['what']} {ceil['matmul']['tflops']:.4g} TFLOP/s, "
              f"{ceil['copy']['what']} {ceil['copy']['gbps']:.4g} GB/s")
     rows = []
+    doc = {"env": env, "ceilings": ceil, "peers": {p.name: p.doc for p in peers},
+           "masks": {k: m.doc for k, m in grid.MASKS.items()}, "rows": rows}
     for case, case_peers in plan:
         try:
             inp = make_inputs(case, device)
@@ -135,6 +141,8 @@ def run(shapes: grid.Shapes, sections, peers: list[Peer], device: str, *, quick:
                 rows.append({**case.to_dict(), "peer": p.name, "error": f"inputs: {_error(e)}"})
                 bar.step(case.label)
             bar.line(f"{case.label}: inputs failed: {_error(e)}")
+            if device == "cuda":
+                torch.cuda.empty_cache()
             continue
         mine, ref = [], None
         for peer in case_peers:
@@ -146,8 +154,8 @@ def run(shapes: grid.Shapes, sections, peers: list[Peer], device: str, *, quick:
         rows += mine
         bar.line(_summary(case, mine))
         del inp, ref
+        if checkpoint is not None:
+            from .report import write_json
+            write_json({**doc, "partial": True}, checkpoint)
     bar.close()
-    return {"env": env, "ceilings": ceil,
-            "peers": {p.name: p.doc for p in peers},
-            "masks": {k: m.doc for k, m in grid.MASKS.items()},
-            "rows": rows}
+    return doc
