@@ -60,7 +60,7 @@ class Peer:
     def why_not(self, case: Case, device: str) -> str | None:
         return None
 
-    def context(self):
+    def context(self, case: Case):
         return contextlib.nullcontext()
 
     def prepare(self, case: Case, inp: Inputs):
@@ -92,7 +92,7 @@ class Flashtune(Peer):
             return missing_argument(flashtune.attention, MASKS[case.mask].argument)
         return None
 
-    def context(self):
+    def context(self, case: Case):
         if self.tuned:
             return contextlib.nullcontext()
         from ..dispatch import builtin_defaults
@@ -117,6 +117,27 @@ class Flashtune(Peer):
         return lambda q, k, v: flashtune.attention(q, k, v, causal=c, **kw)
 
 
+class Forced(Flashtune):
+    """flashtune pinned to given variants, one per head dim (force(): a sweep's winner, a dQ
+    scheme). A bwd variant pins the backward only; the forward stays dispatched."""
+
+    def __init__(self, name: str, variants: dict, doc: str = ""):
+        super().__init__(True)
+        self.name, self.variants = name, dict(variants)
+        self.doc = doc or "flashtune forced to " + ", ".join(
+            f"D={d}: {v.name}" for d, v in sorted(self.variants.items()))
+        self.sections = ("dense", "masks", "memory")
+
+    def why_not(self, case, device):
+        if case.head_dim not in self.variants:
+            return f"no forced variant for D={case.head_dim}"
+        return super().why_not(case, device)
+
+    def context(self, case: Case):
+        from ..dispatch import force
+        return force(self.variants[case.head_dim])
+
+
 # -- SDPA ---------------------------------------------------------------------------------------
 class Sdpa(Peer):
     def __init__(self, backend: str):
@@ -136,7 +157,7 @@ class Sdpa(Peer):
             return "SDPA's flash backend takes no attn_mask"
         return None
 
-    def context(self):
+    def context(self, case: Case):
         from torch.nn.attention import SDPBackend, sdpa_kernel
         return sdpa_kernel({"flash": SDPBackend.FLASH_ATTENTION,
                             "cudnn": SDPBackend.CUDNN_ATTENTION,

@@ -134,6 +134,16 @@ def table(doc: dict, section: str, mode: str | None = None) -> str:
     return f"({what})\n\n" + _md(head, body)
 
 
+def agreement(doc: dict) -> str:
+    """Per peer, per section: the largest max_abs_diff against flashtune's result."""
+    worst: OrderedDict = OrderedDict()
+    for r in doc["rows"]:
+        if r.get("max_abs_diff") is not None:
+            k = (r["peer"], r["section"])
+            worst[k] = max(worst.get(k, 0.0), r["max_abs_diff"])
+    return "\n".join(f"- {peer}, {section}: {x:.3g}" for (peer, section), x in worst.items())
+
+
 def not_run(doc: dict) -> str:
     """Why cells are empty: skipped peers (reason, count) and errors (message, cases)."""
     skipped: OrderedDict = OrderedDict()
@@ -198,6 +208,10 @@ def markdown(doc: dict, plots: dict | None = None, title: str = "flashtune bench
                 parts.append(f"## {name}\n\n{t}")
         if section in plots:
             parts.append(f"![{section}]({plots[section]})")
+    agree = agreement(doc)
+    if agree:
+        parts.append(f"## Agreement with flashtune\n\nLargest |difference| from flashtune's "
+                     f"output (fwd) or gradients (bwd) over the cells both ran:\n\n{agree}")
     nr = not_run(doc)
     if nr:
         parts.append(f"## Not run\n\n{nr}")

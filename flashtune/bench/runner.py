@@ -39,19 +39,28 @@ def environment(device: str) -> dict:
 
 
 def _timed(case: Case, fn, inp: Inputs):
-    """fn(*tensors) -> the callable the case's mode times, and a first output to compare."""
+    """fn(*tensors) -> the callable the case's mode times, and what it computed (the output,
+    or the gradients) to compare between peers."""
     if case.mode == "fwd":
         def run():
             with torch.no_grad():
                 return fn(*inp.tensors)
-        return run, run()
+        return run, (run(),)
     xs = [t.detach().requires_grad_() for t in inp.tensors]
     out = fn(*xs)
     gen = torch.Generator(device=out.device).manual_seed(1)
     do = torch.randn(out.shape, generator=gen, device=out.device, dtype=out.dtype)
     if case.mode == "bwd":  # the backward alone, on one saved graph
-        return (lambda: torch.autograd.grad(out, xs, do, retain_graph=True)), out.detach()
-    return (lambda: torch.autograd.grad(fn(*xs), xs, do)), out.detach()
+        call = lambda: torch.autograd.grad(out, xs, do, retain_graph=True)  # noqa: E731
+    else:
+        call = lambda: torch.autograd.grad(fn(*xs), xs, do)  # noqa: E731
+    return call, call()
+
+
+def _max_diff(a: tuple, b: tuple) -> float | None:
+    if len(a) != len(b) or any(x.shape != y.shape for x, y in zip(a, b)):
+        return None
+    return max((x.float() - y.float()).abs().max().item() for x, y in zip(a, b))
 
 
 def _error(e: BaseException) -> str:
@@ -70,7 +79,7 @@ def run_case(case: Case, peer: Peer, inp: Inputs, device: str, budget_ms: float,
         row["skipped"] = why
         return row, None
     try:
-        with peer.context():
+        with peer.context(case):
             fn = peer.prepare(case, inp)
             if case.section == "memory":
                 xs = [t.detach().requires_grad_() for t in inp.tensors]
@@ -82,8 +91,9 @@ def run_case(case: Case, peer: Peer, inp: Inputs, device: str, budget_ms: float,
                                    graph=graph and case.section == "decode")
                 row.update(ms=ms, throughput=case.work() / (ms * 1e-3) / _SCALE[case.unit],
                            timing=note)
-                if ref is not None and out is not None and out.shape == ref.shape:
-                    row["max_abs_diff"] = (out.float() - ref.float()).abs().max().item()
+                diff = None if ref is None else _max_diff(out, ref)
+                if diff is not None:
+                    row["max_abs_diff"] = diff  # of the output (fwd) or the gradients
     except Unavailable as e:
         row["skipped"] = str(e)
     except torch.cuda.OutOfMemoryError:
