@@ -192,3 +192,77 @@ def test_bench_help_and_bad_options():
     assert res.exit_code != 0 and "unknown peer" in res.output
     res = CliRunner().invoke(main, ["bench", "--section", "nope"])
     assert res.exit_code != 0 and "dense" in res.output
+
+
+def _masked_reference(q, k, v, keep, score=None):
+    s = (q.double() @ k.double().transpose(-1, -2)) / math.sqrt(q.shape[-1])
+    if score is not None:
+        s = score(s)
+    s = s.masked_fill(~keep, float("-inf"))
+    return torch.softmax(s, -1) @ v.double()
+
+
+def _expected(case, inp):
+    """The case's attention in float64, written out independently of the peers."""
+    q, k, v = inp.tensors
+    if case.section == "decode":
+        return flashtune.reference(*(t.transpose(1, 2) for t in (q, k, v))).transpose(1, 2)
+    if case.section == "varlen":
+        cu = inp.extra["cu_seqlens"].tolist()
+        parts = [flashtune.reference(*(t[a:b].transpose(0, 1)[None] for t in (q, k, v)),
+                                     causal=case.causal)[0].transpose(0, 1)
+                 for a, b in zip(cu, cu[1:])]
+        return torch.cat(parts)
+    i = torch.arange(case.seqlen_q)[:, None]
+    j = torch.arange(case.seqlen_k)[None, :]
+    if case.mask == "window":
+        return _masked_reference(q, k, v, (j <= i) & (i - j < MASKS["window"].left))
+    if case.mask == "block_mask":
+        m = MASKS["block_mask"]
+        return _masked_reference(q, k, v, (i // m.block == j // m.block) |
+                                 ((j // m.block) % m.stride == 0))
+    if case.mask == "softcap":
+        cap = MASKS["softcap"].cap
+        return _masked_reference(q, k, v, j <= i, lambda s: cap * torch.tanh(s / cap))
+    return flashtune.reference(q, k, v, causal=case.causal)
+
+
+_LAYOUT_CASES = [
+    Case("dense", "fwd", 2, 4, 4, 48, 48, 16, False, "float32"),
+    Case("dense", "fwd", 2, 4, 4, 48, 48, 16, True, "float32"),
+    Case("decode", "fwd", 3, 8, 2, 1, 80, 16, False, "float32"),
+    Case("varlen", "fwd", 3, 4, 4, 50, 50, 16, True, "float32", lengths=(20, 50, 7)),
+    Case("varlen", "fwd", 3, 4, 4, 50, 50, 16, False, "float32", lengths=(20, 50, 7)),
+    Case("masks", "fwd", 1, 2, 2, 600, 600, 16, True, "float32", mask="window"),
+    Case("masks", "fwd", 1, 2, 2, 600, 600, 16, False, "float32", mask="block_mask"),
+    Case("masks", "fwd", 1, 2, 2, 96, 96, 16, True, "float32", mask="softcap"),
+]
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+@pytest.mark.parametrize("case", _LAYOUT_CASES, ids=lambda c: c.label)
+@pytest.mark.parametrize("peer", ["sdpa", "flex"])
+def test_peers_compute_the_case_in_its_layout(case, peer, monkeypatch):
+    """What the GPU run times is the case's attention, in the case's layout: SDPA (the CPU's
+    default backend) and FlexAttention (eager) checked on the CPU against float64."""
+    from flashtune.bench import peers
+    from flashtune.bench.peers import Flex, Sdpa, Unavailable, make_inputs
+    inp = make_inputs(case, "cpu")
+    if peer == "flex":
+        from torch.nn.attention.flex_attention import flex_attention
+        monkeypatch.setattr(peers, "compiled_flex", lambda dynamic=False: flex_attention)
+        p = Flex()
+    else:
+        p = Sdpa("efficient")
+        if p.why_not(case, "cuda"):  # what the peer says it cannot do on a GPU either
+            pytest.skip(p.why_not(case, "cuda"))
+    try:
+        fn = p.prepare(case, inp)
+        out = fn(*inp.tensors)
+    except (Unavailable, NotImplementedError, RuntimeError) as e:
+        if peer == "sdpa" and case.section == "varlen":
+            pytest.skip(f"nested-tensor SDPA on the CPU: {e}")
+        raise
+    want = _expected(case, inp)
+    assert out.shape == want.shape
+    assert (out.double() - want).abs().max().item() < 1e-4

@@ -145,7 +145,8 @@ def agreement(doc: dict) -> str:
 
 
 def not_run(doc: dict) -> str:
-    """Why cells are empty: skipped peers (reason, count) and errors (message, cases)."""
+    """Why cells are empty or differ: caveats of cells that ran, skipped peers (reason, count)
+    and errors (message, cases)."""
     skipped: OrderedDict = OrderedDict()
     errors: OrderedDict = OrderedDict()
     for r in doc["rows"]:
@@ -153,7 +154,12 @@ def not_run(doc: dict) -> str:
             skipped.setdefault((r["peer"], r["skipped"]), []).append(r)
         elif "error" in r:
             errors.setdefault((r["peer"], r["error"]), []).append(r)
-    lines = []
+    notes: OrderedDict = OrderedDict()
+    for r in doc["rows"]:
+        if r.get("note") and "skipped" not in r and "error" not in r:
+            notes.setdefault((r["peer"], r["note"]), []).append(r)
+    lines = [f"- {peer} ran with a caveat: {note} ({len(rs)} cells)"
+             for (peer, note), rs in notes.items()]
     for (peer, why), rs in skipped.items():
         lines.append(f"- {peer}: {why} ({len(rs)} cells)")
     for (peer, err), rs in errors.items():
@@ -214,7 +220,7 @@ def markdown(doc: dict, plots: dict | None = None, title: str = "flashtune bench
                      f"output (fwd) or gradients (bwd) over the cells both ran:\n\n{agree}")
     nr = not_run(doc)
     if nr:
-        parts.append(f"## Not run\n\n{nr}")
+        parts.append(f"## Not run, caveats, failures\n\n{nr}")
     if plots.get("note"):
         parts.append(f"_{plots['note']}_")
     return "\n\n".join(parts) + "\n"
@@ -222,7 +228,7 @@ def markdown(doc: dict, plots: dict | None = None, title: str = "flashtune bench
 
 CSV_FIELDS = ("section", "mode", "peer", "batch", "heads", "kv_heads", "seqlen_q", "seqlen_k",
               "head_dim", "causal", "dtype", "mask", "lengths", "unit", "work", "ms",
-              "throughput", "peak_mib", "max_abs_diff", "timing", "skipped", "error")
+              "throughput", "peak_mib", "max_abs_diff", "timing", "note", "skipped", "error")
 
 
 def write_csv(doc: dict, path) -> None:

@@ -81,6 +81,8 @@ def run_case(case: Case, peer: Peer, inp: Inputs, device: str, budget_ms: float,
     try:
         with peer.context(case):
             fn = peer.prepare(case, inp)
+            if getattr(fn, "note", None):
+                row["note"] = fn.note
             if case.section == "memory":
                 xs = [t.detach().requires_grad_() for t in inp.tensors]
                 do = torch.randn_like(xs[0])  # outputs have q's shape
