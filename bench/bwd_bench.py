@@ -31,8 +31,8 @@ def main(argv=None):
     dims = (128,) if args.quick else (64, 128)
     peers = [Flashtune(True)]
     for dq in ("atomic", "separate"):
-        peers.append(Forced(f"flashtune-{dq}", {d: default_variant("bwd", d, "bfloat16", dq=dq)
-                                               for d in dims}, f"the built-in bwd default, dQ {dq}"))
+        variants = {d: default_variant("bwd", d, "bfloat16", dq=dq) for d in dims}
+        peers.append(Forced(f"flashtune-{dq}", variants, f"the built-in bwd default, dQ {dq}"))
     peers += [Sdpa("flash"), Sdpa("cudnn"), Sdpa("math")]
     shapes = grid.Shapes(head_dims=dims, modes=("bwd",),
                          seqlens=(1024, 4096) if args.quick else grid.SEQLENS,

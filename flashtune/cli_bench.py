@@ -150,7 +150,9 @@ def bench(ctx, quick, out_dir, from_json, sections, peers, modes, head_dims, seq
         chosen = by_names(peers, flex_dynamic) if peers else default_peers(flex_dynamic)
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--peer") from None
-    shapes = grid.Shapes.tiny() if device == "cpu" else grid.Shapes.quick() if quick else grid.Shapes()
+    # the CPU runs kernels in Triton's interpreter: interpreter-sized shapes whatever the flags
+    shapes = (grid.Shapes.tiny() if device == "cpu" else
+              grid.Shapes.quick() if quick else grid.Shapes())
     over = {k: v for k, v in (("head_dims", head_dims), ("seqlens", seqlens), ("modes", modes))
             if v}
     if over:

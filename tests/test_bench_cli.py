@@ -140,7 +140,8 @@ def test_report_ratios_geomeans_and_ceiling_shares():
 
 def test_from_renders_and_merges_saved_runs(tmp_path):
     a, b = tmp_path / "a.json", tmp_path / "b.json"
-    report.write_json(_doc(rows=[_row(1024, "flashtune", 200.0), _row(1024, "sdpa-flash", 100.0)]), a)
+    report.write_json(_doc(rows=[_row(1024, "flashtune", 200.0),
+                                 _row(1024, "sdpa-flash", 100.0)]), a)
     later = _doc(rows=[_row(4096, "flashtune", 300.0), _row(4096, "sdpa-flash", 150.0)])
     later["env"]["command"] = "flashtune bench --seqlen 4096"
     report.write_json(later, b)

@@ -70,7 +70,8 @@ class Case:
     def label(self) -> str:
         c = " causal" if self.causal else ""
         if self.section == "decode":
-            return f"decode B={self.batch} H={self.heads}/{self.kv_heads} Nk={self.seqlen_k} D={self.head_dim}"
+            return (f"decode B={self.batch} H={self.heads}/{self.kv_heads} Nk={self.seqlen_k} "
+                    f"D={self.head_dim}")
         if self.section == "varlen":
             return (f"varlen {self.mode} {len(self.lengths)} seqs {sum(self.lengths)} tokens "
                     f"D={self.head_dim}{c}")

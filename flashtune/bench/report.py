@@ -256,7 +256,8 @@ def merge(docs: list[dict]) -> dict:
     first run's environment and ceilings, every run's command."""
     devices = {d["env"].get("device") for d in docs}
     if len(devices) > 1:
-        raise ValueError(f"results of different devices cannot share tables: {sorted(map(str, devices))}")
+        raise ValueError("results of different devices cannot share tables: "
+                         f"{sorted(map(str, devices))}")
     out = {**docs[0], "env": dict(docs[0]["env"]), "peers": {}, "masks": {}}
     cells: OrderedDict = OrderedDict()
     commands = []
