@@ -43,6 +43,9 @@ def test_bench_quick_runs_on_the_cpu_and_writes_the_report(tmp_path):
                     r["work"] / (r["ms"] * 1e-3) / (1e9 if r["unit"] == "GB/s" else 1e12))
         assert all(r["max_abs_diff"] < 2e-2 for r in _rows(doc, section=section,
                                                             peer="flashtune-defaults"))
+    # the paged cache gives the contiguous cache's result
+    paged = _rows(doc, section="decode", peer="flashtune-paged256")
+    assert paged and all(r["max_abs_diff"] < 2e-2 and r["throughput"] > 0 for r in paged)
     # peers that need CUDA are reported with the reason, on every case
     for peer in ("sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "flex"):
         rows = _rows(doc, peer=peer)

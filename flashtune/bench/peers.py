@@ -117,6 +117,43 @@ class Flashtune(Peer):
         return lambda q, k, v: flashtune.attention(q, k, v, causal=c, **kw)
 
 
+class Paged(Flashtune):
+    """flashtune's decoding over the same cache cut into pages: each sequence's pages in a
+    shuffled order through the block table (same bytes, same result -- one query token sees
+    every key -- scattered reads)."""
+
+    def __init__(self, page: int = 256):
+        super().__init__(True)
+        self.page = page
+        self.name = f"flashtune-paged{page}"
+        self.doc = (f"flashtune decoding a paged cache ({page}-token pages, each sequence's "
+                    "pages shuffled)")
+        self.sections = ("decode",)
+
+    def prepare(self, case, inp):
+        import flashtune
+        page, n = self.page, case.seqlen_k
+        if n < 2 * page:  # a short cache (the CPU smoke run): the smallest page, still shuffled
+            page = 16
+        if n % page:
+            raise Unavailable(f"Nk={n} is not a multiple of the page size {page}")
+        per = n // page
+        dev = inp.tensors[0].device
+        gen = torch.Generator(device="cpu").manual_seed(0)
+        table = torch.stack([b * per + torch.randperm(per, generator=gen)
+                             for b in range(case.batch)]).to(device=dev, dtype=torch.int32)
+        seqlens = inp.extra["cache_seqlens"]
+
+        def paged(t):  # (B, N, Hk, D) -> (B * N / page, page, Hk, D), no copy
+            return t.view(-1, page, *t.shape[2:])
+        def run(q, kc, vc):
+            return flashtune.attention_with_kvcache(q, paged(kc), paged(vc),
+                                                    cache_seqlens=seqlens, block_table=table)
+        if page != self.page:
+            run.note = f"pages of {page} tokens (the cache is shorter than two of {self.page})"
+        return run
+
+
 class Forced(Flashtune):
     """flashtune pinned to given variants, one per head dim (force(): a sweep's winner, a dQ
     scheme). A bwd variant pins the backward only; the forward stays dispatched."""
@@ -310,8 +347,8 @@ class Flex(Peer):
 
 
 def default_peers(flex_dynamic: bool = False) -> list[Peer]:
-    return [Flashtune(True), Flashtune(False), Sdpa("flash"), Sdpa("cudnn"), Sdpa("efficient"),
-            Flex(flex_dynamic), Sdpa("math")]
+    return [Flashtune(True), Flashtune(False), Paged(), Sdpa("flash"), Sdpa("cudnn"),
+            Sdpa("efficient"), Flex(flex_dynamic), Sdpa("math")]
 
 
 def by_names(names, flex_dynamic: bool = False) -> list[Peer]:
