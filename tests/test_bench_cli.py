@@ -270,3 +270,24 @@ def test_peers_compute_the_case_in_its_layout(case, peer, monkeypatch):
     want = _expected(case, inp)
     assert out.shape == want.shape
     assert (out.double() - want).abs().max().item() < 1e-4
+
+
+def test_progress_bar_on_a_terminal_and_lines_elsewhere():
+    import io
+
+    from flashtune.bench.progress import Progress
+
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+    tty, log = Tty(), io.StringIO()
+    for stream in (tty, log):
+        p = Progress(4, "auto", stream)
+        for i in range(4):
+            p.step(f"case {i}")
+            p.line(f"case {i} done")
+        p.close()
+    assert "\r" in tty.getvalue() and "[########################] 4/4" in tty.getvalue()
+    assert "\r" not in log.getvalue()
+    assert log.getvalue().splitlines()[0].startswith("[1/4  25% ETA ")
+    assert log.getvalue().splitlines()[-1] == "[4/4 100% ETA 0m00s] case 3 done"

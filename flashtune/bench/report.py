@@ -186,6 +186,8 @@ def header(doc: dict) -> str:
              f"{e.get('flashtune')}, Python {e.get('python')}; {e.get('date')}"]
     if e.get("note"):
         lines.append(f"- Note: {e['note']}")
+    if doc.get("partial"):
+        lines.append("- **Partial run**: cut short; the cases it finished")
     if e.get("command"):
         lines.append(f"- Reproduce: `{e['command']}`")
     c = doc.get("ceilings") or {}
