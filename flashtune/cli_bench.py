@@ -88,8 +88,8 @@ def render(doc: dict, out: Path, plots: bool = True) -> list[Path]:
                    "memory (default: all)")
 @click.option("--peer", "peers", multiple=True, default=(), callback=_names(None),
               help="implementations to time (repeat or comma-separate; default: all): "
-                   "flashtune, flashtune-defaults, sdpa-flash, sdpa-cudnn, sdpa-efficient, "
-                   "flex, sdpa-math (memory table only)")
+                   "flashtune, flashtune-defaults, flashtune-paged256 (decoding), sdpa-flash, "
+                   "sdpa-cudnn, sdpa-efficient, flex, sdpa-math (memory table only)")
 @click.option("--mode", "modes", multiple=True, default=(),
               callback=_names(("fwd", "bwd", "fwd+bwd")),
               help="passes of the dense, varlen and mask grids: fwd, bwd, fwd+bwd (default: all)")
@@ -124,7 +124,7 @@ def bench(ctx, quick, out_dir, from_json, sections, peers, modes, head_dims, seq
     run a case is reported, never a crash.
 
     \b
-      flashtune bench --out bench_out           # the full grids (~tens of minutes on an H100)
+      flashtune bench --out bench_out           # the full grids (long: --section splits it)
       flashtune bench --quick                   # smoke run
       flashtune bench --from bench_out/bench.json --out docs/bench   # re-render, no GPU
     """

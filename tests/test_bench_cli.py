@@ -192,6 +192,8 @@ def test_mask_work_counts_the_pairs_the_mask_keeps(name, n):
 def test_bench_help_and_bad_options():
     out = CliRunner().invoke(main, ["bench", "--help"], terminal_width=100).output
     assert "--from" in out and "--quick" in out
+    from flashtune.bench.peers import default_peers
+    assert all(p.name in " ".join(out.split()) for p in default_peers())
     res = CliRunner().invoke(main, ["bench", "--peer", "nope", "--device", "cpu"])
     assert res.exit_code != 0 and "unknown peer" in res.output
     res = CliRunner().invoke(main, ["bench", "--section", "nope"])
