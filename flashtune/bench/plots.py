@@ -1,6 +1,6 @@
 """PNG plots of a `flashtune bench` result (matplotlib, the `bench` extra): throughput against
-N, one panel per pass and head dim (dense) or per heads and batch (decoding), every peer a
-line (causal dashed); peak memory against N. Without matplotlib: no plots, and a note saying so."""
+N, one panel per pass, causality and head dim (dense) or per heads and batch (decoding), every
+peer a line; peak memory against N. Without matplotlib: no plots, and a note saying so."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -21,11 +21,14 @@ def _peers(doc, groups, field):
     return [p for p in doc.get("peers", {}) if p in seen] + sorted(seen - set(doc.get("peers", {})))
 
 
-def _style(peers):
+def _style(doc, peers):
+    """One color per peer across every plot of a report (its place in the run's peer list)."""
     import matplotlib.pyplot as plt
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    return {p: dict(color=colors[i % len(colors)], lw=2.4 if p == OURS else 1.4,
-                    marker="o", ms=3) for i, p in enumerate(peers)}
+    order = list(doc.get("peers", {}))
+    order += [p for p in peers if p not in order]
+    return {p: dict(color=colors[order.index(p) % len(colors)], lw=2.4 if p == OURS else 1.4,
+                    marker="o", ms=3) for p in peers}
 
 
 def _grid(panels, ncols):
@@ -43,21 +46,22 @@ def _dense(doc, path) -> bool:
         return False
     peers = _peers(doc, groups, "throughput")
     modes = [m for m in _MODES if any(k[1] == m for k, _ in groups)]
+    causals = sorted({k[8] for k, _ in groups})
     dims = sorted({k[7] for k, _ in groups})
-    panels = [(m, d) for m in modes for d in dims]
+    panels = [(m, c, d) for m in modes for c in causals for d in dims]
     fig, axes = _grid(panels, len(dims))
-    style = _style(peers)
-    for ax, (m, d) in zip(axes, panels):
-        for causal, ls in ((False, "-"), (True, "--")):
-            sub = [(k, v) for k, v in groups if k[1] == m and k[7] == d and k[8] == causal]
-            for p in peers:
-                xs, ys = _series(sub, p, "throughput", lambda k: k[5])
-                if xs:
-                    ax.plot(xs, ys, ls=ls, label=p if not causal else None, **style[p])
+    style = _style(doc, peers)
+    for ax, (m, c, d) in zip(axes, panels):
+        sub = [(k, v) for k, v in groups if k[1] == m and k[7] == d and k[8] == c]
+        for p in peers:
+            xs, ys = _series(sub, p, "throughput", lambda k: k[5])
+            if xs:
+                ax.plot(xs, ys, label=p, **style[p])
         _log2_axis(ax, [k[5] for k, _ in groups])
-        ax.set_title(f"{m}, D={d} (dashed: causal)", fontsize=9)
+        ax.set_title(f"{m}{' causal' if c else ''}, D={d}", fontsize=9)
         ax.set_xlabel("N")
         ax.set_ylabel("TFLOP/s")
+        ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=7)
     _save(fig, doc, path, "dense attention")
@@ -71,7 +75,7 @@ def _decode(doc, path) -> bool:
     peers = _peers(doc, groups, "throughput")
     panels = sorted({(k[3], k[4], k[2]) for k, _ in groups}, key=lambda t: (-t[0], t[2]))
     fig, axes = _grid(panels, min(4, len(panels)))
-    style = _style(peers)
+    style = _style(doc, peers)
     for ax, (h, hk, b) in zip(axes, panels):
         sub = [(k, v) for k, v in groups if (k[3], k[4], k[2]) == (h, hk, b)]
         for p in peers:
@@ -82,6 +86,7 @@ def _decode(doc, path) -> bool:
         ax.set_title(f"decode Hq/Hk={h}/{hk}, B={b}", fontsize=9)
         ax.set_xlabel("Nk")
         ax.set_ylabel("GB/s")
+        ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=7)
     _save(fig, doc, path, "decoding")
@@ -94,7 +99,7 @@ def _memory(doc, path) -> bool:
     if not peers:
         return False
     fig, axes = _grid([0], 1)
-    style = _style(peers)
+    style = _style(doc, peers)
     for p in peers:
         xs, ys = _series(groups, p, "peak_mib", lambda k: k[5])
         axes[0].plot(xs, ys, label=p, **style[p])
