@@ -127,7 +127,7 @@ def _log2_axis(ax, xs):
 def _save(fig, doc, path, what):
     import matplotlib.pyplot as plt
     fig.suptitle(f"flashtune bench, {what}: {doc['env'].get('device', '?')}", fontsize=10)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.4 / fig.get_figheight()))  # room for the title
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
