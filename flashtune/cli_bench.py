@@ -42,7 +42,7 @@ def _command_line(ctx) -> str:
     """The options this run was given, as a command that repeats it."""
     parts = ["flashtune", "bench"]
     for p in ctx.command.params:
-        if not isinstance(p, click.Option) or p.name in ("from_json",):
+        if not isinstance(p, click.Option) or p.name in ("from_json", "resume_json"):
             continue
         v = ctx.params.get(p.name)
         default = p.get_default(ctx, call=True)
@@ -82,6 +82,10 @@ def render(doc: dict, out: Path, plots: bool = True) -> list[Path]:
               type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="render the report (tables, plots) from saved bench.json files instead of "
                    "measuring: no GPU needed (repeat to merge runs of one device)")
+@click.option("--resume", "resume_json", default=None,
+              type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="an earlier bench.json of this device (e.g. a run cut by a time limit): its "
+                   "finished cells are kept, the rest measured")
 @click.option("--section", "sections", multiple=True, default=(),
               callback=_names(("dense", "decode", "varlen", "masks", "memory")),
               help="what to run (repeat or comma-separate): dense, decode, varlen, masks, "
@@ -113,8 +117,8 @@ def render(doc: dict, out: Path, plots: bool = True) -> list[Path]:
 @click.option("--progress", type=click.Choice(["auto", "bar", "lines", "none"]), default="auto",
               show_default=True, help="a bar with ETA on a terminal, a line per case otherwise")
 @click.pass_context
-def bench(ctx, quick, out_dir, from_json, sections, peers, modes, head_dims, seqlens, device,
-          budget_ms, graph, flex_dynamic, plots, progress):
+def bench(ctx, quick, out_dir, from_json, resume_json, sections, peers, modes, head_dims, seqlens,
+          device, budget_ms, graph, flex_dynamic, plots, progress):
     """Benchmark flashtune beside SDPA and FlexAttention.
 
     Times flashtune (as dispatched, and with its built-in defaults) beside SDPA's flash, cuDNN
@@ -158,11 +162,21 @@ def bench(ctx, quick, out_dir, from_json, sections, peers, modes, head_dims, seq
     if over:
         import dataclasses
         shapes = dataclasses.replace(shapes, **over)
+    resume = None
+    if resume_json is not None:
+        from .bench.report import read_json
+        try:
+            resume = read_json(resume_json)
+        except ValueError as e:
+            raise click.BadParameter(str(e), param_hint="--resume") from None
     out_dir.mkdir(parents=True, exist_ok=True)
-    doc = runner.run(shapes, sections or grid.SECTIONS, chosen, device, quick=quick,
-                     budget_ms=budget_ms or (25.0 if quick else 60.0), graph=graph,
-                     progress=progress, checkpoint=out_dir / "bench.json",
-                     command=_command_line(ctx))
+    try:
+        doc = runner.run(shapes, sections or grid.SECTIONS, chosen, device, quick=quick,
+                         budget_ms=budget_ms or (25.0 if quick else 60.0), graph=graph,
+                         progress=progress, checkpoint=out_dir / "bench.json",
+                         command=_command_line(ctx), resume=resume)
+    except runner.ResumeMismatch as e:
+        raise click.BadParameter(str(e), param_hint="--resume") from None
     written = render(doc, out_dir, plots)
     from .bench.report import markdown
     click.echo("\n" + markdown(doc, {}))

@@ -293,3 +293,27 @@ def test_progress_bar_on_a_terminal_and_lines_elsewhere():
     assert "\r" not in log.getvalue()
     assert log.getvalue().splitlines()[0].startswith("[1/4  25% ETA ")
     assert log.getvalue().splitlines()[-1] == "[4/4 100% ETA 0m00s] case 3 done"
+
+
+def test_resume_keeps_finished_cells_and_reruns_failed_ones():
+    shapes = grid.Shapes(head_dims=(16,), seqlens=(32, 64), tokens=64, hidden=32,
+                         modes=("fwd",), causals=(False,))
+    calls = []
+
+    class Counting(_Ref):
+        def prepare(self, case, inp):
+            calls.append(case.seqlen_q)
+            return super().prepare(case, inp)
+
+    first = runner.run(shapes, ("dense",), [Counting(), _Raises()], "cpu", progress="none")
+    first["rows"] = first["rows"][:2]  # cut short after the first case
+    calls.clear()
+    again = runner.run(shapes, ("dense",), [Counting(), _Raises()], "cpu", progress="none",
+                       resume=first)
+    assert calls == [64]  # the finished cell was kept, not measured again
+    assert again["rows"][0] == first["rows"][0]
+    assert [r["peer"] for r in again["rows"]] == ["flashtune", "broken"] * 2
+    assert all("error" in r for r in _rows(again, peer="broken"))  # failures run again
+    other = {**first, "env": {**first["env"], "device": "NVIDIA H100"}}
+    with pytest.raises(runner.ResumeMismatch, match="cannot resume"):
+        runner.run(shapes, ("dense",), [Counting()], "cpu", progress="none", resume=other)

@@ -11,7 +11,7 @@ from . import grid
 from .grid import Case
 from .peers import Inputs, Peer, Unavailable, make_inputs
 from .progress import Progress
-from .report import OURS
+from .report import OURS, case_key, write_json
 from .timing import ceilings, measure, peak_mib
 
 _SCALE = {"TFLOP/s": 1e12, "GB/s": 1e9}
@@ -129,27 +129,50 @@ def _summary(case: Case, rows: list[dict]) -> str:
     return f"{case.label}{unit}: " + (", ".join(cells) or "nothing ran")
 
 
+class ResumeMismatch(ValueError):
+    """--resume got another device's result."""
+
+
 def run(shapes: grid.Shapes, sections, peers: list[Peer], device: str, *, quick: bool = False,
         budget_ms: float = 60.0, graph: bool = True, progress: str = "auto",
-        stream=None, checkpoint=None, command: str | None = None) -> dict:
+        stream=None, checkpoint=None, command: str | None = None,
+        resume: dict | None = None) -> dict:
     """The whole benchmark; returns the result document (report.py renders it). checkpoint: a
     path the document so far is written to after every case ("partial": true), so that a run
-    cut short (a time limit) still leaves its rows for `flashtune bench --from`."""
+    cut short (a time limit) still leaves its rows for `flashtune bench --from`. resume: an
+    earlier result of this device whose finished cells (a number, or a reason to skip) are
+    kept instead of measured again; its failed cells run again."""
     env = environment(device)
     if command:
         env["command"] = command
+    kept = {}
+    if resume:
+        if resume["env"].get("device") != env["device"]:
+            raise ResumeMismatch(f"cannot resume a run of {resume['env'].get('device')!r} on "
+                             f"{env['device']!r}")
+        kept = {(case_key(r), r["peer"]): r for r in resume["rows"]
+                if "error" not in r and any(k in r for k in ("throughput", "peak_mib", "skipped"))}
     cases = grid.cases(shapes, sections)
-    plan = [(c, [p for p in peers if c.section in p.sections]) for c in cases]
-    bar = Progress(sum(len(ps) for _, ps in plan), progress, stream)
+    plan = []
+    for c in cases:
+        key = case_key(c.to_dict())
+        ps = [p for p in peers if c.section in p.sections]
+        plan.append((c, [p for p in ps if (key, p.name) not in kept],
+                     [kept[(key, p.name)] for p in ps if (key, p.name) in kept]))
+    bar = Progress(sum(len(ps) for _, ps, _ in plan), progress, stream)
     bar.line(f"{env['device']}, torch {env['torch']}, triton {env['triton']}: "
-             f"{len(cases)} cases x {len(peers)} peers")
+             f"{len(cases)} cases x {len(peers)} peers"
+             + (f"; {len(kept)} cells kept from the resumed run" if kept else ""))
     ceil = ceilings(device, quick)
     bar.line(f"ceilings: {ceil['matmul']['what']} {ceil['matmul']['tflops']:.4g} TFLOP/s, "
              f"{ceil['copy']['what']} {ceil['copy']['gbps']:.4g} GB/s")
     rows = []
     doc = {"env": env, "ceilings": ceil, "peers": {p.name: p.doc for p in peers},
            "masks": {k: m.doc for k, m in grid.MASKS.items()}, "rows": rows}
-    for case, case_peers in plan:
+    for case, case_peers, done in plan:
+        rows += done
+        if not case_peers:
+            continue
         try:
             inp = make_inputs(case, device)
         except Exception as e:  # noqa: BLE001 -- e.g. out of memory for the inputs
@@ -168,10 +191,9 @@ def run(shapes: grid.Shapes, sections, peers: list[Peer], device: str, *, quick:
             mine.append(row)
             bar.step(f"{case.label} {peer.name}")
         rows += mine
-        bar.line(_summary(case, mine))
+        bar.line(_summary(case, done + mine))
         del inp, ref
         if checkpoint is not None:
-            from .report import write_json
             write_json({**doc, "partial": True}, checkpoint)
     bar.close()
     return doc
