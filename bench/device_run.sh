@@ -74,6 +74,18 @@ for step in ${STEPS:-fwdtests}; do
     hf)       timeout ${HF_TIMEOUT:-240} python3 -m pytest -q tests/test_transformers_backend.py 2>&1 | tail -5
               timeout 240 python3 bench/transformers_bench.py --out "$OUT/transformers.json" 2>&1 \
                 | tee "$OUT/transformers.log" | tail -20 ;;
+    splitkvtests) timeout ${SPLITKV_TIMEOUT:-200} python3 -m pytest -q -x tests/test_splitkv.py \
+                2>&1 | tee "$OUT/splitkvtests.log" | tail -8 ;;
+    dsweep)   timeout ${DSWEEP_TIMEOUT:-330} python3 bench/decode_sweep.py --out "$OUT/decode_sweep.jsonl" \
+                --budget ${DSWEEP_BUDGET:-300} 2>&1 | tee "$OUT/decode_sweep.log" | tail -20 ;;
+    dncu)     timeout 200 ncu --clock-control none -k "regex:splitkv|sdpa|fmha|cudnn|attn" \
+                --metrics gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,dram__bytes_read.sum,launch__grid_size,launch__registers_per_thread,sm__warps_active.avg.pct_of_peak_sustained_active,launch__occupancy_limit_shared_mem,launch__occupancy_limit_registers \
+                --csv python3 bench/decode_sweep.py --ncu > "$OUT/decode_ncu.csv" 2> "$OUT/decode_ncu.err"
+              tail -3 "$OUT/decode_ncu.err"; wc -l "$OUT/decode_ncu.csv" ;;
+    varlentests) timeout ${VARLENTESTS_TIMEOUT:-240} python3 -m pytest -q -x tests/test_varlen.py 2>&1 \
+                | tee "$OUT/varlentests.log" | tail -6 ;;
+    hfstatic) timeout 240 python3 -m pytest -q -x --tb=long tests/test_transformers_backend.py -k "static" 2>&1 \
+                | tee "$OUT/hfstatic.log" | tail -40 ;;
     # flashtune bench: BENCH_ARGS narrows it (--section dense --mode fwd --head-dim 128 ...) to
     # fit a call; BENCH_NAME names the folder, so two runs of one call do not collide. The JSON
     # is rewritten after every case (a run cut by the timeout keeps its rows; put it in the

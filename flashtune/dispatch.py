@@ -28,8 +28,9 @@ from .problem import Bucket, Problem, dtype_name
 from .tuned_db.events import on_write
 from .tuned_db.record import Record
 
-__all__ = ["select", "select_for_call", "select_varlen", "pointer_twin", "varlen_twin", "explain",
-           "force", "clear_cache", "configure", "builtin_defaults", "Explanation"]
+__all__ = ["select", "select_for_call", "select_varlen", "pointer_twin", "varlen_twin",
+           "varlen_pointer_fallback", "explain", "force", "clear_cache", "configure",
+           "builtin_defaults", "Explanation"]
 
 log = logging.getLogger("flashtune.dispatch")
 
@@ -174,8 +175,8 @@ def pointer_twin(variant: Variant) -> Variant:
 
 @lru_cache(maxsize=256)
 def varlen_twin(variant: Variant) -> Variant:
-    """The same tiles rendered for packed variable-length sequences (pointer loads only)."""
-    return dataclasses.replace(variant, varlen=True, loads="pointer")
+    """The same tiles and loads rendered for packed variable-length sequences."""
+    return dataclasses.replace(variant, varlen=True)
 
 
 def select_varlen(family: str, q, k, batch: int, max_seqlen_q: int, max_seqlen_k: int,
@@ -190,14 +191,15 @@ def select_varlen(family: str, q, k, batch: int, max_seqlen_q: int, max_seqlen_k
     problem = Problem(family, dtype_name(q.dtype), d, causal, h // k.shape[1], batch, h,
                       max_seqlen_q, max_seqlen_k)
     # the family's own answer: a competing family (splitkv) has no varlen kernels
-    variant = _explain_bucket(problem).variant
-    if variant.loads == "descriptor":
-        # varlen runs pointer loads, and a variant tuned with TMA says nothing about its pointer
-        # twin (D=128's m128-n64-w4-s2 twin spills 300 B on sm_90, compile report 2026-11-23;
-        # its causal varlen forward ran at 0.52x the dense one on the H100): the portable
-        # pointer-load default instead
-        variant = default_variant(family, d, problem.dtype, arch="sm_80")
-    return varlen_twin(variant)
+    return varlen_twin(_explain_bucket(problem).variant)
+
+
+def varlen_pointer_fallback(family: str, head_dim: int, dtype: str) -> Variant:
+    """For packed tensors TMA cannot address (a base or row stride not 16-byte aligned): the
+    portable pointer-load default, not the tuned TMA variant's pointer twin, which says nothing
+    about its speed (D=128's m128-n64-w4-s2 twin spills 300 B on sm_90, compile report
+    2026-11-23, and ran the causal varlen forward at 0.52x the dense one on the H100)."""
+    return varlen_twin(default_variant(family, head_dim, dtype, arch="sm_80"))
 
 
 # -- explain ------------------------------------------------------------------------------------

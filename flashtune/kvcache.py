@@ -3,11 +3,11 @@ split-KV (Flash-Decoding) kernels. Inference only: no autograd."""
 from __future__ import annotations
 
 import dataclasses
-import weakref
 
 import torch
 
 from . import dispatch
+from .checked import CheckedValues
 from .launch import capturing
 from .launch_splitkv import SplitKVPlan, descriptor_ok
 from .problem import Problem, dtype_name, log2_bucket
@@ -214,12 +214,12 @@ def _validate(q, k_cache, v_cache, cache_seqlens, k, v, block_table, causal, sca
         raise TypeError(f"cache_seqlens must be an int or an int32 tensor (batch,), got "
                         f"{type(cache_seqlens).__name__}")
     bounds = (capacity, n_new, k_cache.shape[0], k_cache.shape[1], paged)
-    max_total = _seen_values(seqlens, block_table, bounds) if host is None else None
+    max_total = _checked.get((seqlens, block_table), bounds) if host is None else None
     if max_total is None:
         max_total = _check_values(host if host is not None else seqlens.tolist(),  # a sync
                                   block_table, capacity, n_new, where, k_cache)
         if host is None:
-            _remember_values(seqlens, block_table, bounds, max_total)
+            _checked.put((seqlens, block_table), bounds, max_total)
     total = (seqlens + n_new if n_new else seqlens).contiguous()
     return seqlens, total, max_total
 
@@ -255,33 +255,8 @@ def _check_values(host: list, block_table, capacity: int, n_new: int, where: str
     return max_total
 
 
-# Values already checked, so that the layers of one decoding step (which share cache_seqlens and
-# block_table) pay for one device->host copy, not one each: keyed by the tensors themselves
-# (weak references) and their version counters, which every in-place PyTorch op bumps. A write
-# PyTorch cannot see (a raw-pointer kernel) is caught by the kernels' own clamps to the cache.
-_seen: dict = {}
-
-
-def _seen_values(seqlens, block_table, bounds) -> int | None:
-    hit = _seen.get(id(seqlens))
-    if hit is None:
-        return None
-    ref, version, bt_ref, bt_version, seen_bounds, max_total = hit
-    if (ref() is not seqlens or version != seqlens._version or seen_bounds != bounds
-            or (block_table is None) != (bt_ref is None)
-            or (block_table is not None and (bt_ref() is not block_table
-                                             or bt_version != block_table._version))):
-        return None
-    return max_total
-
-
-def _remember_values(seqlens, block_table, bounds, max_total: int) -> None:
-    if len(_seen) >= 64:
-        _seen.clear()
-    _seen[id(seqlens)] = (weakref.ref(seqlens), seqlens._version,
-                          None if block_table is None else weakref.ref(block_table),
-                          None if block_table is None else block_table._version, bounds,
-                          max_total)
+# values already checked (one device->host copy per decoding step, not per layer)
+_checked = CheckedValues()
 
 
 _full: dict = {}

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+from functools import lru_cache
 
 import torch
 import triton
@@ -49,6 +50,24 @@ def strides3(*tensors) -> tuple:
     return tuple(s for t in tensors for s in t.stride()[:3])
 
 
+@lru_cache(maxsize=None)
+def _pdl_capable(device_index: int) -> bool:
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+    except ImportError:
+        return False
+    return ("launch_pdl" in CUDAOptions.__dataclass_fields__
+            and torch.cuda.get_device_capability(device_index)[0] >= 9)
+
+
+def pdl_ok(device: torch.device) -> bool:
+    """Whether a kernel may be launched as a programmatic dependent of the one before it
+    (`launch_pdl`): sm_90+, a Triton that knows the option, not the interpreter."""
+    if device.type != "cuda":
+        return False
+    return _pdl_capable(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def block_d(head_dim: int) -> int:
     return max(16, triton.next_power_of_2(head_dim))
 
@@ -74,9 +93,9 @@ def packed_view(t: torch.Tensor) -> torch.Tensor:
 
 
 def check_varlen_variant(variant: Variant) -> None:
-    if not variant.varlen or variant.loads != "pointer":
-        raise ValueError(f"variant {variant.name}: a varlen launch needs varlen=True and pointer "
-                         "loads (use dispatch.varlen_twin)")
+    if not variant.varlen:
+        raise ValueError(f"variant {variant.name}: a varlen launch needs varlen=True "
+                         "(use dispatch.varlen_twin)")
 
 
 class FwdPlan:
@@ -116,24 +135,28 @@ def forward(q, k, v, causal: bool, scale: float | None, variant: Variant):
 class VarlenFwdPlan:
     """A varlen fwd launch (packed q (total_q, H, D), k, v (total_k, Hk, D)) fixed by shapes,
     strides, dtype, causal, scale, batch and max seqlens: built once per such signature."""
-    __slots__ = ("kernel", "grid", "args", "kwargs", "lse_shape")
+    __slots__ = ("variant", "kernel", "grid", "args", "kwargs", "lse_shape", "descriptor")
 
     def __init__(self, q, k, v, batch: int, max_seqlen_q: int, max_seqlen_k: int, causal: bool,
                  scale: float | None, variant: Variant):
         check_varlen_variant(variant)
         total_q, h, d = q.shape
         o_strides = torch.empty_like(q, device="meta")
+        self.variant = variant
+        self.descriptor = variant.loads == "descriptor"  # callers check base addresses per call
         self.kernel = load(variant).attn_fwd
         self.grid = (triton.cdiv(max_seqlen_q, variant.block_m) * batch * h,)
         self.lse_shape = (h, total_q)
         self.args = (_scale(scale, d), *strides3(packed_view(q), packed_view(k), packed_view(v),
                                                  packed_view(o_strides)),
-                     h, max_seqlen_q, max_seqlen_k, total_q)
+                     h, max_seqlen_q, max_seqlen_k, total_q, k.shape[0])
         self.kwargs = fwd_params(variant, q.dtype, d, causal, h // k.shape[1], even_n=False)
 
     def run(self, q, k, v, cu_seqlens_q, cu_seqlens_k):
         o = torch.empty_like(q)
         lse = torch.empty(self.lse_shape, dtype=torch.float32, device=q.device)
+        if self.descriptor:
+            _need_allocator()
         self.kernel[self.grid](q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, *self.args,
                                **self.kwargs)
         return o, lse

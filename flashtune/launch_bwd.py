@@ -77,7 +77,7 @@ def backward_varlen(dout, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqle
     params = kernel_params(variant, q.dtype, d, causal, h // k.shape[1], None, None, varlen=True)
     return _launch(variant, params, dout, q, k, v, o, lse, causal, scale, views=packed_view,
                    rows=(h, total_q), seq_args=(cu_seqlens_q, cu_seqlens_k),
-                   sizes=(h, max_seqlen_q, max_seqlen_k, total_q),
+                   sizes=(h, max_seqlen_q, max_seqlen_k, total_q, k.shape[0]),
                    batch=cu_seqlens_q.shape[0] - 1, max_q=max_seqlen_q, max_k=max_seqlen_k)
 
 

@@ -11,7 +11,7 @@ import torch
 import triton
 
 from .codegen import Variant, load
-from .launch import _DOT_PRECISION, _need_allocator, block_d, capturing
+from .launch import _DOT_PRECISION, _need_allocator, block_d, capturing, pdl_ok
 
 # Provisional defaults until measured (no GPU measurement chose them yet; the split count is
 # decided at launch, see auto_num_splits). Keyed by the largest head dim each serves.
@@ -22,9 +22,9 @@ DEFAULTS = {
 }
 
 MIN_BLOCKS_PER_SPLIT = 4   # a split streams at least this many BLOCK_N blocks (when it can)
-MAX_SPLITS = 128
+MAX_SPLITS = 256
 CPU_SMS = 4                # the interpreter has no SMs: auto picks as if there were 4
-COMBINE_CHUNK_S = 16       # splits per O tile the combine reads (16 x BLOCK_D float32)
+COMBINE_TILE = 4096        # float32 elements of O one combine program loads (splits x D slice)
 
 
 # float32 (a test dtype) computes in float64: the tiles above spill there (D=64 60-104 B, D=128
@@ -59,13 +59,16 @@ def sm_count(device: torch.device) -> int:
 
 
 def auto_num_splits(programs: int, max_seqlen: int, block_n: int, sms: int) -> int:
-    """num_splits=0: enough programs for about two waves of the GPU's SMs, each split streaming
+    """num_splits=0: about one wave of the GPU's SMs (round(sms / programs)), each split streaming
     at least MIN_BLOCKS_PER_SPLIT key blocks, at most MAX_SPLITS.
       programs: partial-kernel programs per split (batch * kv_heads * row tiles).
-    E.g. H100 (132 SMs), B=1, Hk=8, 32k keys, BLOCK_N=64 -> min(cdiv(264, 8)=33, 512 // 4) = 33
-    splits of 1024 keys; B=64, Hk=8 -> 512 programs >= 2 waves -> 1 split (no combine)."""
+    Measured on the H100 (bench/decode_sweep.py, docs/data/decode_sweep_h100_2026-11-23.jsonl):
+    one wave was best or within 2% of the best split count at every shape swept; two waves lost
+    1-10% (B=1 GQA 32/8: 16 splits 2106 GB/s, 33 splits 2081; B=32: 1 split 3101, 2 splits 3059).
+    E.g. H100 (132 SMs), B=1, Hk=8 -> 16 splits; MQA B=1 -> 128 (2048 keys each at 256k keys);
+    B=8, Hk=8 -> 2; B >= 32, Hk=8 -> 1 split (no combine)."""
     blocks = triton.cdiv(max(max_seqlen, 1), block_n)
-    want = triton.cdiv(2 * sms, max(programs, 1))
+    want = max(1, round(sms / max(programs, 1)))
     return max(1, min(want, blocks // MIN_BLOCKS_PER_SPLIT, MAX_SPLITS))
 
 
@@ -112,11 +115,14 @@ class SplitKVPlan:
         self.sms = sm_count(q.device)
         self.shape = (b, nq, h, d)
         self.scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+        # the combine starts while the partial kernel's last programs finish (its launch latency
+        # was a visible part of a batch-1 decode step)
+        self.pdl = pdl_ok(q.device)
         self.kwargs = dict(
             HEAD_DIM=d, BLOCK_D=block_d(d), BLOCK_M=self.block_m, BLOCK_N=variant.block_n,
             IS_CAUSAL=causal, GROUP=group, PAGE=k_cache.shape[1] if self.paged else 0,
             DOT_PRECISION=_DOT_PRECISION.get(q.dtype, "tf32"), PRECISE=q.dtype == torch.float32,
-            num_warps=variant.num_warps, num_stages=variant.num_stages)
+            USE_PDL=self.pdl, num_warps=variant.num_warps, num_stages=variant.num_stages)
         self._splits: dict = {}
 
     def num_splits(self, max_seqlen: int) -> int:
@@ -163,16 +169,20 @@ class SplitKVPlan:
             bt.shape[1] * k_cache.shape[1] if self.paged else k_cache.shape[1],
             **self.kwargs)
         if s > 1:
-            self.combine[(b * h * nq,)](
+            block_s, chunk_d = combine_tile(s, self.kwargs["BLOCK_D"])
+            self.combine[(b * h * nq, triton.cdiv(d, chunk_d))](
                 o_dst, l_dst, o, lse, h, nq, s, o.stride(0), o.stride(1), o.stride(2),
-                HEAD_DIM=d, BLOCK_D=self.kwargs["BLOCK_D"], BLOCK_S=combine_block_s(s),
-                CHUNK_S=COMBINE_CHUNK_S, num_warps=4)
+                HEAD_DIM=d, BLOCK_S=block_s, CHUNK_D=chunk_d, USE_PDL=self.pdl, num_warps=4,
+                **({"launch_pdl": True} if self.pdl else {}))
         return o, lse
 
 
-def combine_block_s(num_splits: int) -> int:
-    """The combine's LSE vector: a power of two >= num_splits (>= its O chunk)."""
-    return max(COMBINE_CHUNK_S, 1 << (num_splits - 1).bit_length())
+def combine_tile(num_splits: int, block_d: int) -> tuple:
+    """The combine's tile: (BLOCK_S, CHUNK_D), BLOCK_S a power of two >= num_splits (all splits
+    at once), CHUNK_D the slice of D one program merges, so the tile holds <= COMBINE_TILE
+    elements (more splits: thinner slices, more programs)."""
+    block_s = max(2, 1 << (num_splits - 1).bit_length())
+    return block_s, max(16, min(block_d, COMBINE_TILE // block_s))
 
 
 class DensePlan:

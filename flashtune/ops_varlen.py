@@ -2,8 +2,9 @@
 variable-length sequences) and their autograd formula, as ops.py does for the dense ops.
 
 The offsets' values are checked here, in the ops' real implementations (one device->host copy
-of cu_seqlens per call, see validate_varlen), so that torch.compile traces the public function
-without a sync and still no kernel ever launches on bad offsets.
+of cu_seqlens per new or changed offsets tensor, see validate_varlen and checked.py), so that
+torch.compile traces the public function without a sync and still no kernel ever launches on bad
+offsets.
 """
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ import torch
 
 from . import dispatch, launch, launch_bwd
 from .ops import call_forced, check_grad_output, separate_twin
+from .checked import CheckedValues
+from .problem import dtype_name
 from .validate_varlen import check_cu_seqlens_values
 
 
@@ -20,8 +23,11 @@ def run_forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, m
                        causal: bool, scale):
     """Validated shapes -> (O like q, LSE float32 (H, total_q)). Checks the offsets' values."""
     total_q, h, _ = q.shape
-    check_cu_seqlens_values(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, total_q,
-                            k.shape[0])
+    bounds = (max_seqlen_q, max_seqlen_k, total_q, k.shape[0])
+    if _checked.get((cu_seqlens_q, cu_seqlens_k), bounds) is None:
+        check_cu_seqlens_values(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, total_q,
+                                k.shape[0])  # a device->host copy
+        _checked.put((cu_seqlens_q, cu_seqlens_k), bounds, True)
     if total_q == 0 or k.shape[0] == 0:
         # no query, or no key anywhere: zeros (a row that sees no key returns zeros), LSE = -inf
         return (torch.zeros_like(q),
@@ -34,10 +40,25 @@ def run_forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, m
         if len(_plans) >= 4096:
             _plans.clear()
         variant = dispatch.select_varlen("fwd", q, k, batch, max_seqlen_q, max_seqlen_k, causal)
+        if variant.loads == "descriptor" and not _tma_strides(q, k, v):
+            variant = dispatch.varlen_pointer_fallback("fwd", q.shape[2], dtype_name(q.dtype))
         plan = _plans[key] = launch.VarlenFwdPlan(q, k, v, batch, max_seqlen_q, max_seqlen_k,
                                                   causal, scale, variant)
+    if plan.descriptor and (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15:
+        plan = launch.VarlenFwdPlan(
+            q, k, v, batch, max_seqlen_q, max_seqlen_k, causal, scale,
+            dispatch.varlen_pointer_fallback("fwd", q.shape[2], dtype_name(q.dtype)))
     return plan.run(q, k, v, cu_seqlens_q, cu_seqlens_k)
 
+
+def _tma_strides(*packed) -> bool:
+    """Whether every packed (total, heads, D) tensor's strides suit TMA descriptors (bases are
+    checked per call)."""
+    return all(not ((t.stride(0) | t.stride(1)) * t.element_size()) & 15 for t in packed)
+
+
+# offsets already checked: the layers of one step share cu_seqlens and pay for one sync
+_checked = CheckedValues()
 
 # call signature -> launch.VarlenFwdPlan (as ops.py's dense plans; cleared with the dispatcher)
 _plans: dict = {}
@@ -56,6 +77,8 @@ def run_backward_varlen(grad_out, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, m
     variant = dispatch.select_varlen("bwd", q, k, batch, max_seqlen_q, max_seqlen_k, causal)
     if deterministic:
         variant = separate_twin(variant, q.shape[2], q.dtype)
+    if variant.loads == "descriptor":  # the bwd template has pointer loads only
+        variant = dispatch.pointer_twin(variant)
     return launch_bwd.backward_varlen(grad_out, q, k, v, o, lse.contiguous(), cu_seqlens_q,
                                       cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale,
                                       variant)

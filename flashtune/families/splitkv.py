@@ -80,7 +80,7 @@ def compile_check(variant, head_dim: int, dtype: str, causal: bool, tails: bool,
     from ..codegen import load
     from ..codegen.aot import compile_for
     from ..launch import block_d
-    from ..launch_splitkv import COMBINE_CHUNK_S, SplitKVPlan, combine_block_s
+    from ..launch_splitkv import SplitKVPlan, combine_tile
     from ..problem import torch_dtype
     dt = torch_dtype(dtype)
     nq, group = (3, 4) if tails else (1, 8)
@@ -88,14 +88,16 @@ def compile_check(variant, head_dim: int, dtype: str, causal: bool, tails: bool,
     k = torch.empty(2, 4096, 8 // group, head_dim, dtype=dt, device="meta")
     plan = SplitKVPlan(q, k, causal, None, variant)
     consts = {n: v for n, v in plan.kwargs.items() if n not in ("num_warps", "num_stages")}
+    consts["USE_PDL"] = cap >= 90  # as launched on that target
     mod = load(variant)
     # the partial kernel writes float32 scratch (O, LSE) when the keys are split
     ints = {"BLOCK_TABLE": "*i32", "SEQLENS": "*i32", "HK": "i32", "O": "*fp32"}
     out = {"partial": compile_for(mod.attn_splitkv_partial, consts, dtype, variant.num_warps,
                                   variant.num_stages, capability=cap, usage=usage, types=ints)}
+    block_s, chunk_d = combine_tile(64, block_d(head_dim))
     out["combine"] = compile_for(mod.attn_splitkv_combine,
-                                 dict(HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim),
-                                      BLOCK_S=combine_block_s(64), CHUNK_S=COMBINE_CHUNK_S),
+                                 dict(HEAD_DIM=head_dim, BLOCK_S=block_s, CHUNK_D=chunk_d,
+                                      USE_PDL=cap >= 90),
                                  dtype, 4, 3, capability=cap,
                                  usage=usage, types={"O_PART": "*fp32", "LSE_PART": "*fp32",
                                                      "H": "i32"})

@@ -207,7 +207,11 @@ _memo: dict = {}
 
 def _memoized(kind: str, t: torch.Tensor, extra: tuple, compute):
     from ..launch import capturing
-    if capturing(t):  # tensors made during CUDA-graph capture must not outlive the call
+    # Not kept: tensors made during CUDA-graph capture, and anything under torch.compile (which
+    # traces this function: generate() with a static cache compiles the model with CUDA graph
+    # trees, whose memory pool may hold no tensor past a replay but its outputs -- a kept index
+    # tensor failed that check on the H100)
+    if torch.compiler.is_compiling() or capturing(t):
         return compute()
     hit = _memo.get(kind)
     if hit is not None and hit[0] is t and hit[1] == (t._version, *extra):
