@@ -86,6 +86,17 @@ for step in ${STEPS:-fwdtests}; do
                 | tee "$OUT/varlentests.log" | tail -6 ;;
     hfstatic) timeout 240 python3 -m pytest -q -x --tb=long tests/test_transformers_backend.py -k "static" 2>&1 \
                 | tee "$OUT/hfstatic.log" | tail -40 ;;
+    # flashtune bench: BENCH_ARGS narrows it (--section dense --mode fwd --head-dim 128 ...) to
+    # fit a call; BENCH_NAME names the folder, so two runs of one call do not collide. The JSON
+    # is rewritten after every case (a run cut by the timeout keeps its rows; put it in the
+    # worktree and add `--resume that/bench.json` to BENCH_ARGS to go on from there). Plots and
+    # the merged report: `flashtune bench --from A/bench.json --from B/bench.json --out DIR`.
+    bench)    d="$OUT/bench${BENCH_NAME:+_$BENCH_NAME}"
+              timeout ${BENCH_TIMEOUT:-560} flashtune bench --no-plots --progress lines --out "$d" \
+                ${BENCH_ARGS:-} > "$d.log" 2>&1; echo "rc $?"; tail -${BENCH_TAIL:-60} "$d.log" ;;
+    benchquick) timeout ${BENCH_TIMEOUT:-560} flashtune bench --quick --no-plots --progress lines \
+                --out "$OUT/benchquick" ${BENCH_ARGS:-} > "$OUT/benchquick.log" 2>&1; echo "rc $?"
+              tail -${BENCH_TAIL:-60} "$OUT/benchquick.log" ;;
     *) echo "unknown step $step" ;;
   esac
 done

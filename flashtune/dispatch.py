@@ -28,8 +28,9 @@ from .problem import Bucket, Problem, dtype_name
 from .tuned_db.events import on_write
 from .tuned_db.record import Record
 
-__all__ = ["select", "select_for_call", "select_varlen", "pointer_twin", "varlen_twin", "varlen_pointer_fallback", "explain",
-           "force", "clear_cache", "configure", "Explanation"]
+__all__ = ["select", "select_for_call", "select_varlen", "pointer_twin", "varlen_twin",
+           "varlen_pointer_fallback", "explain", "force", "clear_cache", "configure",
+           "builtin_defaults", "Explanation"]
 
 log = logging.getLogger("flashtune.dispatch")
 
@@ -277,18 +278,37 @@ class _Overrides:
     gpu: str | None = None         # "H100", a device name or a slug; "" means: no GPU
     db: str | None = None          # a SQLAlchemy URL instead of FLASHTUNE_DB / the default file
     tables_dir: str | None = None  # instead of the shipped tuned_db/tables
+    tuned: bool = True             # False: no user DB, no tables -- the built-in defaults only
 
 
 _over = _Overrides()
 
 
 def configure(*, gpu: str | None = None, db: str | None = None,
-              tables_dir: str | Path | None = None) -> None:
+              tables_dir: str | Path | None = None, tuned: bool = True) -> None:
     """Point the dispatcher at another GPU, user DB or tables folder (tests, the CLI's --gpu,
-    --db and --tables). configure() with no arguments restores the defaults. Clears the memo."""
+    --db and --tables); tuned=False skips the DB and the tables (the built-in defaults, with
+    the families' heuristics). configure() with no arguments restores the defaults. Clears the
+    memo."""
     global _over
-    _over = _Overrides(gpu, db, None if tables_dir is None else str(tables_dir))
+    _over = _Overrides(gpu, db, None if tables_dir is None else str(tables_dir), tuned)
     clear_cache()
+
+
+class builtin_defaults:
+    """Within the block, dispatch as if no tuned DB or table existed: what a fresh install
+    runs (`flashtune bench` times it beside the tuned dispatch). Other overrides stay."""
+
+    def __enter__(self):
+        global _over
+        self._prev = _over
+        _over = dataclasses.replace(_over, tuned=False)
+        clear_cache()
+
+    def __exit__(self, *exc) -> None:
+        global _over
+        _over = self._prev
+        clear_cache()
 
 
 _clear_hooks: list = []
@@ -347,6 +367,8 @@ def _read_levels() -> _Levels:
     gpu, arch = _gpu()
     if gpu is None:
         return _Levels(None, (), ("no GPU detected (set FLASHTUNE_GPU to use a tuned table)",))
+    if not _over.tuned:
+        return _Levels(gpu, (), ("tuned records off (built-in defaults only)",), arch)
     tables = Path(_over.tables_dir) if _over.tables_dir else TABLES_DIR
     url = _over.db or env.db_url()
     default = env.cache_dir() / "tuned.db"

@@ -119,6 +119,19 @@ def test_every_level_in_turn(tables, tmp_path, monkeypatch):
 
 
 # -- nearest bucket -----------------------------------------------------------------------------
+def test_builtin_defaults_switch_skips_every_tuned_level(tables, tmp_path, monkeypatch):
+    ship(tables, H200, make_record(variant=V_TABLE))
+    user_db(monkeypatch, tmp_path, make_record(gpu=H200, variant=V_USER))
+    assert dispatch.select(prob()).name == V_USER
+    with dispatch.builtin_defaults():
+        ex = dispatch.explain(prob())
+        assert ex.level == "default" and ex.gpu == H200
+        assert ex.variant == default_variant("fwd", 128, "float16", arch="sm_90")
+        assert dispatch.select(prob()) == ex.variant
+    # back to the tuned levels, with the other overrides (this GPU, these tables) kept
+    assert dispatch.select(prob()).name == V_USER
+
+
 def test_missing_bucket_takes_the_nearest_by_log_distance(tables):
     ship(tables, H200, make_record(sq=512, variant=V_TABLE), make_record(sq=8192, variant=V_ARCH))
     ex = dispatch.explain(prob(nq=1000))  # bucket 1024: 512 is 2 octaves away, 8192 is 6
