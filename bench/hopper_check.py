@@ -24,8 +24,8 @@ CANDIDATES = {
          "hopper_fwd-m64-n128-w4-s3-pingpong=true-lr24",
          "hopper_fwd-m128-n128-w8-s3-persistent=true-lr24"],
     128: ["hopper_fwd-m128-n128-w8-s2-lr24",
-          "hopper_fwd-m128-n64-w8-s3-lr24",
           "hopper_fwd-m64-n128-w4-s2-pingpong=true-lr24",
+          "hopper_fwd-m128-n64-w8-s3-lr24",
           "hopper_fwd-m64-n128-w4-s2-pingpong=true-persistent=true-lr24",
           "hopper_fwd-m128-n128-w8-s2-persistent=true-lr24"],
     256: ["hopper_fwd-m128-n64-w8-s2-lr24",
@@ -162,7 +162,9 @@ def main():
     ap.add_argument("--seqlens", default="512,1024,2048,4096,8192,16384")
     ap.add_argument("--variants", default="")
     ap.add_argument("--budget", type=float, default=270)
+    ap.add_argument("--check-timeout", type=float, default=60)
     ap.add_argument("--skip-check", action="store_true")
+    ap.add_argument("--per-dim", type=int, default=0, help="only the first N candidates per D")
     a = ap.parse_args()
     seqlens = [int(x) for x in a.seqlens.split(",")]
     if a.mode == "check":
@@ -177,12 +179,13 @@ def main():
     rows = [env]
     print(env, flush=True)
     dims = [int(x) for x in a.head_dims.split(",")]
-    chosen = {d: [v for v in a.variants.split(",") if v] or CANDIDATES[d] for d in dims}
+    chosen = {d: [v for v in a.variants.split(",") if v] or CANDIDATES[d][:a.per_dim or None]
+              for d in dims}
     good = {d: [] for d in dims}
     if not a.skip_check:
         for d in dims:
             for v in chosen[d]:
-                got = _sub(["check", v, "--head-dims", str(d)], 90)
+                got = _sub(["check", v, "--head-dims", str(d)], a.check_timeout)
                 rows += got
                 checks = [r for r in got if r.get("kind") == "check"]
                 bad = [r for r in checks if not r["ok"]]
