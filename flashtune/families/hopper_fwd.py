@@ -36,14 +36,15 @@ FAMILY = Family(
            ("loader_regs", (24, 32, 40, 48, 56), "setmaxnreg of the loader: 24..56, step 8")),
 )
 
-# Provisional defaults (compile-checked for sm_90 with triton 3.6 and 3.9; see
-# docs/data/hopper_fwd_h100_*.jsonl for what the H100 measured): FA3's shapes -- two consumer
-# warpgroups over 128 query rows, 128-key steps (64 at D=256, where the O accumulator alone takes
-# 128 registers per thread), a 2-deep K/V ring, the loader at 24 registers.
+# Provisional defaults: the fastest spill-free candidates of the H100 runs (bench/hopper_check.py,
+# docs/data/hopper_fwd_h100_2026-11-23_run*.jsonl). Spill-free matters: Triton gives ptxas a
+# 168-register cap for the whole kernel (65536 / 384 threads: the consumers plus a loader warp
+# group) and setmaxnreg does not lift it for register allocation, so 128-key steps spill at
+# D >= 128 (the S of block j+1, P of block j and the O accumulator are live together).
 DEFAULTS = {
-    64: dict(block_m=128, block_n=128, num_warps=8, num_stages=3),
-    128: dict(block_m=128, block_n=128, num_warps=8, num_stages=2),
-    256: dict(block_m=128, block_n=64, num_warps=8, num_stages=2),
+    64: dict(block_m=128, block_n=64, num_warps=8, num_stages=2),
+    128: dict(block_m=128, block_n=64, num_warps=8, num_stages=2),
+    256: dict(block_m=128, block_n=32, num_warps=8, num_stages=2),
 }
 
 
