@@ -165,6 +165,7 @@ def main():
     ap.add_argument("--budget", type=float, default=270)
     ap.add_argument("--check-timeout", type=float, default=60)
     ap.add_argument("--skip-check", action="store_true")
+    ap.add_argument("--baselines", default="cudnn,flash,fwd")
     ap.add_argument("--per-dim", type=int, default=0, help="only the first N candidates per D")
     a = ap.parse_args()
     seqlens = [int(x) for x in a.seqlens.split(",")]
@@ -180,8 +181,10 @@ def main():
     rows = [env]
     print(env, flush=True)
     dims = [int(x) for x in a.head_dims.split(",")]
-    chosen = {d: [v for v in a.variants.split(",") if v] or CANDIDATES[d][:a.per_dim or None]
-              for d in dims}
+    # --variants a@128,b@64,...: those, per head dim (default: the first --per-dim CANDIDATES)
+    given = [v.split("@") for v in a.variants.split(",") if v]
+    chosen = {d: [n for n, dd in given if int(dd) == d] if given else
+              CANDIDATES[d][:a.per_dim or None] for d in dims}
     good = {d: [] for d in dims}
     if not a.skip_check:
         for d in dims:
@@ -198,7 +201,7 @@ def main():
     else:
         good = chosen
     bench_dims = [int(x) for x in a.bench_dims.split(",")]
-    impls = ["cudnn", "flash", "fwd"] + [f"{v}@{d}" for d in bench_dims for v in good.get(d, [])]
+    impls = [b for b in a.baselines.split(",") if b] + [f"{v}@{d}" for d in bench_dims for v in good.get(d, [])]
     for impl in impls:
         left = a.budget - (time.time() - t_start)
         if left < 20:
