@@ -114,7 +114,7 @@ def test_dispatcher_competes_or_falls_back_with_a_reason(gpu, prefer, family, no
                                                          tmp_path):
     from flashtune.families import hopper_fwd
     monkeypatch.setenv("TRITON_INTERPRET", "0")  # as on a GPU machine (no kernel runs here)
-    monkeypatch.setattr(hopper_fwd, "HEURISTIC", lambda p: prefer)
+    monkeypatch.setattr(hopper_fwd, "prefer_for_dense", lambda p: prefer)
     dispatch.configure(gpu=gpu, db=f"sqlite:///{tmp_path}/none.db", tables_dir=tmp_path)
     ex = flashtune.explain(_problem())
     assert ex.variant.family == family
@@ -122,10 +122,18 @@ def test_dispatcher_competes_or_falls_back_with_a_reason(gpu, prefer, family, no
     assert dispatch.select(_problem()).family == family
 
 
+@pytest.mark.parametrize("d,causal,n,want", [
+    (256, True, 4096, True), (256, False, 512, True), (128, False, 8192, True),
+    (128, True, 8192, False), (64, False, 8192, False), (128, False, 256, False),
+    (96, False, 8192, False)])
+def test_heuristic_quotes_the_h100_measurement(d, causal, n, want):
+    assert FAM.prefers(_problem(d=d, causal=causal, nq=n)) is want
+
+
 def test_unsupported_head_dim_falls_back_silently_on_h100(monkeypatch, tmp_path):
     from flashtune.families import hopper_fwd
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    monkeypatch.setattr(hopper_fwd, "HEURISTIC", lambda p: True)
+    monkeypatch.setattr(hopper_fwd, "prefer_for_dense", lambda p: True)
     dispatch.configure(gpu="H100", db=f"sqlite:///{tmp_path}/none.db", tables_dir=tmp_path)
     ex = flashtune.explain(_problem(d=96))
     assert ex.variant.family == "fwd"

@@ -36,15 +36,23 @@ FAMILY = Family(
            ("loader_regs", (24, 32, 40, 48, 56), "setmaxnreg of the loader: 24..56, step 8")),
 )
 
-# Provisional defaults: the fastest spill-free candidates of the H100 runs (bench/hopper_check.py,
-# docs/data/hopper_fwd_h100_2026-11-23_run*.jsonl). Spill-free matters: Triton gives ptxas a
-# 168-register cap for the whole kernel (65536 / 384 threads: the consumers plus a loader warp
-# group) and setmaxnreg does not lift it for register allocation, so 128-key steps spill at
-# D >= 128 (the S of block j+1, P of block j and the O accumulator are live together).
+# Defaults: the fastest spill-free candidates measured on the H100 (bench/hopper_check.py, bf16,
+# standard grid, torch 2.11, triton 3.6, 2026-11-23; docs/data/hopper_fwd_h100_2026-11-23.jsonl;
+# TFLOP/s non-causal N=512..16k / causal, and the geomean vs SDPA's cuDNN backend in that run):
+#   D=64:  ping-pong m64-n64-w4-s4   247-393 / 148-367 (0.61x cuDNN; the generic fwd is faster
+#          here: 327-463 / 198-435). m64-n128-w4-s3 was faster (269-449 / 145-414, 0.79x) but
+#          spills 16 B causal.
+#   D=128: ping-pong m64-n64-w4-s3, persistent: 393-542 / 199-477 (0.76x; not persistent 0.74x,
+#          s4 0.73x, s2 0.61x, m128-n64-w8-s3 0.66x, m128-n128-w8-s2 0.68x with 128 B of spills)
+#   D=256: ping-pong m64-n32-w4-s3   374-525 / 193-503 (0.78x; the generic fwd: 185-261 / 142-249)
+# Spill-free matters: Triton gives ptxas a 168-register cap for the whole kernel (65536 / 384
+# threads: the consumers plus the loader's warp group), which setmaxnreg does not lift for register
+# allocation, so 128-key steps spill at D >= 128 (the S of block j+1, the P of block j and the O
+# accumulator are live together).
 DEFAULTS = {
-    64: dict(block_m=128, block_n=64, num_warps=8, num_stages=2),
-    128: dict(block_m=128, block_n=64, num_warps=8, num_stages=2),
-    256: dict(block_m=128, block_n=32, num_warps=8, num_stages=2),
+    64: dict(block_m=64, block_n=64, num_warps=4, num_stages=4, pingpong=True),
+    128: dict(block_m=64, block_n=64, num_warps=4, num_stages=3, pingpong=True, persistent=True),
+    256: dict(block_m=64, block_n=32, num_warps=4, num_stages=3, pingpong=True),
 }
 
 
@@ -64,15 +72,15 @@ def cannot_serve(p) -> str:
 
 
 def prefer_for_dense(p) -> bool:
-    """Until tuned records decide: see HEURISTIC below (set by the H100 measurement)."""
-    return HEURISTIC(p)
-
-
-def _heuristic(p) -> bool:
-    return False
-
-
-HEURISTIC = _heuristic
+    """Until tuned records decide: hopper_fwd where it beat the generic fwd family on the H100's
+    standard grid (same runs as DEFAULTS above, both forced, plans built once): D=256 (1.4-2x,
+    causal or not) and D=128 without a causal mask (1.01-1.11x: 363-548 vs 326-524 TFLOP/s). The
+    generic kernel stays ahead at D=64 and at causal D=128 (short causal tiles: the ping-pong's
+    turns and the per-tile epilogue cost more than they hide: 188-502 vs 197-508). Only the
+    measured range: N >= 512 queries and keys (shorter calls, decoding, stay generic/splitkv)."""
+    if p.seqlen_q < 512 or p.seqlen_k < 512 or cannot_serve(p):
+        return False
+    return p.head_dim == 256 or (p.head_dim == 128 and not p.causal)
 
 
 def smem_bytes(variant, head_dim: int, elem: int = 2) -> int:
