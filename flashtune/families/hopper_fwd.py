@@ -37,14 +37,16 @@ FAMILY = Family(
 )
 
 # Defaults: the fastest spill-free candidates measured on the H100 (bench/hopper_check.py, bf16,
-# standard grid, torch 2.11, triton 3.6, 2026-11-23; docs/data/hopper_fwd_h100_2026-11-23.jsonl;
-# TFLOP/s non-causal N=512..16k / causal, and the geomean vs SDPA's cuDNN backend in that run):
-#   D=64:  ping-pong m64-n64-w4-s4   247-393 / 148-367 (0.61x cuDNN; the generic fwd is faster
-#          here: 327-463 / 198-435). m64-n128-w4-s3 was faster (269-449 / 145-414, 0.79x) but
-#          spills 16 B causal.
-#   D=128: ping-pong m64-n64-w4-s3, persistent: 393-542 / 199-477 (0.76x; not persistent 0.74x,
-#          s4 0.73x, s2 0.61x, m128-n64-w8-s3 0.66x, m128-n128-w8-s2 0.68x with 128 B of spills)
-#   D=256: ping-pong m64-n32-w4-s3   374-525 / 193-503 (0.78x; the generic fwd: 185-261 / 142-249)
+# standard grid, torch 2.11, triton 3.6, 2026-11-23; docs/data/hopper_fwd_h100_2026-11-23.jsonl
+# runs 3-4; TFLOP/s at N=512..16k non-causal / causal, geomean vs SDPA's cuDNN backend in the
+# same run, non-causal / causal; docs/benchmarks.md has the table):
+#   D=64:  ping-pong m64-n64-w4-s4      247-393 / 148-367  0.74x / 0.70x (the generic fwd is
+#          faster here: 0.91x / 0.87x). m64-n128-w4-s3 was faster (0.85x / 0.73x) but spills
+#          16 B causal; s2 0.65x / 0.55x.
+#   D=128: ping-pong m64-n64-w4-s3, persistent  393-542 / 199-477  0.81x / 0.70x (not
+#          persistent 0.79x / 0.70x, s4 0.79x / 0.70x, s2 0.65x / 0.60x; one consumer partition of
+#          8 warps m128-n64-w8-s3 0.66x / 0.65x; generic fwd 0.74x / 0.75x)
+#   D=256: ping-pong m64-n32-w4-s3      374-525 / 193-503  0.73x / 0.83x (generic fwd 0.35x / 0.40x)
 # Spill-free matters: Triton gives ptxas a 168-register cap for the whole kernel (65536 / 384
 # threads: the consumers plus the loader's warp group), which setmaxnreg does not lift for register
 # allocation, so 128-key steps spill at D >= 128 (the S of block j+1, the P of block j and the O
@@ -73,11 +75,12 @@ def cannot_serve(p) -> str:
 
 def prefer_for_dense(p) -> bool:
     """Until tuned records decide: hopper_fwd where it beat the generic fwd family on the H100's
-    standard grid (same runs as DEFAULTS above, both forced, plans built once): D=256 (1.4-2x,
-    causal or not) and D=128 without a causal mask (1.01-1.11x: 363-548 vs 326-524 TFLOP/s). The
-    generic kernel stays ahead at D=64 and at causal D=128 (short causal tiles: the ping-pong's
-    turns and the per-tile epilogue cost more than they hide: 188-502 vs 197-508). Only the
-    measured range: N >= 512 queries and keys (shorter calls, decoding, stay generic/splitkv)."""
+    standard grid (run 3 of DEFAULTS' data: both timed in one run, plans built once): D=256
+    (1.4-1.5x the generic kernel, causal or not; the defaults since, 2x) and D=128 without a causal
+    mask (1.07x geomean: 363-548 vs 326-524 TFLOP/s). The generic kernel stays ahead at D=64 and
+    at causal D=128 (0.92x: short causal tiles, where the per-tile prologue, the ping-pong's turns
+    and the O epilogue cost more than they hide: 188-502 vs 197-508). Only the measured range:
+    N >= 512 queries and keys (shorter calls, decoding, stay with fwd/splitkv)."""
     if p.seqlen_q < 512 or p.seqlen_k < 512 or cannot_serve(p):
         return False
     return p.head_dim == 256 or (p.head_dim == 128 and not p.causal)
