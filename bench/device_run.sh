@@ -75,9 +75,9 @@ for step in ${STEPS:-fwdtests}; do
               timeout 240 python3 bench/transformers_bench.py --out "$OUT/transformers.json" 2>&1 \
                 | tee "$OUT/transformers.log" | tail -20 ;;
     hopper)   # the Gluon Hopper forward: its GPU tests, then correctness + the standard grid vs SDPA
-              timeout ${HOPPER_TESTS_TIMEOUT:-240} python3 -m pytest -q -m gpu tests/test_hopper.py 2>&1 \
+              timeout ${HOPPER_TESTS_TIMEOUT:-300} python3 -m pytest -q -m gpu tests/test_hopper.py 2>&1 \
                 | tee "$OUT/hopper_tests.log" | tail -15
-              timeout ${HOPPER_TIMEOUT:-300} python3 bench/hopper_check.py ${HOPPER_ARGS:-} 2>&1 \
+              timeout ${HOPPER_TIMEOUT:-330} python3 bench/hopper_check.py ${HOPPER_ARGS:---per-dim 2 --budget 300} 2>&1 \
                 | tee "$OUT/hopper_check.log" | tail -40 ;;
     *) echo "unknown step $step" ;;
   esac

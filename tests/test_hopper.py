@@ -34,6 +34,10 @@ def _problem(d=128, dtype="bfloat16", causal=False, nq=4096):
 
 # -- CPU: rendering, shim, fallback, explain ------------------------------------------------------
 
+def test_gpu_tests_cover_each_default():
+    assert all(FAM.default(d, "bfloat16").name in VARIANTS[d] for d in (64, 128, 256))
+
+
 def test_registered_as_a_gluon_family_serving_dense_forwards():
     assert FAM.serves == ("fwd",) and not FAM.interpreter
     assert FAM.min_capability == FAM.max_capability == 90
@@ -190,10 +194,10 @@ def test_defaults_compile_for_sm90():
 SHAPES = [  # (B, H, Hk, Nq, Nk): odd lengths, one key, GQA, Nq > Nk (rows that see no key)
     (1, 2, 2, 1, 1), (2, 3, 3, 37, 37), (1, 4, 2, 113, 203), (1, 4, 1, 1000, 1000),
     (2, 2, 2, 300, 100), (1, 8, 2, 515, 2051)]
-VARIANTS = {64: ["hopper_fwd-m64-n128-w4-s2-pingpong=true-lr24", "hopper_fwd-m128-n64-w8-s2-lr24"],
-            128: ["hopper_fwd-m64-n64-w4-s3-pingpong=true-lr24",
-                  "hopper_fwd-m64-n64-w4-s2-pingpong=true-persistent=true-lr24"],
-            256: ["hopper_fwd-m128-n32-w8-s2-lr24"]}
+VARIANTS = {64: ["hopper_fwd-m64-n64-w4-s4-pingpong=true-lr24"],             # the defaults,
+            128: ["hopper_fwd-m64-n64-w4-s3-pingpong=true-persistent=true-lr24",
+                  "hopper_fwd-m128-n64-w8-s3-lr24"],                         # one 8-warp consumer
+            256: ["hopper_fwd-m64-n32-w4-s3-pingpong=true-lr24"]}
 
 
 @pytest.mark.gpu
