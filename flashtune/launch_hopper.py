@@ -76,7 +76,8 @@ class HopperFwdPlan:
     run(q, k, v) -> (O like q, LSE (B, H, Nq) float32), as launch.FwdPlan. `descriptor` is False:
     this plan checks the base addresses itself (ops.run_forward would otherwise swap the variant
     for a pointer twin, which this family has not)."""
-    __slots__ = ("variant", "kernel", "grid", "scale", "consts", "layouts", "fallback", "why")
+    __slots__ = ("variant", "kernel", "grid", "scale", "n_tiles", "consts", "layouts", "fallback",
+                 "why")
     descriptor = False
 
     def __init__(self, q, k, v, causal: bool, scale: float | None, variant: Variant):
@@ -99,17 +100,17 @@ class HopperFwdPlan:
         n_tiles = triton.cdiv(nq, rows) * b * h
         programs = min(n_tiles, _sm_count(q.device)) if variant.persistent else n_tiles
         self.grid = (programs,)
+        self.n_tiles = n_tiles
         self.scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
         self.consts = dict(HEAD_DIM=d, BLOCK_M=variant.block_m, BLOCK_N=variant.block_n,
                            STAGES=variant.num_stages, GROUP=h // k.shape[1], IS_CAUSAL=causal,
                            LOADER_REGS=variant.loader_regs, CONSUMER_REGS=consumer_regs(variant),
                            num_warps=variant.num_warps)
-        self.consts["n_tiles"] = n_tiles
 
     def run(self, q, k, v):
-        o = torch.empty_like(q)
         if self.fallback is not None:
             return self.fallback.run(q, k, v)
+        o = torch.empty_like(q)  # keeps q's layout, as the generic plan's
         if not addressable(q, k, v, o):  # this call's base addresses only: no memo
             return _generic_plan(q, k, v, self.consts["IS_CAUSAL"], self.scale).run(q, k, v)
         from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
@@ -120,14 +121,12 @@ class HopperFwdPlan:
         def desc(t, rows):
             shape, strides = _view3(t)
             return TensorDescriptor(t, shape, strides, [1, rows, d], self.layouts[rows])
-        c = self.consts
         self.kernel[self.grid](desc(q, bm), desc(k, bn), desc(v, bn), desc(o, bm), lse,
-                               self.scale, h, nq, k.shape[2], c["n_tiles"],
-                               **{n: x for n, x in c.items() if n != "n_tiles"})
+                               self.scale, h, nq, k.shape[2], self.n_tiles, **self.consts)
         return o, lse
 
 
-def _generic_plan(q, k, v, causal: bool, scale, *_):
+def _generic_plan(q, k, v, causal: bool, scale):
     """The generic fwd family's default for this call (what the dispatcher would have chosen
     without hopper_fwd), pointer loads where TMA cannot address the tensors."""
     from . import launch
