@@ -97,6 +97,11 @@ for step in ${STEPS:-fwdtests}; do
     benchquick) timeout ${BENCH_TIMEOUT:-560} flashtune bench --quick --no-plots --progress lines \
                 --out "$OUT/benchquick" ${BENCH_ARGS:-} > "$OUT/benchquick.log" 2>&1; echo "rc $?"
               tail -${BENCH_TAIL:-60} "$OUT/benchquick.log" ;;
+    hopper)   # the Gluon Hopper forward: its GPU tests, then correctness + the standard grid vs SDPA
+              timeout ${HOPPER_TESTS_TIMEOUT:-300} python3 -m pytest -q -m gpu tests/test_hopper.py 2>&1 \
+                | tee "$OUT/hopper_tests.log" | tail -15
+              timeout ${HOPPER_TIMEOUT:-330} python3 bench/hopper_check.py ${HOPPER_ARGS:---per-dim 2 --budget 300} 2>&1 \
+                | tee "$OUT/hopper_check.log" | tail -40 ;;
     *) echo "unknown step $step" ;;
   esac
 done

@@ -50,6 +50,16 @@ def _launch_fp_fusion() -> bool:
             and not getattr(lang, "force_disable_fp_fusion", False))
 
 
+def _source_class(fn):
+    """Gluon kernels (explicit layouts: the Hopper family) compile from GluonASTSource, the rest
+    from Triton's ASTSource; both take the same signature, constexprs and attributes."""
+    if getattr(fn, "is_gluon", lambda: False)():
+        from triton.experimental.gluon._runtime import GluonASTSource
+        return GluonASTSource
+    from triton.compiler import ASTSource
+    return ASTSource
+
+
 def compile_for(fn, constexprs: dict, dtype: str, num_warps: int, num_stages: int, *,
                 capability: int = 90, f32_ptrs: frozenset = frozenset(), usage: bool = False,
                 types: dict | None = None) -> dict:
@@ -57,12 +67,12 @@ def compile_for(fn, constexprs: dict, dtype: str, num_warps: int, num_stages: in
 
     Arguments named in UPPER case are tensors (of `dtype`, or float32 for LSE-like buffers and
     `f32_ptrs`), `sm_scale` is a float, the rest int32 -- the generated templates' convention;
-    `types` names the arguments that break it ({"SEQLENS": "*i32", "HK": "i32", ...}).
+    `types` names the arguments that break it ({"SEQLENS": "*i32", "HK": "i32", ...}; a Gluon
+    kernel's TMA descriptors as "tensordesc<bf16[1,128,128],NVMMASharedLayout(...)>").
     Returns {"smem": bytes, "ptx": text} (+ regs/spill_bytes with usage=True); raises what
     Triton raises (CompilationError, out of resources) for a config that cannot build."""
     import triton
     from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
     sig, attrs = {}, {}
     types = types or {}
@@ -83,7 +93,7 @@ def compile_for(fn, constexprs: dict, dtype: str, num_warps: int, num_stages: in
             sig[name] = "i32"
             if name.startswith("stride"):  # row/head/batch strides of D >= 16 tensors
                 attrs[(i,)] = [["tt.divisibility", 16]]
-    src = ASTSource(fn, sig, constexprs=constexprs, attrs=attrs)
+    src = _source_class(fn)(fn, sig, constexprs=constexprs, attrs=attrs)
     k = triton.compile(src, target=GPUTarget("cuda", capability, 32),
                        options=dict(num_warps=num_warps, num_stages=num_stages,
                                     enable_fp_fusion=_launch_fp_fusion()))

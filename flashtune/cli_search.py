@@ -1,6 +1,7 @@
 """`flashtune search`: tune the GPU present, bucket by bucket, and write the winners to the DB."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 
@@ -116,6 +117,11 @@ def search(gpu, families, dtypes, head_dims, causal, seqlens, batches, trials, s
         target = resolve_target(cfg, dry_run=dry_run)
     except targets.GpuMismatch as e:
         raise click.BadParameter(str(e).removeprefix("--gpu "), param_hint="--gpu") from None
+    if not families:  # the default: every family that runs on the target's arch
+        from .families import get
+        cap = target.capability[0] * 10 + target.capability[1]
+        cfg = dataclasses.replace(cfg, families=tuple(
+            f for f in fams if get(f).min_capability <= cap <= (get(f).max_capability or cap)))
     if dry_run:
         _dry_run(cfg, target, plan_of(cfg, target), fmt)
         return

@@ -149,6 +149,10 @@ def _compete(problem: Problem) -> "Explanation":
     for rival in all_families():
         if problem.family not in rival.serves:
             continue
+        why_not = rival.cannot_run(problem, _levels().arch)
+        if why_not:  # silently the problem's own family; explain() says why
+            ex = dataclasses.replace(ex, notes=ex.notes + (f"{rival.name} skipped: {why_not}",))
+            continue
         rp = dataclasses.replace(problem, family=rival.name)
         rex = _explain_bucket(rp)
         if ex.record is not None and rex.record is not None and rex.distance == 0:
@@ -268,7 +272,12 @@ def explain(problem, k=None, v=None, *, causal: bool = False, family: str = "fwd
         problem = Problem.of_call(family, problem, k, causal)
     forced, origin = _forced_variant()
     if forced is not None and _serves(forced, problem.family):
-        return Explanation(problem, Bucket.of(problem), forced, "forced", origin, _levels().gpu)
+        from .families import get
+        why_not = get(forced.family).cannot_run(problem, _levels().arch)
+        notes = (f"{forced.family} cannot run here ({why_not}): its plan runs the generic "
+                 "fwd default instead",) if why_not and forced.family != problem.family else ()
+        return Explanation(problem, Bucket.of(problem), forced, "forced", origin, _levels().gpu,
+                           notes=notes)
     return dataclasses.replace(_compete(problem), problem=problem)
 
 
