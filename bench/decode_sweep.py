@@ -18,6 +18,7 @@ import time
 import torch
 import triton
 
+from flashtune.bench.timing import graphed
 from flashtune.codegen import Variant
 from flashtune.launch_splitkv import MAX_SPLITS, SplitKVPlan
 
@@ -43,16 +44,7 @@ D = 128
 
 
 def graph_ms(fn) -> float:
-    fn()
-    torch.cuda.synchronize()
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        fn()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, stream=stream):
-            fn()
-    torch.cuda.synchronize()
-    return triton.testing.do_bench(g.replay, warmup=20, rep=80, return_mode="median")
+    return triton.testing.do_bench(graphed(fn), warmup=20, rep=80, return_mode="median")
 
 
 def make(hq, hk, b, nk, page):

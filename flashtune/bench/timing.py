@@ -25,7 +25,7 @@ def measure(fn, device: str, *, budget_ms: float = 60.0, graph: bool = False) ->
     note = ""
     if graph:
         try:
-            fn = _graphed(fn)
+            fn = graphed(fn)
             note = "cuda graph"
         except Exception as e:  # noqa: BLE001 -- eager timing is still a number
             torch.cuda.synchronize()
@@ -34,7 +34,8 @@ def measure(fn, device: str, *, budget_ms: float = 60.0, graph: bool = False) ->
     return ms, (note + "; " if note else "") + f"spread {spread:.3f}"
 
 
-def _graphed(fn):
+def graphed(fn):
+    """fn captured as a CUDA graph (warmed eagerly and on the capture stream): its replay."""
     fn()
     torch.cuda.synchronize()
     stream = torch.cuda.Stream()
