@@ -22,6 +22,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from . import env
+from ._keys import as_dict
 from .codegen import Variant
 from .defaults import default_variant
 from .problem import Bucket, Problem, dtype_name
@@ -114,17 +115,20 @@ def forced_variant() -> Variant | None:
     return forced
 
 
-def select_for_call(family: str, q, k, causal: bool) -> Variant:
+def select_for_call(family: str, q, k, causal: bool, masks=None) -> Variant:
     """select() for the tensors of a call. A hit is one tuple and one dict lookup: no Problem
-    is built (that dataclass costs more than the rest of the lookup)."""
+    is built (that dataclass costs more than the rest of the lookup). masks (flashtune/masks.py):
+    a masked call looks up its masked bucket; the caller renders the masks in (mask_twin)."""
     forced = forced_variant()
     if forced is not None and _serves(forced, family):
         return forced
     ks = k.shape
     key = (family, q.dtype, q.shape, ks[1], ks[2], causal)
+    if masks is not None and masks.any:
+        key += masks.key
     v = _memo_call.get(key)
     if v is None:
-        v = select(Problem.of_call(family, q, k, causal))
+        v = select(Problem.of_call(family, q, k, causal, masks))
         if len(_memo_call) >= _MEMO_MAX:
             _memo_call.clear()
         _memo_call[key] = v
@@ -170,6 +174,31 @@ def _compete(problem: Problem) -> "Explanation":
 def pointer_twin(variant: Variant) -> Variant:
     """The pointer-load twin of a descriptor variant, for inputs TMA cannot address."""
     return dataclasses.replace(variant, loads="pointer")
+
+
+def mask_twin(variant: Variant, masks, head_dim: int, dtype) -> Variant:
+    """`variant` rendered with the mask code `masks` needs (window, softcap, block_sparse), its
+    tiles fitted to a block mask's block size (BLOCK_M | BS_Q, BLOCK_N | BS_KV). A family that
+    cannot take the masks (splitkv serving a dense forward: no block mask) gives way to the
+    built-in fwd default."""
+    from .families import get
+    want = masks.structure
+    fam = get(variant.family)
+    if any(on and name not in fam.fields for name, on in want.items()):
+        variant = default_variant("fwd", head_dim, dtype_name(dtype))
+    bm = masks.block_mask
+    tiles = {}
+    if bm is not None:
+        bq, bk = bm.block_size
+        tiles = dict(block_m=min(variant.block_m, bq), block_n=min(variant.block_n, bk))
+        if variant.block_m2:
+            tiles.update(block_m2=min(variant.block_m2, bq), block_n2=min(variant.block_n2, bk))
+    return _twin(variant, tuple(sorted({**want, **tiles}.items())))
+
+
+@lru_cache(maxsize=1024)
+def _twin(variant: Variant, changes: tuple) -> Variant:
+    return dataclasses.replace(variant, **dict(changes))
 
 
 @lru_cache(maxsize=256)
@@ -218,8 +247,8 @@ class Explanation:
 
     def to_dict(self) -> dict:
         return {
-            "problem": dataclasses.asdict(self.problem),
-            "bucket": dataclasses.asdict(self.bucket),
+            "problem": as_dict(self.problem),
+            "bucket": as_dict(self.bucket),
             "variant": self.variant.name,
             "level": self.level,
             "origin": self.origin,

@@ -58,6 +58,11 @@ def sqlite_path(url: str) -> Path | None:
 
 def _row_values(r: Record) -> dict:
     b, p = r.bucket, r.provenance
+    if b.mask:
+        # the schema has no mask column yet: a masked record stored here would read back as a
+        # dense one (shipped tables hold them: their JSON carries Bucket.mask)
+        raise ValueError(f"records of masked buckets ({b.mask}) cannot be stored in the tuned "
+                         "DB yet; export them to a table instead")
     return dict(
         gpu=r.gpu, family=b.family, bucket_key=b.key, dtype=b.dtype, head_dim=b.head_dim,
         causal=b.causal, gqa=b.gqa, seqlen_q=b.seqlen_q, seqlen_k=b.seqlen_k,
