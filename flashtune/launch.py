@@ -153,8 +153,10 @@ class FwdPlan:
         self.descriptor = variant.loads == "descriptor"
         self.args = (_scale(scale, d), *mask_args(masks, causal, "q", b, h), *strides3(q, k, v),
                      *o_strides[:3], h, nq, nk)
+        # a block mask's loop steps through whole blocks: even only if they tile the keys
+        step = variant.block_n if masks.block_mask is None else masks.block_mask.block_size[1]
         self.kwargs = fwd_params(variant, q.dtype, d, causal, h // k.shape[1],
-                                 even_n=nk % variant.block_n == 0)
+                                 even_n=nk % max(step, variant.block_n) == 0)
         self.kwargs.update(mask_params(masks))
 
     def run(self, q, k, v):
