@@ -89,7 +89,8 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
                      max_seqlen_q: int, max_seqlen_k: int, *, causal: bool = False,
                      scale: float | None = None, deterministic: bool = False,
-                     return_lse: bool = False):
+                     return_lse: bool = False, window: tuple[int, int] | None = None,
+                     softcap: float | None = None):
     """attention() on packed variable-length sequences, with flash_attn_varlen_func's layout and
     meaning; differentiable, a torch.library op (torch.compile traces it), no work on padding.
 
@@ -108,8 +109,12 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return_lse: also return the row log-sum-exp, (O, LSE) with LSE float32 (heads, total_q) --
     flash_attn's varlen softmax_lse layout -- natural log, -inf for a row that sees no key; not
     differentiable.
+    window, softcap: as attention(), per sequence (the window bottom-right aligned to each
+    sequence's own lengths).
     """
     check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale)
+    window, softcap = check_window(window, causal), check_softcap(softcap)
+    masks = Masks(window, softcap) if window is not None or softcap is not None else NONE
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
     if not isinstance(return_lse, bool):
@@ -117,9 +122,10 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     scale = None if scale is None else float(scale)
     if (torch.compiler.is_compiling() or (torch.is_grad_enabled() and
                                           (q.requires_grad or k.requires_grad or v.requires_grad))):
+        wl, wr = window or (-1, -1)
         out = attn_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                              causal, scale, deterministic)
+                              causal, scale, deterministic, wl, wr, softcap)
     else:
         out = run_forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                 causal, scale)
+                                 causal, scale, masks)
     return out if return_lse else out[0]
