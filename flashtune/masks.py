@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 
@@ -92,6 +93,7 @@ def dense_mask(nq: int, nk: int, causal: bool = False, window: tuple | None = No
     return keep
 
 
+@lru_cache(maxsize=1024)
 def window_keys(nq: int, nk: int, causal: bool, window: tuple | None) -> float:
     """Keys a query sees on average (what the FLOP count and the buckets use)."""
     if window is None:
@@ -99,14 +101,10 @@ def window_keys(nq: int, nk: int, causal: bool, window: tuple | None) -> float:
     left, right = window
     if causal:
         right = 0
-    diag = nk - nq
-    total = 0
-    # closed form would do; nq is at most a few hundred thousand and this runs per problem
-    for i in range(nq):
-        lo = 0 if left < 0 else max(0, i + diag - left)
-        hi = nk - 1 if right < 0 else min(nk - 1, i + diag + right)
-        total += max(0, hi - lo + 1)
-    return total / max(nq, 1)
+    i = torch.arange(nq, dtype=torch.int64)
+    lo = torch.zeros_like(i) if left < 0 else (i + (nk - nq - left)).clamp(min=0)
+    hi = torch.full_like(i, nk - 1) if right < 0 else (i + (nk - nq + right)).clamp(max=nk - 1)
+    return float((hi - lo + 1).clamp(min=0).sum()) / max(nq, 1)
 
 
 @dataclass(frozen=True, eq=False)

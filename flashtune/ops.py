@@ -52,6 +52,8 @@ def run_forward(q, k, v, causal: bool, scale, variant=None, masks: Masks = NONE)
 
 def _plan(q, k, v, causal, scale, variant: Variant, masks: Masks = NONE):
     if masks.any:
+        if variant.family != "fwd":  # a family serving dense forwards takes no masks there
+            variant = default_variant("fwd", q.shape[3], dtype_name(q.dtype))
         variant = dispatch.mask_twin(variant, masks, q.shape[3], q.dtype)
     if variant.family != "fwd":  # a family that serves dense forwards (splitkv), its own plan
         from .families import get

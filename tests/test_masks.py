@@ -296,3 +296,35 @@ def test_varlen_window_softcap(kw, device):
         torch.testing.assert_close(out[sq].transpose(0, 1)[None].double(), ref, atol=2e-5, rtol=1e-4)
         for g, r, s in zip(got, rg, (sq, sk, sk)):
             torch.testing.assert_close(g[s].transpose(0, 1)[None].double(), r, atol=5e-5, rtol=1e-4)
+
+
+# -- split-KV (attention_with_kvcache) -----------------------------------------------------------
+@pytest.mark.parametrize("kw,splits", [(dict(window=(20, -1)), 3), (dict(window=(5, 2)), 1),
+                                       (dict(causal=True, window=(30, 0), softcap=2.0), 4),
+                                       (dict(softcap=1.5), 2)])
+@pytest.mark.parametrize("paged", [False, True])
+def test_kvcache_window_softcap(kw, splits, paged, device):
+    b, nq, hq, hk, d, cap = 3, 3, 4, 2, 32, 96
+    q = torch.randn(b, nq, hq, d, device=device)
+    kc = torch.randn(b, cap, hk, d, device=device)
+    vc = torch.randn_like(kc)
+    lengths = [96, 41, 2]
+    seqlens = torch.tensor(lengths, dtype=torch.int32, device=device)
+    extra = {}
+    kcx, vcx = kc, vc
+    if paged:  # pages of 16 rows, shuffled
+        pages = b * cap // 16
+        perm = torch.randperm(pages, device=device)
+        kcx = torch.empty(pages, 16, hk, d, device=device)
+        vcx = torch.empty_like(kcx)
+        kcx[perm] = kc.reshape(pages, 16, hk, d)
+        vcx[perm] = vc.reshape(pages, 16, hk, d)
+        extra["block_table"] = perm.reshape(b, cap // 16).to(torch.int32)
+    with flashtune.force(f"splitkv-m16-n16-w4-s1-sp{splits}"):
+        out = flashtune.attention_with_kvcache(q, kcx, vcx, cache_seqlens=seqlens, **kw, **extra)
+    for i, n in enumerate(lengths):
+        qb = q[i:i + 1].transpose(1, 2)
+        kb, vb = (t[i:i + 1, :n].transpose(1, 2) for t in (kc, vc))
+        rep = compare(out[i:i + 1].transpose(1, 2), reference(qb, kb, vb, **kw),
+                      same_dtype_math(qb, kb, vb, **kw))
+        assert rep.ok, f"sequence {i} (L={n}): {rep}"

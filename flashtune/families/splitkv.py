@@ -14,7 +14,7 @@ FAMILY = Family(
     doc="Flash-Decoding: keys split over programs, exact combine; GQA heads share tile rows",
     template="attn_splitkv.py.tmpl",
     kernels=("attn_splitkv_partial", "attn_splitkv_combine"),
-    fields=("loads", "num_splits", "paged"),
+    fields=("loads", "num_splits", "paged", "window", "softcap"),
     defaults="flashtune.families.splitkv:default",
     measure="flashtune.measure_splitkv:OPS",
     compile_check="flashtune.families.splitkv:compile_check",
@@ -64,11 +64,11 @@ def bucket(p):
     """What decides the best split-KV config: the rows of one tile (GROUP q heads x Nq tokens),
     the keys per sequence, and the programs before splitting (batch x kv heads). They go into
     Bucket's seqlen_q, seqlen_k and batch_heads fields, on the same log scale."""
-    from ..problem import Bucket, head_dim_bucket, log2_bucket
+    from ..problem import Bucket, head_dim_bucket, log2_bucket, mask_of
     causal = p.causal and p.seqlen_q > 1  # one query token sees every key either way
     return Bucket(p.family, p.dtype, head_dim_bucket(p.head_dim), causal, p.group > 1,
                   log2_bucket(p.group * p.seqlen_q), log2_bucket(p.seqlen_k),
-                  log2_bucket(p.batch * (p.heads // p.group)))
+                  log2_bucket(p.batch * (p.heads // p.group)), mask_of(p))
 
 
 def compile_check(variant, head_dim: int, dtype: str, causal: bool, tails: bool, cap: int,
