@@ -193,6 +193,19 @@ def mask_twin(variant: Variant, masks, head_dim: int, dtype) -> Variant:
         tiles = dict(block_m=min(variant.block_m, bq), block_n=min(variant.block_n, bk))
         if variant.block_m2:
             tiles.update(block_m2=min(variant.block_m2, bq), block_n2=min(variant.block_n2, bk))
+        if bm.mask is not None:
+            # partial blocks load a [rows, keys] tile of the element mask (a pointer per
+            # element): at most 16 per thread. sm_90, D=128 bf16 (`kernels check`, 2026-11-23):
+            # fwd m128-n64-w8 spills 632 B with it, m128-n32-w8 and m64-n32-w4 none
+            def fit(loop_dim, other, warps):
+                return min(loop_dim, max(16, 512 * warps // other))
+            if variant.family == "bwd":  # dK/dV walks queries (block_m); dQ walks keys
+                tiles["block_m"] = fit(tiles["block_m"], tiles["block_n"], variant.num_warps)
+                if variant.block_m2:
+                    tiles["block_n2"] = fit(tiles["block_n2"], tiles["block_m2"],
+                                            variant.num_warps2)
+            else:
+                tiles["block_n"] = fit(tiles["block_n"], tiles["block_m"], variant.num_warps)
     return _twin(variant, tuple(sorted({**want, **tiles}.items())))
 
 

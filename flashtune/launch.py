@@ -108,6 +108,15 @@ def mask_params(masks: Masks) -> dict:
     return dict(BS_Q=bm.block_size[0], BS_KV=bm.block_size[1], ELEM=bm.mask is not None)
 
 
+def example_masks(variant: Variant, causal: bool = False) -> dict:
+    """The mask constexprs a launch of `variant` would take, for compiling without a GPU
+    (compile checks): a block mask of 128-blocks (or the tiles, if larger) with an element mask."""
+    if not variant.block_sparse:
+        return {}
+    return dict(BS_Q=max(128, variant.block_m, variant.block_m2),
+                BS_KV=max(128, variant.block_n, variant.block_n2), ELEM=True)
+
+
 def check_mask_variant(variant: Variant, masks: Masks) -> None:
     """A variant renders exactly the mask code the call needs (dispatch.mask_twin makes one)."""
     if variant.masks != tuple(m for m, on in masks.structure.items() if on):

@@ -37,6 +37,9 @@ def compile_check(variant, head_dim: int, dtype: str, causal: bool, tails: bool,
     n, group = (1000, 4) if tails else (1024, 1)
     params = kernel_params(variant, torch_dtype(dtype), head_dim, causal, group, n, n,
                            varlen=variant.varlen)
+    from ..launch import example_masks
+    extra = example_masks(variant, causal)
+    params = {k: ({**c, **extra}, w, s) for k, (c, w, s) in params.items()}
     fns = {"pre": "attn_bwd_preprocess", "dkdv": "attn_bwd_dkdv", "dq": "attn_bwd_dq"}
     dq_f32 = frozenset({"DQ"}) if variant.dq == "atomic" else frozenset()
     return {k: compile_for(getattr(mod, fns[k]), consts, dtype, warps, stages, capability=cap,

@@ -86,7 +86,9 @@ def compile_check(variant, head_dim: int, dtype: str, causal: bool, tails: bool,
     nq, group = (3, 4) if tails else (1, 8)
     q = torch.empty(2, nq, 8, head_dim, dtype=dt, device="meta")
     k = torch.empty(2, 4096, 8 // group, head_dim, dtype=dt, device="meta")
-    plan = SplitKVPlan(q, k, causal, None, variant)
+    from ..masks import Masks
+    plan = SplitKVPlan(q, k, causal, None, variant,
+                       Masks((64, 0) if variant.window else None, 30.0 if variant.softcap else None))
     consts = {n: v for n, v in plan.kwargs.items() if n not in ("num_warps", "num_stages")}
     mod = load(variant)
     # the partial kernel writes float32 scratch (O, LSE) when the keys are split
