@@ -131,3 +131,56 @@ class Masks:
 
 
 NONE = Masks()
+
+
+# -- the search: a masked Problem's representative masks ----------------------------------------
+SEARCH_SOFTCAP = 50.0  # Gemma 2's attn_logit_softcapping
+
+
+def problem_window(p) -> tuple | None:
+    """A window whose keys per query are about p.window: (W - 1, 0) causal, centred otherwise."""
+    if not p.window:
+        return None
+    w = p.window
+    return (w - 1, 0) if p.causal else (w // 2, w - 1 - w // 2)
+
+
+@lru_cache(maxsize=16)
+def representative(p, device: str = "cuda") -> Masks:
+    """The masks a search times a masked Problem with: problem_window's window, softcap 50, and
+    a block mask of 128-blocks kept at random (seeded) at p.block_density, the diagonal always
+    kept (no empty row). The same problem gives the same masks."""
+    if not (p.window or p.softcap or p.block_density):
+        return NONE
+    bm = None
+    if p.block_density:
+        from .block_mask import BlockMask
+        nqb, nkb = -(-p.seqlen_q // 128), -(-p.seqlen_k // 128)
+        g = torch.Generator().manual_seed(12345)
+        blocks = torch.rand(nqb, nkb, generator=g) < p.block_density
+        blocks |= torch.eye(nqb, nkb, dtype=torch.bool)
+        bm = BlockMask.from_dense(blocks.to(device), (p.seqlen_q, p.seqlen_k), 128)
+    return Masks(problem_window(p), SEARCH_SOFTCAP if p.softcap else None, bm)
+
+
+def parse_spec(text: str) -> dict:
+    """A CLI mask spec -> Problem fields: "window=1024", "softcap", "density=0.1", joined by
+    "+" ("window=4096+softcap"); "none" = no mask."""
+    out: dict = {}
+    for part in filter(None, str(text).strip().lower().split("+")):
+        name, _, value = part.partition("=")
+        try:
+            if name == "none" and not value:
+                continue
+            if name == "window" and int(value) > 0:
+                out["window"] = int(value)
+            elif name == "softcap" and not value:
+                out["softcap"] = True
+            elif name == "density" and 0 < float(value) <= 1:
+                out["block_density"] = float(value)
+            else:
+                raise ValueError
+        except ValueError:
+            raise ValueError(f"mask spec {text!r}: expected none, window=<keys>, softcap or "
+                             f"density=<0..1>, joined by '+'") from None
+    return out

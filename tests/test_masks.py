@@ -328,3 +328,39 @@ def test_kvcache_window_softcap(kw, splits, paged, device):
         rep = compare(out[i:i + 1].transpose(1, 2), reference(qb, kb, vb, **kw),
                       same_dtype_math(qb, kb, vb, **kw))
         assert rep.ok, f"sequence {i} (L={n}): {rep}"
+
+
+# -- the search: masked buckets are measured with representative masks -------------------------
+@pytest.mark.parametrize("fields", [dict(window=24), dict(softcap=True, block_density=0.5)])
+def test_search_measures_masked_problems(fields, device):
+    from flashtune.measure_bwd import BwdOps
+    from flashtune.measure_fwd import OPS as FWD_OPS
+    p = Problem("bwd", "float16", 32, True, 2, 1, 4, 150, 150, **fields)
+    ops = BwdOps(device=device)
+    inputs = ops.inputs(p)
+    v = Variant.parse("bwd-m16-n32-w4-s1-dq=atomic")
+    v = dataclasses.replace(v, **{m: True for m in p.mask_kinds})
+    assert ops.check(ops.run(v, p, inputs), p, ops.reference(p, inputs)).ok
+    pf = dataclasses.replace(p, family="fwd")
+    q, k, vv = inputs[:3]
+    out = FWD_OPS.run(dataclasses.replace(Variant.parse(FWD), **{m: True for m in p.mask_kinds}),
+                      pf, (q, k, vv))
+    assert FWD_OPS.check(out, pf, FWD_OPS.reference(pf, (q, k, vv))).ok
+
+
+def test_search_plans_masked_buckets():
+    from flashtune.masks import parse_spec
+    from flashtune.search_plan import plan
+    from flashtune.targets import get as get_target
+    specs = ((),) + tuple(tuple(sorted(parse_spec(s).items()))
+                          for s in ("window=1024", "density=0.1+softcap"))
+    planned = plan(get_target("H100"), ("fwd", "splitkv"), ("bfloat16",), (128,), (True,),
+                   (4096,), (), specs)
+    masks = sorted({(pb.bucket.family, pb.bucket.mask) for pb in planned})
+    assert ("fwd", "window1024") in masks and ("fwd", "softcap+block8") in masks
+    assert not any(f == "splitkv" and "block" in m for f, m in masks)  # no block-sparse split-KV
+    for pb in planned:
+        v = pb.space.variants()[0] if hasattr(pb.space, "variants") else None
+        assert v is None or set(v.masks) == set(pb.problem.mask_kinds)
+    with pytest.raises(ValueError, match="mask spec"):
+        parse_spec("window=-3")
