@@ -364,3 +364,17 @@ def test_search_plans_masked_buckets():
         assert v is None or set(v.masks) == set(pb.problem.mask_kinds)
     with pytest.raises(ValueError, match="mask spec"):
         parse_spec("window=-3")
+
+
+def test_tuned_db_stores_masked_records(tmp_path):
+    from test_db import make_record
+
+    from flashtune.tuned_db import TunedDB
+    db = TunedDB(f"sqlite:///{tmp_path / 'tuned.db'}")
+    dense = make_record()
+    masked = dataclasses.replace(dense, bucket=dataclasses.replace(dense.bucket,
+                                                                   mask="window1024"))
+    db.put(dense)
+    db.put(masked)
+    got = {r.bucket.mask: r for r in db.records()}
+    assert set(got) == {"", "window1024"} and got["window1024"].bucket == masked.bucket
