@@ -5,7 +5,7 @@ import torch
 
 from .block_mask import BlockMask
 from .masks import NONE, Masks, check_softcap, check_window
-from .ops import BlockSparseAttention, attn_fwd, run_forward
+from .ops import attn_fwd, attn_sparse_fwd, run_forward
 from .ops_varlen import attn_varlen_fwd, run_forward_varlen
 from .validate import check_qkv
 from .validate_varlen import check_varlen
@@ -42,8 +42,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     the softmax (Gemma 2's attn_logit_softcapping; flash_attn's softcap > 0).
     block_mask: a flashtune.BlockMask (from_dense, from_mask, or from_flex of a FlexAttention
     BlockMask): only its kept blocks are loaded and computed, forward and backward; composes
-    with causal, window and softcap. With a block mask the call runs through an
-    autograd.Function (eager; torch.compile graph-breaks there).
+    with causal, window and softcap (a registered op too: torch.compile traces it).
     """
     check_qkv(q, k, v, causal, scale)
     if not isinstance(deterministic, bool):
@@ -53,17 +52,15 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     masks = NONE
     if window is not None or softcap is not None or block_mask is not None:
         masks = check_masks(q, k, causal, window, softcap, block_mask)
-    if masks.block_mask is not None:
-        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-            out = BlockSparseAttention.apply(q, k, v, causal, scale, deterministic, masks)
-        else:
-            out = run_forward(q, k, v, causal, scale, masks=masks)
-        return out if return_lse else out[0]
     if (torch.compiler.is_compiling() or (torch.is_grad_enabled() and
                                           (q.requires_grad or k.requires_grad or v.requires_grad))):
         # through the registered op: autograd, torch.compile and CUDA graphs see one node
         wl, wr = masks.window or (-1, -1)
-        out = attn_fwd(q, k, v, causal, scale, deterministic, wl, wr, masks.softcap)
+        if masks.block_mask is not None:
+            out = attn_sparse_fwd(q, k, v, *masks.block_mask.op_args(), causal, scale,
+                                  deterministic, wl, wr, masks.softcap)
+        else:
+            out = attn_fwd(q, k, v, causal, scale, deterministic, wl, wr, masks.softcap)
     else:
         # inference: skip the op's dispatch overhead
         out = run_forward(q, k, v, causal, scale, masks=masks)

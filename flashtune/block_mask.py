@@ -91,6 +91,38 @@ class BlockMask:
         self.q_num_blocks, self.q_indices = _lists(st, PARTIAL)
         self.full_q_num_blocks, self.full_q_indices = _lists(st, FULL)
 
+    # -- the registered op's flat form ----------------------------------------------------------
+    def op_args(self) -> tuple:
+        """The tensors and ints torch.library ops take for this mask (from_op_args inverts)."""
+        return (self.state, self.kv_num_blocks, self.kv_indices, self.full_kv_num_blocks,
+                self.full_kv_indices, self.q_num_blocks, self.q_indices, self.full_q_num_blocks,
+                self.full_q_indices, self.mask, self.block_size[0], self.block_size[1],
+                self.seq_lengths[0], self.seq_lengths[1])
+
+    @classmethod
+    def from_op_args(cls, state, kv_num, kv_idx, full_kv_num, full_kv_idx, q_num, q_idx,
+                     full_q_num, full_q_idx, mask, bs_q: int, bs_kv: int, nq: int, nk: int
+                     ) -> "BlockMask":
+        """op_args() back into a BlockMask, without recomputing the lists."""
+        self = object.__new__(cls)
+        self.state, self.mask = state, mask
+        self.kv_num_blocks, self.kv_indices = kv_num, kv_idx
+        self.full_kv_num_blocks, self.full_kv_indices = full_kv_num, full_kv_idx
+        self.q_num_blocks, self.q_indices = q_num, q_idx
+        self.full_q_num_blocks, self.full_q_indices = full_q_num, full_q_idx
+        self.block_size, self.seq_lengths = (bs_q, bs_kv), (nq, nk)
+        return self
+
+    @property
+    def identity(self) -> tuple:
+        """What a launch plan built for this mask depends on: its tensors' storage (a plan holds
+        them, so no other tensor takes those addresses while it lives) and its sizes. Equal for
+        the same mask passed again, or rebuilt from the same tensors (the registered op)."""
+        m = self.mask
+        return (self.state.data_ptr(), self.kv_indices.data_ptr(), self.q_indices.data_ptr(),
+                tuple(self.state.shape), self.block_size, self.seq_lengths,
+                None if m is None else (m.data_ptr(), tuple(m.shape), m.stride()))
+
     # -- constructors ----------------------------------------------------------------------------
     @classmethod
     def from_dense(cls, blocks: torch.Tensor, seq_lengths: tuple,

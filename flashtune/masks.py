@@ -127,7 +127,8 @@ class Masks:
     @property
     def key(self) -> tuple:
         """What a launch plan depends on (the block mask by identity: its tensors are args)."""
-        return (self.window, self.softcap, None if self.block_mask is None else id(self.block_mask))
+        return (self.window, self.softcap,
+                None if self.block_mask is None else self.block_mask.identity)
 
 
 NONE = Masks()

@@ -203,26 +203,83 @@ def _backward(ctx, grad_o, grad_lse):
 attn_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
-# -- block-sparse attention (flashtune.BlockMask): an autograd.Function, eager only -------------
-# (a BlockMask is a bundle of index tensors; the registered ops above take flat arguments only)
-class BlockSparseAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, causal, scale, deterministic, masks):
-        o, lse = run_forward(q, k, v, causal, scale, masks=masks)
-        ctx.save_for_backward(q, k, v, o, lse)
-        ctx.args = (causal, scale, deterministic, masks)
-        ctx.forced = dispatch.forced_variant()
-        ctx.mark_non_differentiable(lse)
-        return o, lse
-
-    @staticmethod
-    def backward(ctx, grad_o, grad_lse):
-        q, k, v, o, lse = ctx.saved_tensors
-        causal, scale, deterministic, masks = ctx.args
-        dq, dk, dv = call_forced(ctx.forced, _run_backward_masks, grad_o, q, k, v, o, lse, causal,
-                                 scale, deterministic, masks)
-        return dq, dk, dv, None, None, None, None
+# -- block-sparse attention (flashtune.BlockMask) -------------------------------------------------
+# The block mask travels as its flat tensors (BlockMask.op_args), so torch.compile and CUDA
+# graphs see one opaque node here too.
+def _sparse_masks(bm_args, window_left, window_right, softcap) -> Masks:
+    from .block_mask import BlockMask
+    window = None if window_left == window_right == -1 else (window_left, window_right)
+    return Masks(window, softcap, BlockMask.from_op_args(*bm_args))
 
 
-def _run_backward_masks(grad_o, q, k, v, o, lse, causal, scale, deterministic, masks):
-    return run_backward(grad_o, q, k, v, o, lse, causal, scale, deterministic, masks=masks)
+@torch.library.custom_op("flashtune::attn_sparse_fwd", mutates_args=())
+def attn_sparse_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: torch.Tensor,
+                    kv_num: torch.Tensor, kv_idx: torch.Tensor, full_kv_num: torch.Tensor,
+                    full_kv_idx: torch.Tensor, q_num: torch.Tensor, q_idx: torch.Tensor,
+                    full_q_num: torch.Tensor, full_q_idx: torch.Tensor,
+                    elem: Optional[torch.Tensor], bs_q: int, bs_kv: int, nq: int, nk: int,
+                    causal: bool, scale: Optional[float], deterministic: bool, window_left: int,
+                    window_right: int,
+                    softcap: Optional[float]) -> tuple[torch.Tensor, torch.Tensor]:
+    bm = (state, kv_num, kv_idx, full_kv_num, full_kv_idx, q_num, q_idx, full_q_num, full_q_idx,
+          elem, bs_q, bs_kv, nq, nk)
+    o, lse = run_forward(q, k, v, causal, scale,
+                         masks=_sparse_masks(bm, window_left, window_right, softcap))
+    return o, lse
+
+
+@attn_sparse_fwd.register_fake
+def _attn_sparse_fwd_fake(q, k, v, *rest):
+    return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
+
+
+@torch.library.custom_op("flashtune::attn_sparse_bwd", mutates_args=())
+def attn_sparse_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    o: torch.Tensor, lse: torch.Tensor, state: torch.Tensor,
+                    kv_num: torch.Tensor, kv_idx: torch.Tensor, full_kv_num: torch.Tensor,
+                    full_kv_idx: torch.Tensor, q_num: torch.Tensor, q_idx: torch.Tensor,
+                    full_q_num: torch.Tensor, full_q_idx: torch.Tensor,
+                    elem: Optional[torch.Tensor], bs_q: int, bs_kv: int, nq: int, nk: int,
+                    causal: bool, scale: Optional[float], deterministic: bool, window_left: int,
+                    window_right: int, softcap: Optional[float]
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    bm = (state, kv_num, kv_idx, full_kv_num, full_kv_idx, q_num, q_idx, full_q_num, full_q_idx,
+          elem, bs_q, bs_kv, nq, nk)
+    return run_backward(grad_out, q, k, v, o, lse, causal, scale, deterministic,
+                        masks=_sparse_masks(bm, window_left, window_right, softcap))
+
+
+@attn_sparse_bwd.register_fake
+def _attn_sparse_bwd_fake(grad_out, q, k, v, o, *rest):
+    check_grad_output(grad_out, o)
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _sparse_setup_context(ctx, inputs, output):
+    q, k, v, *rest = inputs
+    o, lse = output
+    tensors = rest[:9]
+    elem = rest[9]
+    ctx.save_for_backward(q, k, v, o, lse, *tensors, *(() if elem is None else (elem,)))
+    ctx.has_elem = elem is not None
+    ctx.rest = tuple(rest[10:])  # bs_q, bs_kv, nq, nk, causal, scale, deterministic, window, cap
+    ctx.forced = dispatch.forced_variant()
+    ctx.mark_non_differentiable(lse)
+
+
+def _sparse_backward(ctx, grad_o, grad_lse):
+    n_in = 3 + 10 + len(ctx.rest)
+    if grad_o is None:
+        return (None,) * n_in
+    saved = ctx.saved_tensors
+    q, k, v, o, lse = saved[:5]
+    tensors = saved[5:14]
+    elem = saved[14] if ctx.has_elem else None
+    dq, dk, dv = call_forced(ctx.forced, attn_sparse_bwd, grad_o, q, k, v, o, lse, *tensors,
+                             elem, *ctx.rest)
+    need = ctx.needs_input_grad
+    return (dq if need[0] else None, dk if need[1] else None, dv if need[2] else None,
+            *(None,) * (n_in - 3))
+
+
+attn_sparse_fwd.register_autograd(_sparse_backward, setup_context=_sparse_setup_context)

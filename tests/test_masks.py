@@ -378,3 +378,20 @@ def test_tuned_db_stores_masked_records(tmp_path):
     db.put(masked)
     got = {r.bucket.mask: r for r in db.records()}
     assert set(got) == {"", "window1024"} and got["window1024"].bucket == masked.bucket
+
+
+def test_block_mask_under_torch_compile(device):
+    q, k, v = (t.requires_grad_() for t in qkv(1, 2, 1, 40, 70, 32, torch.float32, device))
+    bm = BlockMask.from_mask(torch.rand(40, 70, device=device) < 0.7, block_size=32)
+
+    def f(q, k, v):
+        return flashtune.attention(q, k, v, block_mask=bm, window=(30, 10), softcap=2.0)
+
+    with flashtune.force(FWD):
+        want = f(q, k, v)
+        got = torch.compile(f, backend="aot_eager", fullgraph=True)(q, k, v)
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+    g1 = torch.autograd.grad(got.sum(), (q, k, v))
+    g2 = torch.autograd.grad(want.sum(), (q, k, v))
+    for a, b in zip(g1, g2):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
