@@ -15,8 +15,8 @@ Rows (one JSON line each, a table at the end), forward ("fwd") and with --bwd "f
              math backend; skipped where the N x N mask does not fit)
   density p  flashtune.attention(block_mask=BlockMask.from_dense(random blocks, p)) for p in
              5 .. 100 % (128 x 128 blocks, the same random pattern for every peer; the diagonal
-             block always kept so no row is empty); flex with a BlockMask of the same blocks
-             (BlockMask.from_kv_blocks); sdpa with the expanded element mask
+             block always kept so no row is empty); flex with create_block_mask of a mask_mod
+             reading that block pattern (every kept block full); sdpa with the element mask
 Targets (issue 11): 10 %-dense <= 0.15x the dense time at N=16k; at or above FlexAttention.
 FLOPs for TFLOP/s: 4*B*H*D*(visible pairs) (fwd; bwd 2.5x): dense N^2 (causal N^2/2), window
 sum over rows of the keys it sees, block density p * N^2.
@@ -161,13 +161,13 @@ def main(argv=None) -> int:
         if args.no_peers:
             continue
         try:
-            from torch.nn.attention.flex_attention import BlockMask as FlexBlockMask
-            num = blocks.sum(-1, dtype=torch.int32)[None, None]
-            idx = torch.argsort(blocks.to(torch.int8), dim=-1, descending=True,
-                                stable=True).to(torch.int32)[None, None]
-            # every kept block is full: no mask_mod work inside (as flashtune's)
-            fbm = FlexBlockMask.from_kv_blocks(torch.zeros_like(num), idx, num, idx,
-                                               BLOCK_SIZE=128, seq_lengths=(n, n))
+            from torch.nn.attention.flex_attention import create_block_mask
+
+            def kept(bb, hh, qi, ki, blocks=blocks):
+                return blocks[qi // 128, ki // 128]
+            # the block pattern as a mask_mod: create_block_mask finds every kept block full
+            # (the mask is constant inside it), so Flex skips mask_mod there, as flashtune does
+            fbm = create_block_mask(kept, None, None, n, n, device=dev, BLOCK_SIZE=128)
             record("density", pct, "flex", flex_fn(fbm), pairs)
         except Exception as e:  # noqa: BLE001
             print(f"flex density {pct}: {e!r}")

@@ -280,7 +280,8 @@ class Explanation:
         b = self.bucket
         lines = [f"problem  {_fmt_problem(self.problem)}",
                  f"bucket   {b.family} {b.dtype} d{b.head_dim} causal={b.causal} gqa={b.gqa} "
-                 f"Nq~{b.seqlen_q} Nk~{b.seqlen_k} BH~{b.batch_heads}",
+                 f"Nq~{b.seqlen_q} Nk~{b.seqlen_k} BH~{b.batch_heads}"
+                 + (f" mask={b.mask}" if b.mask else ""),
                  f"gpu      {self.gpu or '(none detected)'}",
                  f"level    {self.level}  ({self.origin})",
                  f"variant  {self.variant.name}"]
@@ -297,8 +298,10 @@ class Explanation:
 
 
 def _fmt_problem(p: Problem) -> str:
+    masks = "".join(f" {n}={v}" for n, v in (("window", p.window), ("softcap", p.softcap),
+                                              ("block_density", p.block_density)) if v)
     return (f"{p.family} {p.dtype} d{p.head_dim} causal={p.causal} group={p.group} "
-            f"B={p.batch} H={p.heads} Nq={p.seqlen_q} Nk={p.seqlen_k}")
+            f"B={p.batch} H={p.heads} Nq={p.seqlen_q} Nk={p.seqlen_k}{masks}")
 
 
 def explain(problem, k=None, v=None, *, causal: bool = False, family: str = "fwd") -> Explanation:
