@@ -4,6 +4,7 @@ beside FlexAttention compiled with the same mask and SDPA with an explicit mask.
     python3 bench/mask_bench.py                 # N=16k, B=1, H=16, D=128, bf16: the issue's grid
     python3 bench/mask_bench.py --quick         # N=4k, a few points (smoke run)
     python3 bench/mask_bench.py --bwd           # also fwd+bwd rows
+    TRITON_INTERPRET=1 python3 bench/mask_bench.py --smoke --no-peers   # CPU smoke run
 
 Rows (one JSON line each, a table at the end), forward ("fwd") and with --bwd "fwd+bwd":
   dense      flashtune.attention without a mask (before/after: compare with fwd_bench's dense
@@ -38,6 +39,12 @@ from flashtune.masks import dense_mask, window_keys  # noqa: E402
 
 
 def bench_ms(fn, warmup=10, rep=50) -> float:
+    if not torch.cuda.is_available():  # a smoke run in Triton's interpreter: one timed call
+        import time
+        fn()
+        t = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t) * 1e3
     import triton
     return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
 
@@ -52,10 +59,17 @@ def fwd_bwd(fn, q, k, v):
     return run
 
 
-def flex_fn(block_mask, score_mod=None):
-    from torch.nn.attention.flex_attention import flex_attention
-    compiled = torch.compile(flex_attention, dynamic=False)
-    return lambda q, k, v: compiled(q, k, v, block_mask=block_mask, score_mod=score_mod)
+_flex = None
+
+
+def flex_fn(block_mask):
+    """flex_attention compiled once per process: the block masks are its inputs, and the mask_mods
+    below read their parameter from one tensor updated in place, so no point recompiles."""
+    global _flex
+    if _flex is None:
+        from torch.nn.attention.flex_attention import flex_attention
+        _flex = torch.compile(flex_attention, dynamic=False)
+    return lambda q, k, v: _flex(q, k, v, block_mask=block_mask)
 
 
 def sdpa_fn(mask):
@@ -83,19 +97,25 @@ def main(argv=None) -> int:
     ap.add_argument("--no-peers", action="store_true")
     ap.add_argument("--sdpa-max-n", type=int, default=8192,
                     help="largest N for the SDPA peer (its N x N mask is materialized)")
+    ap.add_argument("--smoke", action="store_true",
+                    help="CPU smoke run in Triton's interpreter (TRITON_INTERPRET=1): N=256")
     ap.add_argument("--out", default=None, help="JSON lines (default $OUT/mask_bench.jsonl)")
     args = ap.parse_args(argv)
     if args.quick:
         args.n, args.windows, args.densities = 4096, "128,1024,4096", "10,50,100"
+    if args.smoke:
+        args.n, args.heads, args.head_dim = 256, 2, 32
+        args.windows, args.densities = "128", "50"
     import os
     out_path = args.out or os.path.join(os.environ.get("OUT", "bench_out"), "mask_bench.jsonl")
     Path(out_path).parent.mkdir(parents=True, exist_ok=True)
     f = open(out_path, "w")
     rows = []
 
-    dev = "cuda"
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
     b, h, n, d = args.batch, args.heads, args.n, args.head_dim
-    q, k, v = (torch.randn(b, h, n, d, device=dev, dtype=torch.bfloat16, requires_grad=args.bwd)
+    dt = torch.bfloat16 if dev == "cuda" else torch.float32
+    q, k, v = (torch.randn(b, h, n, d, device=dev, dtype=dt, requires_grad=args.bwd)
                for _ in range(3))
     modes = ["fwd"] + (["fwd+bwd"] if args.bwd else [])
 
@@ -119,7 +139,8 @@ def main(argv=None) -> int:
             f.flush()
             print(json.dumps(row), flush=True)
 
-    env = dict(kind="env", device=torch.cuda.get_device_name(), torch=torch.__version__,
+    env = dict(kind="env", torch=torch.__version__,
+               device=torch.cuda.get_device_name() if dev == "cuda" else "cpu",
                N=n, B=b, H=h, D=d, dtype="bfloat16")
     f.write(json.dumps(env) + "\n")
     print(env)
@@ -130,6 +151,10 @@ def main(argv=None) -> int:
            lambda q, k, v: flashtune.attention(q, k, v, causal=True), n * n / 2)
 
     # window sweep: causal sliding window of W keys back (Mistral)
+    w_now = torch.zeros((), dtype=torch.int64, device=dev)  # the Flex mask_mod's W
+
+    def sliding(bb, hh, qi, ki):
+        return (qi >= ki) & (qi - ki <= w_now)
     for w in (int(x) for x in args.windows.split(",") if int(x) <= n):
         pairs = window_keys(n, n, True, (w, 0)) * n
         record("window", w, "flashtune",
@@ -139,9 +164,7 @@ def main(argv=None) -> int:
             continue
         try:
             from torch.nn.attention.flex_attention import create_block_mask
-
-            def sliding(bb, hh, qi, ki, w=w):
-                return (qi >= ki) & (qi - ki <= w)
+            w_now.fill_(w)
             fbm = create_block_mask(sliding, None, None, n, n, device=dev)
             record("window", w, "flex", flex_fn(fbm), pairs)
         except Exception as e:  # noqa: BLE001
@@ -152,6 +175,10 @@ def main(argv=None) -> int:
 
     # density sweep: random 128 x 128 blocks
     nb = -(-n // 128)
+    blocks_now = torch.zeros(nb, nb, dtype=torch.bool, device=dev)  # the Flex mask_mod's blocks
+
+    def kept(bb, hh, qi, ki):
+        return blocks_now[qi // 128, ki // 128]
     for pct in (int(x) for x in args.densities.split(",")):
         blocks = random_blocks(nb, pct / 100, seed=pct).to(dev)
         bm = flashtune.BlockMask.from_dense(blocks, (n, n), block_size=128)
@@ -162,9 +189,7 @@ def main(argv=None) -> int:
             continue
         try:
             from torch.nn.attention.flex_attention import create_block_mask
-
-            def kept(bb, hh, qi, ki, blocks=blocks):
-                return blocks[qi // 128, ki // 128]
+            blocks_now.copy_(blocks)
             # the block pattern as a mask_mod: create_block_mask finds every kept block full
             # (the mask is constant inside it), so Flex skips mask_mod there, as flashtune does
             fbm = create_block_mask(kept, None, None, n, n, device=dev, BLOCK_SIZE=128)
