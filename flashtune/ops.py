@@ -131,8 +131,9 @@ def run_backward(grad_out, q, k, v, o, lse, causal: bool, scale, deterministic: 
         variant = select_bwd(q, k, causal, deterministic, masks)
     elif deterministic and variant.dq != "separate":
         raise ValueError(f"deterministic=True needs a dq='separate' variant, got {variant.name}")
+    # masks only where there are some: a dense call is the call it always was
     return launch_bwd.backward(grad_out, q, k, v, o, lse.contiguous(), causal, scale, variant,
-                               masks)
+                               *((masks,) if masks.any else ()))
 
 
 # -- torch.library registration ------------------------------------------------------------------

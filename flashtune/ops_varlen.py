@@ -64,7 +64,7 @@ def run_backward_varlen(grad_out, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, m
         variant = dispatch.mask_twin(variant, masks, q.shape[2], q.dtype)
     return launch_bwd.backward_varlen(grad_out, q, k, v, o, lse.contiguous(), cu_seqlens_q,
                                       cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale,
-                                      variant, masks)
+                                      variant, *((masks,) if masks.any else ()))
 
 
 # -- torch.library registration ------------------------------------------------------------------
