@@ -95,7 +95,7 @@ def main(argv=None) -> int:
     ap.add_argument("--bwd", action="store_true", help="also time forward + backward")
     ap.add_argument("--quick", action="store_true", help="N=4096, three points per sweep")
     ap.add_argument("--no-peers", action="store_true")
-    ap.add_argument("--sdpa-max-n", type=int, default=8192,
+    ap.add_argument("--sdpa-max-n", type=int, default=16384,
                     help="largest N for the SDPA peer (its N x N mask is materialized)")
     ap.add_argument("--smoke", action="store_true",
                     help="CPU smoke run in Triton's interpreter (TRITON_INTERPRET=1): N=256")
