@@ -19,6 +19,11 @@ for step in ${STEPS:-fwdtests}; do
     fwdtests) timeout 240 python3 -m pytest -q -x tests/test_forward.py tests/test_forward_gpu.py \
                 tests/test_api_errors.py tests/test_codegen.py 2>&1 | tee "$OUT/fwdtests.log" | tail -25 ;;
     fwdbench) timeout ${FWDBENCH_TIMEOUT:-420} python3 bench/fwd_bench.py ${FWDBENCH_ARGS:---sweep} 2>&1 | tee "$OUT/fwdbench.log" | tail -45 ;;
+    masktests) timeout 300 python3 -m pytest -q -x tests/test_masks.py 2>&1 | tee "$OUT/masktests.log" | tail -15 ;;
+    masks)    # issue 11: window sweep 128..N and density sweep 5..100 % at N=16k (D=128, bf16) beside
+              # Flex (compiled, same mask) and SDPA (explicit mask); dense rows for before/after
+              timeout ${MASKS_TIMEOUT:-540} python3 bench/mask_bench.py ${MASKS_ARGS:-} 2>&1 \
+                | tee "$OUT/masks.log" | tail -60 ;;
     gputests) timeout 300 python3 -m pytest -q -m gpu tests 2>&1 | tee "$OUT/gputests.log" | tail -30 ;;
     dispatch) timeout 120 python3 bench/dispatch_overhead.py 2>&1 | tee "$OUT/dispatch.log" | tail -22 ;;
     sweep)    timeout 290 python3 bench/sweep.py --budget 240 2>&1 | tee "$OUT/sweep.log" | tail -8 ;;

@@ -60,6 +60,12 @@ class Variant:
     pingpong: bool = False
     persistent: bool = False
     loader_regs: int = 0
+    # structural, masks beyond causal (flashtune/masks.py; only the variants that take them carry
+    # their code): local attention with runtime (left, right) bounds; tanh softcapping of the
+    # scores; block-sparse key iteration over a flashtune.BlockMask's lists
+    window: bool = False
+    softcap: bool = False
+    block_sparse: bool = False
 
     def __post_init__(self):
         from flashtune.families import get, names
@@ -163,4 +169,14 @@ class Variant:
     def structure(self) -> dict:
         """The fields that change the rendered text (the template's `#%if` conditions read these)."""
         return {"causal_split": self.causal_split, "loads": self.loads, "dq": self.dq,
-                "varlen": self.varlen, "paged": self.paged, "pingpong": self.pingpong}
+                "varlen": self.varlen, "paged": self.paged, "pingpong": self.pingpong,
+                "window": self.window,
+                "softcap": self.softcap, "block_sparse": self.block_sparse,
+                # any mask beyond causal: the window's bounds and loops (softcap alone runs them
+                # with an unbounded window)
+                "masked": self.window or self.softcap or self.block_sparse}
+
+    @property
+    def masks(self) -> tuple:
+        """The mask code this variant carries: ("window", "softcap", "block_sparse") or fewer."""
+        return tuple(m for m in ("window", "softcap", "block_sparse") if getattr(self, m))

@@ -22,6 +22,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from . import env
+from ._keys import as_dict
 from .codegen import Variant
 from .defaults import default_variant
 from .problem import Bucket, Problem, dtype_name
@@ -115,17 +116,20 @@ def forced_variant() -> Variant | None:
     return forced
 
 
-def select_for_call(family: str, q, k, causal: bool) -> Variant:
+def select_for_call(family: str, q, k, causal: bool, masks=None) -> Variant:
     """select() for the tensors of a call. A hit is one tuple and one dict lookup: no Problem
-    is built (that dataclass costs more than the rest of the lookup)."""
+    is built (that dataclass costs more than the rest of the lookup). masks (flashtune/masks.py):
+    a masked call looks up its masked bucket; the caller renders the masks in (mask_twin)."""
     forced = forced_variant()
     if forced is not None and _serves(forced, family):
         return forced
     ks = k.shape
     key = (family, q.dtype, q.shape, ks[1], ks[2], causal)
+    if masks is not None and masks.any:
+        key += masks.key
     v = _memo_call.get(key)
     if v is None:
-        v = select(Problem.of_call(family, q, k, causal))
+        v = select(Problem.of_call(family, q, k, causal, masks))
         if len(_memo_call) >= _MEMO_MAX:
             _memo_call.clear()
         _memo_call[key] = v
@@ -177,6 +181,44 @@ def pointer_twin(variant: Variant) -> Variant:
     return dataclasses.replace(variant, loads="pointer")
 
 
+def mask_twin(variant: Variant, masks, head_dim: int, dtype) -> Variant:
+    """`variant` rendered with the mask code `masks` needs (window, softcap, block_sparse), its
+    tiles fitted to a block mask's block size (BLOCK_M | BS_Q, BLOCK_N | BS_KV). A family that
+    cannot take the masks (splitkv serving a dense forward: no block mask) gives way to the
+    built-in fwd default."""
+    from .families import get
+    want = masks.structure
+    fam = get(variant.family)
+    if any(on and name not in fam.fields for name, on in want.items()):
+        variant = default_variant("fwd", head_dim, dtype_name(dtype))
+    bm = masks.block_mask
+    tiles = {}
+    if bm is not None:
+        bq, bk = bm.block_size
+        tiles = dict(block_m=min(variant.block_m, bq), block_n=min(variant.block_n, bk))
+        if variant.block_m2:
+            tiles.update(block_m2=min(variant.block_m2, bq), block_n2=min(variant.block_n2, bk))
+        if bm.mask is not None:
+            # partial blocks load a [rows, keys] tile of the element mask (a pointer per
+            # element): at most 16 per thread. sm_90, D=128 bf16 (`kernels check`, 2026-11-23):
+            # fwd m128-n64-w8 spills 632 B with it, m128-n32-w8 and m64-n32-w4 none
+            def fit(loop_dim, other, warps):
+                return min(loop_dim, max(16, 512 * warps // other))
+            if variant.family == "bwd":  # dK/dV walks queries (block_m); dQ walks keys
+                tiles["block_m"] = fit(tiles["block_m"], tiles["block_n"], variant.num_warps)
+                if variant.block_m2:
+                    tiles["block_n2"] = fit(tiles["block_n2"], tiles["block_m2"],
+                                            variant.num_warps2)
+            else:
+                tiles["block_n"] = fit(tiles["block_n"], tiles["block_m"], variant.num_warps)
+    return _twin(variant, tuple(sorted({**want, **tiles}.items())))
+
+
+@lru_cache(maxsize=1024)
+def _twin(variant: Variant, changes: tuple) -> Variant:
+    return dataclasses.replace(variant, **dict(changes))
+
+
 @lru_cache(maxsize=256)
 def varlen_twin(variant: Variant) -> Variant:
     """The same tiles and loads rendered for packed variable-length sequences."""
@@ -224,8 +266,8 @@ class Explanation:
 
     def to_dict(self) -> dict:
         return {
-            "problem": dataclasses.asdict(self.problem),
-            "bucket": dataclasses.asdict(self.bucket),
+            "problem": as_dict(self.problem),
+            "bucket": as_dict(self.bucket),
             "variant": self.variant.name,
             "level": self.level,
             "origin": self.origin,
@@ -244,7 +286,8 @@ class Explanation:
         b = self.bucket
         lines = [f"problem  {_fmt_problem(self.problem)}",
                  f"bucket   {b.family} {b.dtype} d{b.head_dim} causal={b.causal} gqa={b.gqa} "
-                 f"Nq~{b.seqlen_q} Nk~{b.seqlen_k} BH~{b.batch_heads}",
+                 f"Nq~{b.seqlen_q} Nk~{b.seqlen_k} BH~{b.batch_heads}"
+                 + (f" mask={b.mask}" if b.mask else ""),
                  f"gpu      {self.gpu or '(none detected)'}",
                  f"level    {self.level}  ({self.origin})",
                  f"variant  {self.variant.name}"]
@@ -261,8 +304,10 @@ class Explanation:
 
 
 def _fmt_problem(p: Problem) -> str:
+    masks = "".join(f" {n}={v}" for n, v in (("window", p.window), ("softcap", p.softcap),
+                                              ("block_density", p.block_density)) if v)
     return (f"{p.family} {p.dtype} d{p.head_dim} causal={p.causal} group={p.group} "
-            f"B={p.batch} H={p.heads} Nq={p.seqlen_q} Nk={p.seqlen_k}")
+            f"B={p.batch} H={p.heads} Nq={p.seqlen_q} Nk={p.seqlen_k}{masks}")
 
 
 def explain(problem, k=None, v=None, *, causal: bool = False, family: str = "fwd") -> Explanation:

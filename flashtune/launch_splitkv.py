@@ -101,7 +101,14 @@ class SplitKVPlan:
     only on shapes, strides, dtype and the variant is fixed here (callers memoize plans); the
     split count follows each call's longest sequence (run's max_seqlen)."""
 
-    def __init__(self, q, k_cache, causal: bool, scale: float | None, variant: Variant):
+    def __init__(self, q, k_cache, causal: bool, scale: float | None, variant: Variant,
+                 masks=None):
+        from .launch import check_mask_variant, mask_args
+        from .masks import NONE
+        masks = masks or NONE
+        check_mask_variant(variant, masks)
+        # window / softcap runtime arguments after sm_scale (launch.mask_args; no block mask)
+        self.mask_args = mask_args(masks, causal, "q", 1, 1)
         b, nq, h, d = q.shape
         hk = k_cache.shape[2]
         group = h // hk
@@ -161,7 +168,7 @@ class SplitKVPlan:
             _need_allocator()
         bt = block_table if self.paged else seqlens  # (unused when not paged)
         self.partial[(self.programs, s)](
-            q, k_cache, v_cache, bt, seqlens, o_dst, l_dst, self.scale,
+            q, k_cache, v_cache, bt, seqlens, o_dst, l_dst, self.scale, *self.mask_args,
             q.stride(0), q.stride(1), q.stride(2),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
