@@ -69,16 +69,8 @@ def bench_ms(fn) -> float:
     if GRAPH:
         # the step as a CUDA graph, as serving runs decoding: replays time the GPU's work, not
         # Python's launch overhead (which bounds every implementation at batch 1, SDPA's too)
-        fn()
-        torch.cuda.synchronize()
-        stream = torch.cuda.Stream()
-        with torch.cuda.stream(stream):
-            fn()  # warm on the capture stream
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, stream=stream):
-                fn()
-        torch.cuda.synchronize()
-        return triton.testing.do_bench(g.replay, warmup=25, rep=100, return_mode="median")
+        from flashtune.bench.timing import graphed
+        return triton.testing.do_bench(graphed(fn), warmup=25, rep=100, return_mode="median")
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 

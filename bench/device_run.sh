@@ -19,6 +19,11 @@ for step in ${STEPS:-fwdtests}; do
     fwdtests) timeout 240 python3 -m pytest -q -x tests/test_forward.py tests/test_forward_gpu.py \
                 tests/test_api_errors.py tests/test_codegen.py 2>&1 | tee "$OUT/fwdtests.log" | tail -25 ;;
     fwdbench) timeout ${FWDBENCH_TIMEOUT:-420} python3 bench/fwd_bench.py ${FWDBENCH_ARGS:---sweep} 2>&1 | tee "$OUT/fwdbench.log" | tail -45 ;;
+    masktests) timeout 300 python3 -m pytest -q -x tests/test_masks.py 2>&1 | tee "$OUT/masktests.log" | tail -15 ;;
+    masks)    # issue 11: window sweep 128..N and density sweep 5..100 % at N=16k (D=128, bf16) beside
+              # Flex (compiled, same mask) and SDPA (explicit mask); dense rows for before/after
+              timeout ${MASKS_TIMEOUT:-540} python3 bench/mask_bench.py ${MASKS_ARGS:-} 2>&1 \
+                | tee "$OUT/masks.log" | tail -60 ;;
     gputests) timeout 300 python3 -m pytest -q -m gpu tests 2>&1 | tee "$OUT/gputests.log" | tail -30 ;;
     dispatch) timeout 120 python3 bench/dispatch_overhead.py 2>&1 | tee "$OUT/dispatch.log" | tail -22 ;;
     sweep)    timeout 290 python3 bench/sweep.py --budget 240 2>&1 | tee "$OUT/sweep.log" | tail -8 ;;
@@ -101,6 +106,34 @@ for step in ${STEPS:-fwdtests}; do
               gzip -c "$st/$slug.journal" > "$OUT/tables_state/$slug.journal.gz"
               cp "$st/$slug.db" "$st/$slug.calls" "$OUT/tables_state/"
               echo "calls so far:"; cat "$st/$slug.calls" ;;
+    splitkvtests) timeout ${SPLITKV_TIMEOUT:-200} python3 -m pytest -q -x tests/test_splitkv.py \
+                2>&1 | tee "$OUT/splitkvtests.log" | tail -8 ;;
+    dsweep)   timeout ${DSWEEP_TIMEOUT:-330} python3 bench/decode_sweep.py --out "$OUT/decode_sweep.jsonl" ${DSWEEP_ARGS:-} \
+                --budget ${DSWEEP_BUDGET:-300} 2>&1 | tee "$OUT/decode_sweep.log" | tail -20 ;;
+    dncu)     timeout 200 ncu --clock-control none -k "regex:splitkv|sdpa|fmha|cudnn|attn" \
+                --metrics gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,dram__bytes_read.sum,launch__grid_size,launch__registers_per_thread,sm__warps_active.avg.pct_of_peak_sustained_active,launch__occupancy_limit_shared_mem,launch__occupancy_limit_registers \
+                --csv python3 bench/decode_sweep.py --ncu > "$OUT/decode_ncu.csv" 2> "$OUT/decode_ncu.err"
+              tail -3 "$OUT/decode_ncu.err"; wc -l "$OUT/decode_ncu.csv" ;;
+    varlentests) timeout ${VARLENTESTS_TIMEOUT:-240} python3 -m pytest -q -x tests/test_varlen.py 2>&1 \
+                | tee "$OUT/varlentests.log" | tail -6 ;;
+    hfstatic) timeout 240 python3 -m pytest -q -x --tb=long tests/test_transformers_backend.py -k "static" 2>&1 \
+                | tee "$OUT/hfstatic.log" | tail -40 ;;
+    # flashtune bench: BENCH_ARGS narrows it (--section dense --mode fwd --head-dim 128 ...) to
+    # fit a call; BENCH_NAME names the folder, so two runs of one call do not collide. The JSON
+    # is rewritten after every case (a run cut by the timeout keeps its rows; put it in the
+    # worktree and add `--resume that/bench.json` to BENCH_ARGS to go on from there). Plots and
+    # the merged report: `flashtune bench --from A/bench.json --from B/bench.json --out DIR`.
+    bench)    d="$OUT/bench${BENCH_NAME:+_$BENCH_NAME}"
+              timeout ${BENCH_TIMEOUT:-560} flashtune bench --no-plots --progress lines --out "$d" \
+                ${BENCH_ARGS:-} > "$d.log" 2>&1; echo "rc $?"; tail -${BENCH_TAIL:-60} "$d.log" ;;
+    benchquick) timeout ${BENCH_TIMEOUT:-560} flashtune bench --quick --no-plots --progress lines \
+                --out "$OUT/benchquick" ${BENCH_ARGS:-} > "$OUT/benchquick.log" 2>&1; echo "rc $?"
+              tail -${BENCH_TAIL:-60} "$OUT/benchquick.log" ;;
+    hopper)   # the Gluon Hopper forward: its GPU tests, then correctness + the standard grid vs SDPA
+              timeout ${HOPPER_TESTS_TIMEOUT:-300} python3 -m pytest -q -m gpu tests/test_hopper.py 2>&1 \
+                | tee "$OUT/hopper_tests.log" | tail -15
+              timeout ${HOPPER_TIMEOUT:-330} python3 bench/hopper_check.py ${HOPPER_ARGS:---per-dim 2 --budget 300} 2>&1 \
+                | tee "$OUT/hopper_check.log" | tail -40 ;;
     *) echo "unknown step $step" ;;
   esac
 done

@@ -1,23 +1,28 @@
-"""Forward benchmark on the standard grid: flashtune beside SDPA's flash and cuDNN backends.
+"""Forward benchmark with the defaults sweep: the measurement behind flashtune/defaults.py.
 
     python bench/fwd_bench.py [--sweep] [--quick]
 
---sweep first times a small set of configs at N=4096 per (D, causal) -- the measurement behind
-flashtune/defaults.py -- and benchmarks the best of it beside the built-in default.
+--sweep first times a set of configs at N=4096 per (D, causal) and then benchmarks the best of
+them (peer "flashtune-sweep") beside flashtune as dispatched and SDPA's flash and cuDNN on the
+standard grid. Without --sweep this is `flashtune bench --section dense --mode fwd` (which
+covers more peers; use it). Output: $OUT/fwd_bench.json (a `flashtune bench` result, plus the
+sweep's rows; render with `flashtune bench --from`) and the tables on stdout.
 """
 from __future__ import annotations
 
 import argparse
 import itertools
+import os
 import sys
+from pathlib import Path
 
 import torch
 
-sys.path.insert(0, __import__("os").path.dirname(__file__))
-from common import Results, bench_ms, fwd_flops, sdpa_fn, standard_grid  # noqa: E402
-
-import flashtune  # noqa: E402
-from flashtune.codegen import Variant  # noqa: E402
+import flashtune
+from flashtune.bench import grid, report, runner
+from flashtune.bench.peers import Flashtune, Forced, Sdpa
+from flashtune.bench.timing import measure
+from flashtune.codegen import Variant
 
 
 def inputs(B, H, N, D, dtype=torch.bfloat16):
@@ -25,9 +30,8 @@ def inputs(B, H, N, D, dtype=torch.bfloat16):
 
 
 def time_variant(variant, q, k, v, causal):
-    with flashtune.force(variant):
-        flashtune.attention(q, k, v, causal=causal)  # compile outside the timing
-        return bench_ms(lambda: flashtune.attention(q, k, v, causal=causal))
+    with flashtune.force(variant), torch.no_grad():
+        return measure(lambda: flashtune.attention(q, k, v, causal=causal), "cuda")[0]
 
 
 def sweep_candidates(d):
@@ -43,8 +47,7 @@ def sweep_candidates(d):
 def _warm(job):
     """Compile one (variant, D, causal) in a worker process: fills Triton's on-disk cache."""
     name, d, causal = job
-    cfg = dict(B=4, H=2048 // d, N=4096, D=d)
-    q, k, v = inputs(cfg["B"], cfg["H"], cfg["N"], d)
+    q, k, v = inputs(4, 2048 // d, 4096, d)
     try:
         with flashtune.force(name):
             flashtune.attention(q, k, v, causal=causal)
@@ -62,66 +65,57 @@ def precompile(jobs, procs):
                 print("compile failed:", err)
 
 
+def sweep(dims, rows) -> dict:
+    """{D: the config with the best worse-of-causal/non-causal TFLOP/s at N=4096}."""
+    precompile([(v.name, d, c) for d in dims for c in (False, True)
+                for v in sweep_candidates(d)], procs=12)
+    best = {}
+    for d in dims:
+        scores = {}
+        for causal in (False, True):
+            case = grid.Case("dense", "fwd", 4, 2048 // d, 2048 // d, 4096, 4096, d, causal)
+            q, k, v = inputs(4, 2048 // d, 4096, d)
+            for var in sweep_candidates(d):
+                row = {"variant": var.name, "D": d, "causal": causal}
+                try:
+                    ms = time_variant(var, q, k, v, causal)
+                except Exception as e:  # noqa: BLE001 -- a failing config is a data point
+                    rows.append({**row, "error": f"{type(e).__name__}: {str(e)[:200]}"})
+                    continue
+                tf = case.work() / ms / 1e9
+                scores.setdefault(var, []).append(tf)
+                rows.append({**row, "ms": ms, "tflops": tf})
+        ranked = sorted(((min(s), v) for v, s in scores.items() if len(s) == 2),
+                        key=lambda x: -x[0])
+        best[d] = ranked[0][1]
+        print(f"D={d}: best {best[d].name} (min over causal {ranked[0][0]:.0f} TFLOP/s); "
+              f"top5 {[(v.name, round(t)) for t, v in ranked[:5]]}")
+    return best
+
+
 def main():
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--quick", action="store_true")
     args = ap.parse_args()
-    res = Results("fwd_bench")
-    best = {}
+    if not torch.cuda.is_available():
+        sys.exit("fwd_bench.py needs a CUDA GPU")
+    out = Path(os.environ.get("OUT") or "bench_out")
+    out.mkdir(parents=True, exist_ok=True)
+    dims = (64, 128)
+    sweep_rows = []
+    peers = [Flashtune(True), Sdpa("flash"), Sdpa("cudnn")]
     if args.sweep:
-        precompile([(v.name, d, c) for d in (64, 128) for c in (False, True)
-                    for v in sweep_candidates(d)], procs=12)
-        for d in (64, 128):
-            scores = {}
-            for causal in (False, True):
-                cfg = dict(B=4, H=2048 // d, N=4096, D=d)
-                q, k, v = inputs(cfg["B"], cfg["H"], cfg["N"], d)
-                for var in sweep_candidates(d):
-                    try:
-                        ms = time_variant(var, q, k, v, causal)
-                    except Exception as e:  # noqa: BLE001 -- a failing config is a data point
-                        res.write({"kind": "sweep", "variant": var.name, "D": d, "causal": causal,
-                                   "error": f"{type(e).__name__}: {str(e)[:200]}"})
-                        continue
-                    tf = fwd_flops(**cfg, causal=causal) / ms / 1e9
-                    scores.setdefault(var, []).append(tf)
-                    res.write({"kind": "sweep", "variant": var.name, "D": d, "causal": causal,
-                               "ms": ms, "tflops": tf})
-            ranked = sorted(((min(s), v) for v, s in scores.items() if len(s) == 2),
-                            key=lambda x: -x[0])
-            best[d] = ranked[0][1]
-            print(f"D={d}: best {best[d].name} (min over causal {ranked[0][0]:.0f} TFLOP/s); "
-                  f"top5 {[(v.name, round(t)) for t, v in ranked[:5]]}")
-    rows = []
-    grid = list(standard_grid(seqlens=(1024, 4096, 16384) if args.quick else
-                              (512, 1024, 2048, 4096, 8192, 16384)))
-    for g in grid:
-        q, k, v = inputs(g["B"], g["H"], g["N"], g["D"])
-        fl = fwd_flops(**g)
-        row = dict(g)
-        with torch.no_grad():
-            row["flashtune"] = fl / bench_ms(lambda: flashtune.attention(q, k, v, causal=g["causal"])) / 1e9
-            if g["D"] in best:
-                row["flashtune_sweep"] = fl / time_variant(best[g["D"]], q, k, v, g["causal"]) / 1e9
-            for name in ("flash", "cudnn"):
-                try:
-                    row[name] = fl / bench_ms(sdpa_fn(name, q, k, v, g["causal"])) / 1e9
-                except RuntimeError as e:
-                    row[name] = None
-                    print(f"{name} failed at {g}: {e}")
-        res.write({"kind": "fwd", "dtype": "bfloat16", **row})
-        rows.append(row)
-        del q, k, v
-    hdr = f"{'D':>4} {'causal':>6} {'N':>6} {'ours':>6} {'sweep':>6} {'flash':>6} {'cudnn':>6} {'vsFA2':>6}"
-    print(hdr)
-    for r in rows:
-        f = lambda x: f"{x:6.0f}" if x else "     -"  # noqa: E731
-        ours = max(r["flashtune"], r.get("flashtune_sweep") or 0)
-        print(f"{r['D']:>4} {str(r['causal']):>6} {r['N']:>6} {f(r['flashtune'])} "
-              f"{f(r.get('flashtune_sweep'))} {f(r['flash'])} {f(r['cudnn'])} "
-              f"{ours / r['flash']:6.2f}" if r["flash"] else "")
-    print("results:", res.path)
+        peers.insert(1, Forced("flashtune-sweep", sweep(dims, sweep_rows),
+                               "the sweep's best config per head dim"))
+    shapes = grid.Shapes(head_dims=dims, modes=("fwd",),
+                         seqlens=(1024, 4096, 16384) if args.quick else grid.SEQLENS)
+    doc = runner.run(shapes, ("dense",), peers, "cuda", checkpoint=out / "fwd_bench.json",
+                     command="python bench/fwd_bench.py " + " ".join(sys.argv[1:]))
+    doc["sweep"] = sweep_rows
+    report.write_json(doc, out / "fwd_bench.json")
+    print(report.markdown(doc, title="bench/fwd_bench.py"))
+    print("results:", out / "fwd_bench.json")
 
 
 if __name__ == "__main__":

@@ -23,29 +23,25 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 import triton  # noqa: E402
 
 import flashtune  # noqa: E402
-from common import environment  # noqa: E402
+from flashtune.bench.grid import draw_lengths as _draw  # noqa: E402
+from flashtune.bench.runner import environment as _environment  # noqa: E402
 
 
 def draw_lengths(tokens: int, lo: int, hi: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    lens: list[int] = []
-    while sum(lens) < tokens:
-        lens.append(rng.randint(lo, hi))
-    over = sum(lens) - tokens
-    if lens[-1] - over >= lo:
-        lens[-1] -= over
-    return lens
+    return list(_draw(tokens, lo, hi, seed))
+
+
+def environment() -> dict:
+    return _environment("cuda")
 
 
 def fwd_flops(h: int, d: int, lens_q, lens_k, causal: bool) -> float:

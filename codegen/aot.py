@@ -13,6 +13,12 @@ _PTR = {"float16": "*fp16", "bfloat16": "*bf16", "float32": "*fp32"}
 _F32_PTRS = {"LSE", "LSE2", "Delta", "R"}   # float32 whatever the inputs' dtype
 _I32_PTRS = {"CU_SEQLENS_Q", "CU_SEQLENS_K"}  # varlen renders' sequence offsets
 _SCALARS_I32 = ("H", "Nq", "Nk")
+# the mask arguments of masked variants (flashtune/masks.py, launch.mask_args): the block mask's
+# int32 lists, int8 block states and uint8 element mask; the softcap a float; the element
+# mask's strides may be 0 or 1 (broadcast, bool rows), so no divisibility is assumed for them
+_MASK_TYPES = {"softcap": "fp32", "BM_NUM": "*i32", "BM_IDX": "*i32", "BM_FULL_NUM": "*i32",
+               "BM_FULL_IDX": "*i32", "BM_STATE": "*i8", "EM": "*u8"}
+_NO_DIV = {"stride_emb", "stride_emh", "stride_emq", "stride_emk"}
 
 
 def _ptxas_candidates() -> list[str]:
@@ -50,6 +56,16 @@ def _launch_fp_fusion() -> bool:
             and not getattr(lang, "force_disable_fp_fusion", False))
 
 
+def _source_class(fn):
+    """Gluon kernels (explicit layouts: the Hopper family) compile from GluonASTSource, the rest
+    from Triton's ASTSource; both take the same signature, constexprs and attributes."""
+    if getattr(fn, "is_gluon", lambda: False)():
+        from triton.experimental.gluon._runtime import GluonASTSource
+        return GluonASTSource
+    from triton.compiler import ASTSource
+    return ASTSource
+
+
 def compile_for(fn, constexprs: dict, dtype: str, num_warps: int, num_stages: int, *,
                 capability: int = 90, f32_ptrs: frozenset = frozenset(), usage: bool = False,
                 types: dict | None = None) -> dict:
@@ -57,21 +73,22 @@ def compile_for(fn, constexprs: dict, dtype: str, num_warps: int, num_stages: in
 
     Arguments named in UPPER case are tensors (of `dtype`, or float32 for LSE-like buffers and
     `f32_ptrs`), `sm_scale` is a float, the rest int32 -- the generated templates' convention;
-    `types` names the arguments that break it ({"SEQLENS": "*i32", "HK": "i32", ...}).
+    `types` names the arguments that break it ({"SEQLENS": "*i32", "HK": "i32", ...}; a Gluon
+    kernel's TMA descriptors as "tensordesc<bf16[1,128,128],NVMMASharedLayout(...)>").
     Returns {"smem": bytes, "ptx": text} (+ regs/spill_bytes with usage=True); raises what
     Triton raises (CompilationError, out of resources) for a config that cannot build."""
     import triton
     from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
     sig, attrs = {}, {}
-    types = types or {}
+    types = {**_MASK_TYPES, **(types or {})}
     for i, name in enumerate(fn.arg_names):
         if name in constexprs:
             sig[name] = "constexpr"
         elif name in types:
             sig[name] = types[name]
-            if types[name].startswith("*") or name.startswith("stride"):
+            if types[name].startswith("*") or (name.startswith("stride")
+                                                 and name not in _NO_DIV):
                 attrs[(i,)] = [["tt.divisibility", 16]]
         elif name[0].isupper() and name not in _SCALARS_I32:
             sig[name] = ("*i32" if name in _I32_PTRS else
@@ -81,9 +98,9 @@ def compile_for(fn, constexprs: dict, dtype: str, num_warps: int, num_stages: in
             sig[name] = "fp32"
         else:
             sig[name] = "i32"
-            if name.startswith("stride"):  # row/head/batch strides of D >= 16 tensors
+            if name.startswith("stride") and name not in _NO_DIV:  # of D >= 16 tensors
                 attrs[(i,)] = [["tt.divisibility", 16]]
-    src = ASTSource(fn, sig, constexprs=constexprs, attrs=attrs)
+    src = _source_class(fn)(fn, sig, constexprs=constexprs, attrs=attrs)
     k = triton.compile(src, target=GPUTarget("cuda", capability, 32),
                        options=dict(num_warps=num_warps, num_stages=num_stages,
                                     enable_fp_fusion=_launch_fp_fusion()))

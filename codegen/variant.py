@@ -16,7 +16,7 @@ DQ_SCHEMES = ("none", "separate", "atomic")
 # Short spellings used in variant names: fwd-m128-n64-w8-s3
 _ABBREV = {"block_m": "m", "block_n": "n", "num_warps": "w", "num_stages": "s",
            "block_m2": "mq", "block_n2": "nq", "num_warps2": "wq", "num_stages2": "sq",
-           "num_splits": "sp"}
+           "num_splits": "sp", "loader_regs": "lr"}
 _FROM_ABBREV = {v: k for k, v in _ABBREV.items()}
 _ALWAYS = ("family", "block_m", "block_n", "num_warps", "num_stages")  # in every name and dict
 
@@ -54,6 +54,18 @@ class Variant:
     # structural, splitkv only: the KV cache is paged ((num_pages, page_size, Hk, D) addressed
     # through a block table) instead of one (B, Ncache, Hk, D) tensor
     paged: bool = False
+    # hopper_fwd only (Gluon, sm_90): two consumer partitions with a Q tile each taking turns on
+    # the tensor cores (structural); a persistent grid of one program per SM looping over tiles
+    # (launch); the loader warp's registers (setmaxnreg; 0 = not a warp-specialized family)
+    pingpong: bool = False
+    persistent: bool = False
+    loader_regs: int = 0
+    # structural, masks beyond causal (flashtune/masks.py; only the variants that take them carry
+    # their code): local attention with runtime (left, right) bounds; tanh softcapping of the
+    # scores; block-sparse key iteration over a flashtune.BlockMask's lists
+    window: bool = False
+    softcap: bool = False
+    block_sparse: bool = False
 
     def __post_init__(self):
         from flashtune.families import get, names
@@ -76,6 +88,8 @@ class Variant:
             v = getattr(self, f)
             if v and not _pow2(v):
                 raise ValueError(f"Variant.{f} must be 0 or a power of two, got {v!r}")
+        if not isinstance(self.loader_regs, int) or self.loader_regs < 0:
+            raise ValueError(f"Variant.loader_regs must be an int >= 0, got {self.loader_regs!r}")
         if not isinstance(self.num_splits, int) or self.num_splits < 0:
             raise ValueError(f"Variant.num_splits must be an int >= 0, got {self.num_splits!r}")
         # which fields a family owns and their rules (bwd's dq, splitkv's num_splits and paged):
@@ -136,6 +150,8 @@ class Variant:
                     if v not in ("true", "false"):
                         raise ValueError(f"variant name {text!r}: {k} must be true or false")
                     values[k] = v == "true"
+                elif fields[k].type in ("int", int):
+                    values[k] = int(v)
                 else:
                     values[k] = v
                 continue
@@ -153,4 +169,14 @@ class Variant:
     def structure(self) -> dict:
         """The fields that change the rendered text (the template's `#%if` conditions read these)."""
         return {"causal_split": self.causal_split, "loads": self.loads, "dq": self.dq,
-                "varlen": self.varlen, "paged": self.paged}
+                "varlen": self.varlen, "paged": self.paged, "pingpong": self.pingpong,
+                "window": self.window,
+                "softcap": self.softcap, "block_sparse": self.block_sparse,
+                # any mask beyond causal: the window's bounds and loops (softcap alone runs them
+                # with an unbounded window)
+                "masked": self.window or self.softcap or self.block_sparse}
+
+    @property
+    def masks(self) -> tuple:
+        """The mask code this variant carries: ("window", "softcap", "block_sparse") or fewer."""
+        return tuple(m for m in ("window", "softcap", "block_sparse") if getattr(self, m))

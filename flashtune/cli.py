@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import click
 
+from .cli_bench import bench
 from .cli_db import db, dispatch_group
 from .cli_kernels import kernels
 from .cli_search import search
@@ -18,6 +19,7 @@ main.add_command(kernels)
 main.add_command(search)
 main.add_command(db)
 main.add_command(dispatch_group)
+main.add_command(bench)
 
 if __name__ == "__main__":
     main()

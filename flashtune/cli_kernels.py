@@ -86,7 +86,7 @@ def check(variants, gpu, head_dims, dtypes, causal, tails, fmt):
     for dtype in dts:
         for d in ds:
             vs = chosen or [v for fam in all_families()
-                            if fam.min_capability <= cap
+                            if fam.min_capability <= cap <= (fam.max_capability or cap)
                             for v in fam.seed_variants(d, dtype, arch=target.arch)]
             for v in vs:
                 try:

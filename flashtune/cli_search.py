@@ -1,6 +1,7 @@
 """`flashtune search`: tune the GPU present, bucket by bucket, and write the winners to the DB."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 
@@ -53,6 +54,9 @@ def _seconds(text):
                    "query = key length 512..16k; splitkv the decode grid, keys 2k..128k)")
 @click.option("--batch", "batches", multiple=True, default=(),
               help="batch sizes (default: the standard grid's, 16k tokens per batch)")
+@click.option("--mask", "masks", multiple=True, default=(),
+              help="tune masked buckets: none, window=<keys>, softcap, density=<0..1>, joined "
+                   "by '+' (window=4096+softcap); repeat for several; default: none")
 @click.option("--trials", type=click.IntRange(1), default=40, show_default=True,
               help="variants measured per bucket (infeasible and repeated proposals are free)")
 @click.option("--sampler", type=click.Choice(["tpe", "cmaes", "random", "grid", "exhaustive"]),
@@ -95,8 +99,8 @@ def _seconds(text):
               "every 10 s) or none; auto: bars on a terminal, lines otherwise")
 @click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table",
               show_default=True, help="the summary (or the --dry-run plan) as a table or as JSON")
-def search(gpu, families, dtypes, head_dims, causal, seqlens, batches, trials, sampler, seed,
-           db_url, storage, gpus, workers, compile_workers, resume, dry_run, show_status,
+def search(gpu, families, dtypes, head_dims, causal, seqlens, batches, masks, trials, sampler,
+           seed, db_url, storage, gpus, workers, compile_workers, resume, dry_run, show_status,
            time_budget, in_order, top_k, trial_timeout, replay, no_prune, progress, fmt):
     """Tune this GPU's kernels and store the winners.
 
@@ -115,7 +119,12 @@ def search(gpu, families, dtypes, head_dims, causal, seqlens, batches, trials, s
         if f not in known:
             raise click.BadParameter(f"{f!r} has no search space; known: {', '.join(known)}",
                                      param_hint="--family")
-    cfg = SearchConfig(
+    from .masks import parse_spec
+    try:
+        mask_specs = tuple(tuple(sorted(parse_spec(m).items())) for m in masks) or ((),)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--mask") from None
+    cfg = SearchConfig(masks=mask_specs,
         gpu=gpu, families=fams, dtypes=dtypes, head_dims=head_dims,
         causal={"both": (False, True), "true": (True,), "false": (False,)}[causal],
         seqlens=_split(seqlens, int, "--seqlen"), batches=_split(batches, int, "--batch"),
@@ -129,6 +138,11 @@ def search(gpu, families, dtypes, head_dims, causal, seqlens, batches, trials, s
         target = resolve_target(cfg, dry_run=dry_run or (show_status and gpu != "auto"))
     except targets.GpuMismatch as e:
         raise click.BadParameter(str(e).removeprefix("--gpu "), param_hint="--gpu") from None
+    if not families:  # the default: every family that runs on the target's arch
+        from .families import get
+        cap = target.capability[0] * 10 + target.capability[1]
+        cfg = dataclasses.replace(cfg, families=tuple(
+            f for f in fams if get(f).min_capability <= cap <= (get(f).max_capability or cap)))
     if dry_run:
         _dry_run(cfg, target, plan_of(cfg, target), fmt)
         return

@@ -22,14 +22,16 @@ from functools import lru_cache
 from pathlib import Path
 
 from . import env
+from ._keys import as_dict
 from .codegen import Variant
 from .defaults import default_variant
 from .problem import Bucket, Problem, dtype_name
 from .tuned_db.events import on_write
 from .tuned_db.record import Record
 
-__all__ = ["select", "select_for_call", "select_varlen", "pointer_twin", "varlen_twin", "explain",
-           "force", "clear_cache", "configure", "Explanation"]
+__all__ = ["select", "select_for_call", "select_varlen", "pointer_twin", "varlen_twin",
+           "varlen_pointer_fallback", "explain", "force", "clear_cache", "configure",
+           "builtin_defaults", "Explanation"]
 
 log = logging.getLogger("flashtune.dispatch")
 
@@ -114,17 +116,20 @@ def forced_variant() -> Variant | None:
     return forced
 
 
-def select_for_call(family: str, q, k, causal: bool) -> Variant:
+def select_for_call(family: str, q, k, causal: bool, masks=None) -> Variant:
     """select() for the tensors of a call. A hit is one tuple and one dict lookup: no Problem
-    is built (that dataclass costs more than the rest of the lookup)."""
+    is built (that dataclass costs more than the rest of the lookup). masks (flashtune/masks.py):
+    a masked call looks up its masked bucket; the caller renders the masks in (mask_twin)."""
     forced = forced_variant()
     if forced is not None and _serves(forced, family):
         return forced
     ks = k.shape
     key = (family, q.dtype, q.shape, ks[1], ks[2], causal)
+    if masks is not None and masks.any:
+        key += masks.key
     v = _memo_call.get(key)
     if v is None:
-        v = select(Problem.of_call(family, q, k, causal))
+        v = select(Problem.of_call(family, q, k, causal, masks))
         if len(_memo_call) >= _MEMO_MAX:
             _memo_call.clear()
         _memo_call[key] = v
@@ -147,6 +152,10 @@ def _compete(problem: Problem) -> "Explanation":
     ex = _explain_bucket(problem)
     for rival in all_families():
         if problem.family not in rival.serves:
+            continue
+        why_not = rival.cannot_run(problem, _levels().arch)
+        if why_not:  # silently the problem's own family; explain() says why
+            ex = dataclasses.replace(ex, notes=ex.notes + (f"{rival.name} skipped: {why_not}",))
             continue
         rp = dataclasses.replace(problem, family=rival.name)
         rex = _explain_bucket(rp)
@@ -172,10 +181,48 @@ def pointer_twin(variant: Variant) -> Variant:
     return dataclasses.replace(variant, loads="pointer")
 
 
+def mask_twin(variant: Variant, masks, head_dim: int, dtype) -> Variant:
+    """`variant` rendered with the mask code `masks` needs (window, softcap, block_sparse), its
+    tiles fitted to a block mask's block size (BLOCK_M | BS_Q, BLOCK_N | BS_KV). A family that
+    cannot take the masks (splitkv serving a dense forward: no block mask) gives way to the
+    built-in fwd default."""
+    from .families import get
+    want = masks.structure
+    fam = get(variant.family)
+    if any(on and name not in fam.fields for name, on in want.items()):
+        variant = default_variant("fwd", head_dim, dtype_name(dtype))
+    bm = masks.block_mask
+    tiles = {}
+    if bm is not None:
+        bq, bk = bm.block_size
+        tiles = dict(block_m=min(variant.block_m, bq), block_n=min(variant.block_n, bk))
+        if variant.block_m2:
+            tiles.update(block_m2=min(variant.block_m2, bq), block_n2=min(variant.block_n2, bk))
+        if bm.mask is not None:
+            # partial blocks load a [rows, keys] tile of the element mask (a pointer per
+            # element): at most 16 per thread. sm_90, D=128 bf16 (`kernels check`, 2026-11-23):
+            # fwd m128-n64-w8 spills 632 B with it, m128-n32-w8 and m64-n32-w4 none
+            def fit(loop_dim, other, warps):
+                return min(loop_dim, max(16, 512 * warps // other))
+            if variant.family == "bwd":  # dK/dV walks queries (block_m); dQ walks keys
+                tiles["block_m"] = fit(tiles["block_m"], tiles["block_n"], variant.num_warps)
+                if variant.block_m2:
+                    tiles["block_n2"] = fit(tiles["block_n2"], tiles["block_m2"],
+                                            variant.num_warps2)
+            else:
+                tiles["block_n"] = fit(tiles["block_n"], tiles["block_m"], variant.num_warps)
+    return _twin(variant, tuple(sorted({**want, **tiles}.items())))
+
+
+@lru_cache(maxsize=1024)
+def _twin(variant: Variant, changes: tuple) -> Variant:
+    return dataclasses.replace(variant, **dict(changes))
+
+
 @lru_cache(maxsize=256)
 def varlen_twin(variant: Variant) -> Variant:
-    """The same tiles rendered for packed variable-length sequences (pointer loads only)."""
-    return dataclasses.replace(variant, varlen=True, loads="pointer")
+    """The same tiles and loads rendered for packed variable-length sequences."""
+    return dataclasses.replace(variant, varlen=True)
 
 
 def select_varlen(family: str, q, k, batch: int, max_seqlen_q: int, max_seqlen_k: int,
@@ -190,14 +237,15 @@ def select_varlen(family: str, q, k, batch: int, max_seqlen_q: int, max_seqlen_k
     problem = Problem(family, dtype_name(q.dtype), d, causal, h // k.shape[1], batch, h,
                       max_seqlen_q, max_seqlen_k)
     # the family's own answer: a competing family (splitkv) has no varlen kernels
-    variant = _explain_bucket(problem).variant
-    if variant.loads == "descriptor":
-        # varlen runs pointer loads, and a variant tuned with TMA says nothing about its pointer
-        # twin (D=128's m128-n64-w4-s2 twin spills 300 B on sm_90, compile report 2026-11-23;
-        # its causal varlen forward ran at 0.52x the dense one on the H100): the portable
-        # pointer-load default instead
-        variant = default_variant(family, d, problem.dtype, arch="sm_80")
-    return varlen_twin(variant)
+    return varlen_twin(_explain_bucket(problem).variant)
+
+
+def varlen_pointer_fallback(family: str, head_dim: int, dtype: str) -> Variant:
+    """For packed tensors TMA cannot address (a base or row stride not 16-byte aligned): the
+    portable pointer-load default, not the tuned TMA variant's pointer twin, which says nothing
+    about its speed (D=128's m128-n64-w4-s2 twin spills 300 B on sm_90, compile report
+    2026-11-23, and ran the causal varlen forward at 0.52x the dense one on the H100)."""
+    return varlen_twin(default_variant(family, head_dim, dtype, arch="sm_80"))
 
 
 # -- explain ------------------------------------------------------------------------------------
@@ -218,8 +266,8 @@ class Explanation:
 
     def to_dict(self) -> dict:
         return {
-            "problem": dataclasses.asdict(self.problem),
-            "bucket": dataclasses.asdict(self.bucket),
+            "problem": as_dict(self.problem),
+            "bucket": as_dict(self.bucket),
             "variant": self.variant.name,
             "level": self.level,
             "origin": self.origin,
@@ -238,7 +286,8 @@ class Explanation:
         b = self.bucket
         lines = [f"problem  {_fmt_problem(self.problem)}",
                  f"bucket   {b.family} {b.dtype} d{b.head_dim} causal={b.causal} gqa={b.gqa} "
-                 f"Nq~{b.seqlen_q} Nk~{b.seqlen_k} BH~{b.batch_heads}",
+                 f"Nq~{b.seqlen_q} Nk~{b.seqlen_k} BH~{b.batch_heads}"
+                 + (f" mask={b.mask}" if b.mask else ""),
                  f"gpu      {self.gpu or '(none detected)'}",
                  f"level    {self.level}  ({self.origin})",
                  f"variant  {self.variant.name}"]
@@ -255,8 +304,10 @@ class Explanation:
 
 
 def _fmt_problem(p: Problem) -> str:
+    masks = "".join(f" {n}={v}" for n, v in (("window", p.window), ("softcap", p.softcap),
+                                              ("block_density", p.block_density)) if v)
     return (f"{p.family} {p.dtype} d{p.head_dim} causal={p.causal} group={p.group} "
-            f"B={p.batch} H={p.heads} Nq={p.seqlen_q} Nk={p.seqlen_k}")
+            f"B={p.batch} H={p.heads} Nq={p.seqlen_q} Nk={p.seqlen_k}{masks}")
 
 
 def explain(problem, k=None, v=None, *, causal: bool = False, family: str = "fwd") -> Explanation:
@@ -266,7 +317,12 @@ def explain(problem, k=None, v=None, *, causal: bool = False, family: str = "fwd
         problem = Problem.of_call(family, problem, k, causal)
     forced, origin = _forced_variant()
     if forced is not None and _serves(forced, problem.family):
-        return Explanation(problem, Bucket.of(problem), forced, "forced", origin, _levels().gpu)
+        from .families import get
+        why_not = get(forced.family).cannot_run(problem, _levels().arch)
+        notes = (f"{forced.family} cannot run here ({why_not}): its plan runs the generic "
+                 "fwd default instead",) if why_not and forced.family != problem.family else ()
+        return Explanation(problem, Bucket.of(problem), forced, "forced", origin, _levels().gpu,
+                           notes=notes)
     return dataclasses.replace(_compete(problem), problem=problem)
 
 
@@ -276,18 +332,37 @@ class _Overrides:
     gpu: str | None = None         # "H100", a device name or a slug; "" means: no GPU
     db: str | None = None          # a SQLAlchemy URL instead of FLASHTUNE_DB / the default file
     tables_dir: str | None = None  # instead of the shipped tuned_db/tables
+    tuned: bool = True             # False: no user DB, no tables -- the built-in defaults only
 
 
 _over = _Overrides()
 
 
 def configure(*, gpu: str | None = None, db: str | None = None,
-              tables_dir: str | Path | None = None) -> None:
+              tables_dir: str | Path | None = None, tuned: bool = True) -> None:
     """Point the dispatcher at another GPU, user DB or tables folder (tests, the CLI's --gpu,
-    --db and --tables). configure() with no arguments restores the defaults. Clears the memo."""
+    --db and --tables); tuned=False skips the DB and the tables (the built-in defaults, with
+    the families' heuristics). configure() with no arguments restores the defaults. Clears the
+    memo."""
     global _over
-    _over = _Overrides(gpu, db, None if tables_dir is None else str(tables_dir))
+    _over = _Overrides(gpu, db, None if tables_dir is None else str(tables_dir), tuned)
     clear_cache()
+
+
+class builtin_defaults:
+    """Within the block, dispatch as if no tuned DB or table existed: what a fresh install
+    runs (`flashtune bench` times it beside the tuned dispatch). Other overrides stay."""
+
+    def __enter__(self):
+        global _over
+        self._prev = _over
+        _over = dataclasses.replace(_over, tuned=False)
+        clear_cache()
+
+    def __exit__(self, *exc) -> None:
+        global _over
+        _over = self._prev
+        clear_cache()
 
 
 _clear_hooks: list = []
@@ -346,6 +421,8 @@ def _read_levels() -> _Levels:
     gpu, arch = _gpu()
     if gpu is None:
         return _Levels(None, (), ("no GPU detected (set FLASHTUNE_GPU to use a tuned table)",))
+    if not _over.tuned:
+        return _Levels(gpu, (), ("tuned records off (built-in defaults only)",), arch)
     tables = Path(_over.tables_dir) if _over.tables_dir else TABLES_DIR
     url = _over.db or env.db_url()
     default = env.cache_dir() / "tuned.db"

@@ -3,13 +3,14 @@ split-KV (Flash-Decoding) kernels. Inference only: no autograd."""
 from __future__ import annotations
 
 import dataclasses
-import weakref
 
 import torch
 
 from . import dispatch
+from .checked import CheckedValues
 from .launch import capturing
 from .launch_splitkv import SplitKVPlan, descriptor_ok
+from .masks import NONE, Masks, check_softcap, check_window, window_keys
 from .problem import Problem, dtype_name, log2_bucket
 from .validate import SUPPORTED_DTYPES, check_causal_scale, check_device, check_heads
 
@@ -22,7 +23,8 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            cache_seqlens, k: torch.Tensor | None = None,
                            v: torch.Tensor | None = None,
                            block_table: torch.Tensor | None = None, causal: bool = False,
-                           scale: float | None = None, return_lse: bool = False):
+                           scale: float | None = None, return_lse: bool = False,
+                           window: tuple[int, int] | None = None, softcap: float | None = None):
     """Attention of q over a KV cache, flash_attn_with_kvcache's layout and meaning.
 
     q: (batch, seqlen_q, heads, head_dim). k_cache, v_cache: (batch, seqlen_cache, kv_heads,
@@ -38,6 +40,9 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     empty cache) returns zeros, and LSE -inf. scale defaults to 1/sqrt(head_dim).
     Returns O (batch, seqlen_q, heads, head_dim) in q's dtype; with return_lse=True also the LSE
     (batch, heads, seqlen_q) float32, natural log.
+    window, softcap: as flashtune.attention (flash_attn's window_size and softcap), per sequence:
+    token i of a sequence with L keys sees keys [i + L - seqlen_q - left, i + L - seqlen_q +
+    right]; splits outside the window load nothing.
     Inference only: the result carries no gradient (like flash_attn_with_kvcache).
     Validation reads cache_seqlens and block_table on the host (a device->host sync) so that no
     bad value can make a kernel read or write out of bounds; all checks run before the cache is
@@ -45,6 +50,11 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     """
     seqlens, total, max_total = _validate(q, k_cache, v_cache, cache_seqlens, k, v, block_table,
                                           causal, scale, return_lse)
+    masks = NONE
+    if window is not None or softcap is not None:
+        window, softcap = check_window(window, causal), check_softcap(softcap)
+        if window is not None or softcap is not None:
+            masks = Masks(window, softcap)
     paged = block_table is not None
     with torch.no_grad():
         if k is not None and k.shape[1]:
@@ -52,7 +62,7 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         if q.numel():
             if paged and block_table.stride(1) != 1:
                 block_table = block_table.contiguous()
-            plan = _plan(q, k_cache, v_cache, paged, causal, scale, max_total)
+            plan = _plan(q, k_cache, v_cache, paged, causal, scale, max_total, masks)
             o, lse = plan.run(q, k_cache, v_cache, total, block_table, max_total)
         else:
             o = torch.empty_like(q)
@@ -68,27 +78,38 @@ _plans: dict = {}
 dispatch.on_clear(_plans.clear)
 
 
-def _plan(q, k_cache, v_cache, paged: bool, causal: bool, scale, max_total: int) -> SplitKVPlan:
+def _plan(q, k_cache, v_cache, paged: bool, causal: bool, scale, max_total: int,
+          masks: Masks = NONE) -> SplitKVPlan:
     key = (q.shape, q.stride(), q.dtype, q.device, k_cache.shape, k_cache.stride(),
            v_cache.stride(), paged, causal, scale, log2_bucket(max_total),
            dispatch.forced_variant(),
            k_cache.data_ptr() & 15 == 0 and v_cache.data_ptr() & 15 == 0)
+    if masks.any:
+        key += masks.key
     plan = _plans.get(key)
     if plan is None:
         if len(_plans) >= 4096:
             _plans.clear()
         plan = _plans[key] = SplitKVPlan(q, k_cache, causal, scale,
-                                         _variant(q, k_cache, v_cache, paged, causal, max_total))
+                                         _variant(q, k_cache, v_cache, paged, causal, max_total,
+                                                  masks), masks)
     return plan
 
 
-def _variant(q, k_cache, v_cache, paged: bool, causal: bool, max_total: int):
+def _variant(q, k_cache, v_cache, paged: bool, causal: bool, max_total: int,
+             masks: Masks = NONE):
     """The dispatcher's splitkv variant for this call (forced, tuned DB, or the default), fitted
-    to the cache: paged or not, a key block inside one page, TMA only where it can address."""
+    to the cache: paged or not, a key block inside one page, TMA only where it can address,
+    the masks' code rendered in."""
     b, nq, h, d = q.shape
+    nk = max(1, max_total)
     problem = Problem("splitkv", dtype_name(q.dtype), d, causal, h // k_cache.shape[2], b, h, nq,
-                      max(1, max_total))
+                      nk, window=0 if masks.window is None else
+                      max(1, round(window_keys(nq, nk, causal, masks.window))),
+                      softcap=masks.softcap is not None)
     variant = dispatch.select(problem)
+    if masks.any or variant.masks:
+        variant = dataclasses.replace(variant, **masks.structure)
     if variant.paged != paged:
         variant = dataclasses.replace(variant, paged=paged)
     if paged:
@@ -214,12 +235,12 @@ def _validate(q, k_cache, v_cache, cache_seqlens, k, v, block_table, causal, sca
         raise TypeError(f"cache_seqlens must be an int or an int32 tensor (batch,), got "
                         f"{type(cache_seqlens).__name__}")
     bounds = (capacity, n_new, k_cache.shape[0], k_cache.shape[1], paged)
-    max_total = _seen_values(seqlens, block_table, bounds) if host is None else None
+    max_total = _checked.get((seqlens, block_table), bounds) if host is None else None
     if max_total is None:
         max_total = _check_values(host if host is not None else seqlens.tolist(),  # a sync
                                   block_table, capacity, n_new, where, k_cache)
         if host is None:
-            _remember_values(seqlens, block_table, bounds, max_total)
+            _checked.put((seqlens, block_table), bounds, max_total)
     total = (seqlens + n_new if n_new else seqlens).contiguous()
     return seqlens, total, max_total
 
@@ -255,33 +276,8 @@ def _check_values(host: list, block_table, capacity: int, n_new: int, where: str
     return max_total
 
 
-# Values already checked, so that the layers of one decoding step (which share cache_seqlens and
-# block_table) pay for one device->host copy, not one each: keyed by the tensors themselves
-# (weak references) and their version counters, which every in-place PyTorch op bumps. A write
-# PyTorch cannot see (a raw-pointer kernel) is caught by the kernels' own clamps to the cache.
-_seen: dict = {}
-
-
-def _seen_values(seqlens, block_table, bounds) -> int | None:
-    hit = _seen.get(id(seqlens))
-    if hit is None:
-        return None
-    ref, version, bt_ref, bt_version, seen_bounds, max_total = hit
-    if (ref() is not seqlens or version != seqlens._version or seen_bounds != bounds
-            or (block_table is None) != (bt_ref is None)
-            or (block_table is not None and (bt_ref() is not block_table
-                                             or bt_version != block_table._version))):
-        return None
-    return max_total
-
-
-def _remember_values(seqlens, block_table, bounds, max_total: int) -> None:
-    if len(_seen) >= 64:
-        _seen.clear()
-    _seen[id(seqlens)] = (weakref.ref(seqlens), seqlens._version,
-                          None if block_table is None else weakref.ref(block_table),
-                          None if block_table is None else block_table._version, bounds,
-                          max_total)
+# values already checked (one device->host copy per decoding step, not per layer)
+_checked = CheckedValues()
 
 
 _full: dict = {}

@@ -7,7 +7,9 @@ import torch
 import triton
 
 from .codegen import Variant, load
-from .launch import _DOT_PRECISION, block_d, check_varlen_variant, packed_view, strides3
+from .launch import (_DOT_PRECISION, block_d, check_mask_variant, check_varlen_variant,
+                     mask_args, mask_params, packed_view, strides3)
+from .masks import NONE, Masks
 
 
 def _pre_m(bd: int, precise: bool = False) -> int:
@@ -17,27 +19,35 @@ def _pre_m(bd: int, precise: bool = False) -> int:
 
 
 def kernel_params(variant: Variant, dtype: torch.dtype, head_dim: int, causal: bool, group: int,
-                  nq: int | None, nk: int | None, *, varlen: bool = False) -> dict:
+                  nq: int | None, nk: int | None, *, varlen: bool = False,
+                  masks: Masks = NONE) -> dict:
     """{kernel: (constexprs, num_warps, num_stages)} of each kernel the bwd variant launches:
     the one place that knows them (backward(), backward_varlen() and compile_check use it).
-    varlen: sequence lengths vary per program, so no tile is known to be even (nq, nk unused)."""
+    varlen: sequence lengths vary per program, so no tile is known to be even (nq, nk unused).
+    masks: a block mask's block size and element mask (its loops step through whole blocks,
+    so a tile is even only when the block size divides the length)."""
     bd = block_d(head_dim)
     precise = dtype == torch.float32
-    common = dict(HEAD_DIM=head_dim, BLOCK_D=bd, IS_CAUSAL=causal, GROUP=group, PRECISE=precise)
+    common = dict(HEAD_DIM=head_dim, BLOCK_D=bd, IS_CAUSAL=causal, GROUP=group, PRECISE=precise,
+                  **mask_params(masks))
     tiles = dict(common, PAD_D=bd != head_dim, DOT_PRECISION=_DOT_PRECISION.get(dtype, "tf32"))
+    blk = masks.block_mask
 
-    def even(n, block):
+    def even(n, block, axis):
+        if blk is not None:
+            block = max(block, blk.block_size[axis])
         return not varlen and n % block == 0
 
     bm, bn = variant.block_m, variant.block_n
     out = {"pre": (dict(common, PRE_M=_pre_m(bd, precise), PRE_N=32), 4, 3),
-           "dkdv": (dict(tiles, BLOCK_M=bm, BLOCK_N=bn, EVEN_M=even(nq, bm), EVEN_N=even(nk, bn),
-                         MASK_KEYS=variant.dq == "atomic" and not even(nk, bn)),
+           "dkdv": (dict(tiles, BLOCK_M=bm, BLOCK_N=bn, EVEN_M=even(nq, bm, 0),
+                         EVEN_N=even(nk, bn, 1),
+                         MASK_KEYS=variant.dq == "atomic" and not even(nk, bn, 1)),
                     variant.num_warps, variant.num_stages)}
     if variant.dq == "separate":
         bm2, bn2 = variant.block_m2, variant.block_n2
-        out["dq"] = (dict(tiles, BLOCK_M=bm2, BLOCK_N=bn2, EVEN_M=even(nq, bm2),
-                          EVEN_N=even(nk, bn2)), variant.num_warps2, variant.num_stages2)
+        out["dq"] = (dict(tiles, BLOCK_M=bm2, BLOCK_N=bn2, EVEN_M=even(nq, bm2, 0),
+                          EVEN_N=even(nk, bn2, 1)), variant.num_warps2, variant.num_stages2)
     return out
 
 
@@ -52,37 +62,45 @@ def _check_variant(variant: Variant) -> None:
                          "num_warps2 and num_stages2 (the dQ kernel's tiles)")
 
 
-def backward(dout, q, k, v, o, lse, causal: bool, scale: float | None, variant: Variant):
+def backward(dout, q, k, v, o, lse, causal: bool, scale: float | None, variant: Variant,
+             masks: Masks = NONE):
     """Run the bwd variant: returns (dq, dk, dv) in the dtype and layout of q, k, v.
 
     dout, q, o: (B, H, Nq, D); k, v: (B, Hk, Nk, D); lse: float32 (B, H, Nq), natural log.
     Every tensor has a contiguous last dim; the caller handles the empty cases.
     """
     _check_variant(variant)
+    check_mask_variant(variant, masks)
     b, h, nq, d = q.shape
     hk, nk = k.shape[1], k.shape[2]
-    params = kernel_params(variant, q.dtype, d, causal, h // hk, nq, nk)
+    params = kernel_params(variant, q.dtype, d, causal, h // hk, nq, nk, masks=masks)
     return _launch(variant, params, dout, q, k, v, o, lse, causal, scale, views=lambda t: t,
-                   rows=(b, h, nq), seq_args=(), sizes=(h, nq, nk), batch=b, max_q=nq, max_k=nk)
+                   rows=(b, h, nq), seq_args=(), sizes=(h, nq, nk), batch=b, max_q=nq, max_k=nk,
+                   masks=masks)
 
 
 def backward_varlen(dout, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int,
-                    max_seqlen_k: int, causal: bool, scale: float | None, variant: Variant):
+                    max_seqlen_k: int, causal: bool, scale: float | None, variant: Variant,
+                    masks: Masks = NONE):
     """Run a varlen bwd variant on packed tensors: dout, q, o (total_q, H, D); k, v (total_k, Hk,
     D); lse float32 (H, total_q); int32 cu_seqlens (batch + 1), validated by the caller, who also
     handles the empty cases. Returns (dq, dk, dv) like q, k, v."""
     _check_variant(variant)
     check_varlen_variant(variant)
+    check_mask_variant(variant, masks)
+    if masks.block_mask is not None:
+        raise ValueError("block_mask is not supported with packed variable-length sequences")
     total_q, h, d = q.shape
     params = kernel_params(variant, q.dtype, d, causal, h // k.shape[1], None, None, varlen=True)
     return _launch(variant, params, dout, q, k, v, o, lse, causal, scale, views=packed_view,
                    rows=(h, total_q), seq_args=(cu_seqlens_q, cu_seqlens_k),
-                   sizes=(h, max_seqlen_q, max_seqlen_k, total_q),
-                   batch=cu_seqlens_q.shape[0] - 1, max_q=max_seqlen_q, max_k=max_seqlen_k)
+                   sizes=(h, max_seqlen_q, max_seqlen_k, total_q, k.shape[0]),
+                   batch=cu_seqlens_q.shape[0] - 1, max_q=max_seqlen_q, max_k=max_seqlen_k,
+                   masks=masks)
 
 
 def _launch(variant, params, dout, q, k, v, o, lse, causal, scale, *, views, rows, seq_args, sizes,
-            batch, max_q, max_k):
+            batch, max_q, max_k, masks=NONE):
     """The three launches, dense or varlen: `views` turns a tensor into the (B, H, N, D) view
     whose strides the kernels take, `rows` is the shape of the per-row float32 buffers (LSE's),
     `seq_args` the cu_seqlens pointers (varlen renders), `sizes` the kernels' trailing ints, and
@@ -99,8 +117,11 @@ def _launch(variant, params, dout, q, k, v, o, lse, causal, scale, *, views, row
     lse2 = torch.empty_like(delta)
     r = torch.empty_like(delta) if precise else delta  # unused unless precise
     consts, warps, stages = params["pre"]
+    margs = {}
+    if masks.any:  # the masks' runtime arguments, after sm_scale (launch.mask_args)
+        margs = {kern: mask_args(masks, causal, kern, batch, h) for kern in ("q", "kv", "state")}
     mod.attn_bwd_preprocess[(triton.cdiv(max_q, consts["PRE_M"]) * batch * h,)](
-        o, dout, lse, delta, lse2, r, q, k, v, *seq_args, scale,
+        o, dout, lse, delta, lse2, r, q, k, v, *seq_args, scale, *margs.get("state", ()),
         *strides3(*map(views, (o, dout, q, k, v))),
         *sizes, **consts, num_warps=warps, num_stages=stages,
     )
@@ -119,7 +140,7 @@ def _launch(variant, params, dout, q, k, v, o, lse, causal, scale, *, views, row
 
     consts, warps, stages = params["dkdv"]
     mod.attn_bwd_dkdv[(triton.cdiv(max_k, variant.block_n) * batch * hk,)](
-        q, k, v, dout, dk, dv, dq_acc, lse2, delta, r, *seq_args, scale,
+        q, k, v, dout, dk, dv, dq_acc, lse2, delta, r, *seq_args, scale, *margs.get("kv", ()),
         *strides3(*map(views, (q, k, v, dout, dk, dv, dq_acc))),
         *sizes, **consts, num_warps=warps, num_stages=stages,
     )
@@ -127,7 +148,7 @@ def _launch(variant, params, dout, q, k, v, o, lse, causal, scale, *, views, row
     if variant.dq == "separate":
         consts, warps, stages = params["dq"]
         mod.attn_bwd_dq[(triton.cdiv(max_q, variant.block_m2) * batch * h,)](
-            q, k, v, dout, dq, lse2, delta, r, *seq_args, scale,
+            q, k, v, dout, dq, lse2, delta, r, *seq_args, scale, *margs.get("q", ()),
             *strides3(*map(views, (q, k, v, dout, dq))),
             *sizes, **consts, num_warps=warps, num_stages=stages,
         )

@@ -11,7 +11,7 @@ import torch
 import triton
 
 from .codegen import Variant, load
-from .launch import _DOT_PRECISION, _need_allocator, block_d, capturing
+from .launch import _DOT_PRECISION, _need_allocator, block_d, pdl_ok
 
 # Provisional defaults until measured (no GPU measurement chose them yet; the split count is
 # decided at launch, see auto_num_splits). Keyed by the largest head dim each serves.
@@ -22,9 +22,9 @@ DEFAULTS = {
 }
 
 MIN_BLOCKS_PER_SPLIT = 4   # a split streams at least this many BLOCK_N blocks (when it can)
-MAX_SPLITS = 128
+MAX_SPLITS = 256
 CPU_SMS = 4                # the interpreter has no SMs: auto picks as if there were 4
-COMBINE_CHUNK_S = 16       # splits per O tile the combine reads (16 x BLOCK_D float32)
+COMBINE_TILE = 4096        # float32 elements of O one combine program loads (splits x D slice)
 
 
 # float32 (a test dtype) computes in float64: the tiles above spill there (D=64 60-104 B, D=128
@@ -59,13 +59,16 @@ def sm_count(device: torch.device) -> int:
 
 
 def auto_num_splits(programs: int, max_seqlen: int, block_n: int, sms: int) -> int:
-    """num_splits=0: enough programs for about two waves of the GPU's SMs, each split streaming
+    """num_splits=0: about one wave of the GPU's SMs (round(sms / programs)), each split streaming
     at least MIN_BLOCKS_PER_SPLIT key blocks, at most MAX_SPLITS.
       programs: partial-kernel programs per split (batch * kv_heads * row tiles).
-    E.g. H100 (132 SMs), B=1, Hk=8, 32k keys, BLOCK_N=64 -> min(cdiv(264, 8)=33, 512 // 4) = 33
-    splits of 1024 keys; B=64, Hk=8 -> 512 programs >= 2 waves -> 1 split (no combine)."""
+    Measured on the H100 (bench/decode_sweep.py, docs/data/decode_sweep_h100_2026-11-23.jsonl):
+    one wave was best or within 2% of the best split count at every shape swept; two waves lost
+    1-10% (B=1 GQA 32/8: 16 splits 2106 GB/s, 33 splits 2081; B=32: 1 split 3101, 2 splits 3059).
+    E.g. H100 (132 SMs), B=1, Hk=8 -> 16 splits; MQA B=1 -> 128 (2048 keys each at 256k keys);
+    B=8, Hk=8 -> 2; B >= 32, Hk=8 -> 1 split (no combine)."""
     blocks = triton.cdiv(max(max_seqlen, 1), block_n)
-    want = triton.cdiv(2 * sms, max(programs, 1))
+    want = max(1, round(sms / max(programs, 1)))
     return max(1, min(want, blocks // MIN_BLOCKS_PER_SPLIT, MAX_SPLITS))
 
 
@@ -98,7 +101,14 @@ class SplitKVPlan:
     only on shapes, strides, dtype and the variant is fixed here (callers memoize plans); the
     split count follows each call's longest sequence (run's max_seqlen)."""
 
-    def __init__(self, q, k_cache, causal: bool, scale: float | None, variant: Variant):
+    def __init__(self, q, k_cache, causal: bool, scale: float | None, variant: Variant,
+                 masks=None):
+        from .launch import check_mask_variant, mask_args
+        from .masks import NONE
+        masks = masks or NONE
+        check_mask_variant(variant, masks)
+        # window / softcap runtime arguments after sm_scale (launch.mask_args; no block mask)
+        self.mask_args = mask_args(masks, causal, "q", 1, 1)
         b, nq, h, d = q.shape
         hk = k_cache.shape[2]
         group = h // hk
@@ -112,11 +122,15 @@ class SplitKVPlan:
         self.sms = sm_count(q.device)
         self.shape = (b, nq, h, d)
         self.scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+        # the combine starts while the partial kernel's last programs finish (its launch latency
+        # was a visible part of a batch-1 decode step)
+        self.pdl = pdl_ok(q.device)
         self.kwargs = dict(
             HEAD_DIM=d, BLOCK_D=block_d(d), BLOCK_M=self.block_m, BLOCK_N=variant.block_n,
             IS_CAUSAL=causal, GROUP=group, PAGE=k_cache.shape[1] if self.paged else 0,
             DOT_PRECISION=_DOT_PRECISION.get(q.dtype, "tf32"), PRECISE=q.dtype == torch.float32,
-            num_warps=variant.num_warps, num_stages=variant.num_stages)
+            USE_PDL=self.pdl, UNIFORM=False, num_warps=variant.num_warps,
+            num_stages=variant.num_stages)
         self._splits: dict = {}
 
     def num_splits(self, max_seqlen: int) -> int:
@@ -132,8 +146,9 @@ class SplitKVPlan:
 
     def run(self, q, k_cache, v_cache, seqlens, block_table=None, max_seqlen: int = 0):
         """Returns O (q's shape, dtype and layout) and LSE (B, Hq, Nq) float32.
-        seqlens (B,) int32 on q's device: the keys each sequence attends to; max_seqlen (a host
-        int, their maximum) sizes the splits."""
+        seqlens (B,) int32 on q's device: the keys each sequence attends to, or None where every
+        sequence holds the whole cache (kwargs UNIFORM); max_seqlen (a host int, their maximum)
+        sizes the splits."""
         b, nq, h, d = self.shape
         hk = k_cache.shape[2]
         s = self.num_splits(max_seqlen)
@@ -151,35 +166,41 @@ class SplitKVPlan:
             l_strides = (h * nq * s, s, nq * s, 1)
         if self.variant.loads == "descriptor":
             _need_allocator()
-        bt = block_table if self.paged else seqlens
+        bt = block_table if self.paged else seqlens  # (unused when not paged)
         self.partial[(self.programs, s)](
-            q, k_cache, v_cache, bt, seqlens, o_dst, l_dst, self.scale,
+            q, k_cache, v_cache, bt, seqlens, o_dst, l_dst, self.scale, *self.mask_args,
             q.stride(0), q.stride(1), q.stride(2),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-            bt.stride(0),
+            bt.stride(0) if bt is not None else 0,
             *o_strides, *l_strides,
             hk, nq, s, k_cache.shape[0] if self.paged else 0,
             bt.shape[1] * k_cache.shape[1] if self.paged else k_cache.shape[1],
             **self.kwargs)
         if s > 1:
-            self.combine[(b * h * nq,)](
+            block_s, chunk_d = combine_tile(s, self.kwargs["BLOCK_D"])
+            self.combine[(b * h * nq, triton.cdiv(d, chunk_d))](
                 o_dst, l_dst, o, lse, h, nq, s, o.stride(0), o.stride(1), o.stride(2),
-                HEAD_DIM=d, BLOCK_D=self.kwargs["BLOCK_D"], BLOCK_S=combine_block_s(s),
-                CHUNK_S=COMBINE_CHUNK_S, num_warps=4)
+                HEAD_DIM=d, BLOCK_S=block_s, CHUNK_D=chunk_d, USE_PDL=self.pdl, num_warps=4,
+                **({"launch_pdl": True} if self.pdl else {}))
         return o, lse
 
 
-def combine_block_s(num_splits: int) -> int:
-    """The combine's LSE vector: a power of two >= num_splits (>= its O chunk)."""
-    return max(COMBINE_CHUNK_S, 1 << (num_splits - 1).bit_length())
+def combine_tile(num_splits: int, block_d: int) -> tuple:
+    """The combine's tile: (BLOCK_S, CHUNK_D), BLOCK_S a power of two >= num_splits (all splits
+    at once), CHUNK_D the slice of D one program merges, so the tile holds <= COMBINE_TILE
+    elements (more splits: thinner slices, more programs)."""
+    block_s = max(2, 1 << (num_splits - 1).bit_length())
+    return block_s, max(16, min(block_d, COMBINE_TILE // block_s))
 
 
 class DensePlan:
     """splitkv serving a dense forward call: q (B, H, Nq, D), k/v (B, Hk, Nk, D) in SDPA's
     layout, viewed (no copy) as the (B, N, H, D) cache layout the kernels take, every sequence
-    holding all Nk keys. run(q, k, v) -> (O in q's layout, LSE (B, H, Nq)), as launch.FwdPlan."""
-    __slots__ = ("variant", "plan", "descriptor", "_seqlens")
+    holding all Nk keys (UNIFORM: no lengths tensor, so nothing is allocated or kept between
+    calls -- a kept one broke torch.compile's CUDA graph trees). run(q, k, v) -> (O in q's
+    layout, LSE (B, H, Nq)), as launch.FwdPlan."""
+    __slots__ = ("variant", "plan", "descriptor")
 
     def __init__(self, q, k, v, causal: bool, scale: float | None, variant: Variant):
         if variant.loads == "descriptor" and not descriptor_ok(k.transpose(1, 2),
@@ -187,17 +208,11 @@ class DensePlan:
             variant = dataclasses.replace(variant, loads="pointer")
         self.variant = variant
         self.plan = SplitKVPlan(q.transpose(1, 2), k.transpose(1, 2), causal, scale, variant)
+        self.plan.kwargs["UNIFORM"] = True
         # ops.run_forward checks each call's base addresses for TMA (strides: above, once)
         self.descriptor = variant.loads == "descriptor"
-        self._seqlens = {}
 
     def run(self, q, k, v):
-        key = q.device
-        seqlens = self._seqlens.get(key)
-        if seqlens is None:
-            seqlens = torch.full((q.shape[0],), k.shape[2], dtype=torch.int32, device=q.device)
-            if not capturing(q):  # a tensor made during CUDA-graph capture belongs to its pool
-                self._seqlens[key] = seqlens
-        o, lse = self.plan.run(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), seqlens,
+        o, lse = self.plan.run(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None,
                                None, k.shape[2])
         return o.transpose(1, 2), lse

@@ -14,6 +14,8 @@ import torch
 
 from . import launch, launch_bwd
 from .accuracy import compare
+from .masks import representative
+from .measure_fwd import reference_masks
 from .defaults import default_variant
 from .measure_warmup import compile_only, max_shared
 from .problem import Problem, torch_dtype
@@ -40,10 +42,10 @@ class GradReport:
         return "; ".join(f"{n} {r}" for n, r in (bad or self.reports))
 
 
-def _grads(fn, q, k, v, do, causal: bool, dtype):
+def _grads(fn, q, k, v, do, causal: bool, dtype, kw=None):
     """Gradients of fn's attention in `dtype`, by autograd on copies of the inputs."""
     xs = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
-    return torch.autograd.grad(fn(*xs, causal=causal), xs, do.to(dtype))
+    return torch.autograd.grad(fn(*xs, causal=causal, **(kw or {})), xs, do.to(dtype))
 
 
 class BwdOps:
@@ -65,7 +67,8 @@ class BwdOps:
         k, v = (torch.empty(ks, dtype=dt, device="meta") for _ in range(2))
         lse = torch.empty(qs[:3], dtype=torch.float32, device="meta")
         with compile_only(launch_bwd) as h:
-            launch_bwd.backward(do, q, k, v, o, lse, p.causal, None, variant)
+            launch_bwd.backward(do, q, k, v, o, lse, p.causal, None, variant,
+                                representative(p, "cpu"))
         return max_shared(h)
 
     def gate_problem(self, p: Problem) -> Problem:
@@ -89,12 +92,17 @@ class BwdOps:
         if fwd.loads == "descriptor" and not (self.device == "cuda" and
                                               torch.cuda.get_device_capability()[0] >= 9):
             fwd = dataclasses.replace(fwd, loads="pointer")
-        o, lse = launch.forward(q, k, v, p.causal, None, fwd)
+        masks = representative(p, self.device)
+        if masks.any:
+            from .dispatch import mask_twin
+            fwd = mask_twin(fwd, masks, p.head_dim, dt)
+        o, lse = launch.forward(q, k, v, p.causal, None, fwd, masks)
         return q, k, v, o, lse, do
 
     def run(self, variant, p: Problem, inputs):
         q, k, v, o, lse, do = inputs
-        return launch_bwd.backward(do, q, k, v, o, lse, p.causal, None, variant)
+        return launch_bwd.backward(do, q, k, v, o, lse, p.causal, None, variant,
+                                   representative(p, q.device.type))
 
     def gate_view(self, out, p: Problem):
         hk = self._gate_kv_heads(p)
@@ -106,12 +114,15 @@ class BwdOps:
         keeps, from autograd on copies (float64, and the input dtype)."""
         q, k, v, _, _, do = inputs
         g = p.group
+        kw = reference_masks(p, q.device.type)
+        if kw.get("mask") is not None and kw["mask"].shape[1] > 1:  # per-head masks: not sliced
+            raise ValueError("per-head block masks are not gated here")
         parts = []
         for j in range(self._gate_kv_heads(p)):  # one kv head at a time: memory, not speed
             qs, ks, dos = slice(j * g, (j + 1) * g), slice(j, j + 1), slice(j * g, (j + 1) * g)
             args = (q[:, qs], k[:, ks], v[:, ks], do[:, dos], p.causal)
-            parts.append((_grads(reference, *args, torch.float64),
-                          _grads(same_dtype_math, *args, q.dtype)))
+            parts.append((_grads(reference, *args, torch.float64, kw),
+                          _grads(same_dtype_math, *args, q.dtype, kw)))
         ref = tuple(torch.cat([r[i] for r, _ in parts], dim=1) for i in range(3))
         base = tuple(torch.cat([b[i] for _, b in parts], dim=1) for i in range(3))
         return tuple(zip(ref, base))

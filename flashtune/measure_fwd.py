@@ -11,6 +11,7 @@ import torch
 
 from . import launch
 from .accuracy import compare
+from .masks import representative
 from .measure_warmup import compile_only, max_shared
 from .problem import Problem, torch_dtype
 from .reference import reference, same_dtype_math
@@ -31,7 +32,8 @@ class FwdOps:
         q = torch.empty(qs, dtype=dt, device="meta")
         k = torch.empty(ks, dtype=dt, device="meta")
         with compile_only(launch) as h:
-            launch.forward(q, k, torch.empty_like(k), p.causal, None, variant)
+            launch.forward(q, k, torch.empty_like(k), p.causal, None, variant,
+                           representative(p, "cpu"))
         return max_shared(h)
 
     def gate_problem(self, p: Problem) -> Problem:
@@ -60,15 +62,26 @@ class FwdOps:
 
     def run(self, variant, p: Problem, inputs):
         q, k, v = inputs
-        return launch.forward(q, k, v, p.causal, None, variant)[0]
+        masks = representative(p, q.device.type)
+        return launch.forward(q, k, v, p.causal, None, variant, masks)[0]
 
     def reference(self, p: Problem, inputs):
         """Float64 reference and PyTorch's same-dtype math, of the heads gate_view keeps."""
         h = self._gate_heads(p)
         q, k, v = inputs
         q, k, v = q[:, :h], k[:, :h // p.group], v[:, :h // p.group]
-        return (reference(q, k, v, causal=p.causal),
-                same_dtype_math(q, k, v, causal=p.causal))
+        kw = reference_masks(p, q.device.type)
+        return (reference(q, k, v, causal=p.causal, **kw),
+                same_dtype_math(q, k, v, causal=p.causal, **kw))
+
+
+def reference_masks(p: Problem, device: str) -> dict:
+    """The reference's keyword arguments for a masked problem's representative masks."""
+    m = representative(p, device)
+    if not m.any:
+        return {}
+    return dict(window=m.window, softcap=m.softcap,
+                mask=None if m.block_mask is None else m.block_mask.to_dense_mask())
 
 
 OPS = FwdOps()

@@ -14,6 +14,7 @@ import torch
 from . import dispatch, launch, launch_bwd
 from .codegen import Variant
 from .defaults import default_variant
+from .masks import NONE, Masks
 from .problem import dtype_name
 
 
@@ -23,10 +24,13 @@ _plans: dict = {}
 dispatch.on_clear(_plans.clear)
 
 
-def run_forward(q, k, v, causal: bool, scale, variant=None):
-    """Validated inputs -> (O, LSE). Handles the empty cases the kernel never sees."""
+def run_forward(q, k, v, causal: bool, scale, variant=None, masks: Masks = NONE):
+    """Validated inputs -> (O, LSE). Handles the empty cases the kernel never sees.
+    masks: window / softcap / block mask beyond causal (flashtune/masks.py), validated."""
     if variant is None and dispatch.forced_variant() is None:
         key = (q.dtype, q.shape, q.stride(), k.shape, k.stride(), v.stride(), causal, scale)
+        if masks.any:
+            key += masks.key
         plan = _plans.get(key)
         if plan is None:
             if q.numel() == 0 or k.shape[2] == 0:
@@ -34,24 +38,29 @@ def run_forward(q, k, v, causal: bool, scale, variant=None):
             if len(_plans) >= 4096:
                 _plans.clear()
             plan = _plans[key] = _plan(q, k, v, causal, scale,
-                                       dispatch.select_for_call("fwd", q, k, causal))
+                                       dispatch.select_for_call("fwd", q, k, causal, masks), masks)
         if plan.descriptor and (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15:
-            plan = _plan(q, k, v, causal, scale, dispatch.pointer_twin(plan.variant))
+            plan = _plan(q, k, v, causal, scale, dispatch.pointer_twin(plan.variant), masks)
         return plan.run(q, k, v)
     if q.numel() == 0 or k.shape[2] == 0:
         return _empty_forward(q, k)
     if variant is None:
-        variant = dispatch.select_for_call("fwd", q, k, causal)  # the forced one, if it is fwd
-    return _plan(q, k, v, causal, scale, variant).run(q, k, v)
+        # the forced one, if it is fwd
+        variant = dispatch.select_for_call("fwd", q, k, causal, masks)
+    return _plan(q, k, v, causal, scale, variant, masks).run(q, k, v)
 
 
-def _plan(q, k, v, causal, scale, variant: Variant):
+def _plan(q, k, v, causal, scale, variant: Variant, masks: Masks = NONE):
+    if masks.any:
+        if variant.family != "fwd":  # a family serving dense forwards takes no masks there
+            variant = default_variant("fwd", q.shape[3], dtype_name(q.dtype))
+        variant = dispatch.mask_twin(variant, masks, q.shape[3], q.dtype)
     if variant.family != "fwd":  # a family that serves dense forwards (splitkv), its own plan
         from .families import get
         return get(variant.family).plan_for(q, k, v, causal, scale, variant)
     if variant.loads == "descriptor" and not launch.descriptor_ok(q, k, v):
         variant = dispatch.pointer_twin(variant)
-    return launch.FwdPlan(q, k, v, causal, scale, variant)
+    return launch.FwdPlan(q, k, v, causal, scale, variant, masks)
 
 
 def _empty_forward(q, k):
@@ -60,12 +69,14 @@ def _empty_forward(q, k):
             torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device))
 
 
-def select_bwd(q, k, causal: bool, deterministic: bool) -> Variant:
+def select_bwd(q, k, causal: bool, deterministic: bool, masks: Masks = NONE) -> Variant:
     """The dispatcher's bwd variant; deterministic=True swaps an atomic-dQ one for its separate
     twin (same dK/dV tiles, the dQ kernel's tiles from the built-in defaults)."""
-    variant = dispatch.select_for_call("bwd", q, k, causal)
+    variant = dispatch.select_for_call("bwd", q, k, causal, masks)
     if deterministic:
         variant = separate_twin(variant, q.shape[3], q.dtype)
+    if masks.any:
+        variant = dispatch.mask_twin(variant, masks, q.shape[3], q.dtype)
     # the bwd template has pointer loads only: a descriptor variant runs as its pointer twin
     return dispatch.pointer_twin(variant) if variant.loads == "descriptor" else variant
 
@@ -106,7 +117,7 @@ def check_grad_output(grad_out, o) -> None:
 
 
 def run_backward(grad_out, q, k, v, o, lse, causal: bool, scale, deterministic: bool = False,
-                 variant=None):
+                 variant=None, masks: Masks = NONE):
     """(dO, saved tensors) -> (dq, dk, dv) in the dtype and layout of q, k, v."""
     check_grad_output(grad_out, o)
     if q.numel() == 0 or k.numel() == 0:
@@ -117,45 +128,62 @@ def run_backward(grad_out, q, k, v, o, lse, causal: bool, scale, deterministic: 
         # contiguous head dim
         grad_out = grad_out.contiguous()
     if variant is None:
-        variant = select_bwd(q, k, causal, deterministic)
+        variant = select_bwd(q, k, causal, deterministic, masks)
     elif deterministic and variant.dq != "separate":
         raise ValueError(f"deterministic=True needs a dq='separate' variant, got {variant.name}")
-    return launch_bwd.backward(grad_out, q, k, v, o, lse.contiguous(), causal, scale, variant)
+    # masks only where there are some: a dense call is the call it always was
+    return launch_bwd.backward(grad_out, q, k, v, o, lse.contiguous(), causal, scale, variant,
+                               *((masks,) if masks.any else ()))
 
 
 # -- torch.library registration ------------------------------------------------------------------
 
+def op_masks(window_left: int, window_right: int, softcap) -> Masks:
+    """The ops' flat mask arguments (window (-1, -1): none) as Masks."""
+    window = None if window_left == window_right == -1 else (window_left, window_right)
+    return Masks(window, softcap) if window is not None or softcap is not None else NONE
+
+
 @torch.library.custom_op("flashtune::attn_fwd", mutates_args=())
 def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-             scale: Optional[float], deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    # `deterministic` is unused here; it rides along so the autograd formula can read it
-    o, lse = run_forward(q, k, v, causal, scale)
+             scale: Optional[float], deterministic: bool, window_left: int = -1,
+             window_right: int = -1,
+             softcap: Optional[float] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    # `deterministic` is unused here; it rides along so the autograd formula can read it.
+    # window / softcap: validated by the API (flashtune/masks.py), (-1, -1) = no window
+    o, lse = run_forward(q, k, v, causal, scale,
+                         masks=op_masks(window_left, window_right, softcap))
     return o, lse
 
 
 @attn_fwd.register_fake
-def _attn_fwd_fake(q, k, v, causal, scale, deterministic):
+def _attn_fwd_fake(q, k, v, causal, scale, deterministic, window_left=-1, window_right=-1,
+                   softcap=None):
     return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
 @torch.library.custom_op("flashtune::attn_bwd", mutates_args=())
 def attn_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              o: torch.Tensor, lse: torch.Tensor, causal: bool, scale: Optional[float],
-             deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return run_backward(grad_out, q, k, v, o, lse, causal, scale, deterministic)
+             deterministic: bool, window_left: int = -1, window_right: int = -1,
+             softcap: Optional[float] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return run_backward(grad_out, q, k, v, o, lse, causal, scale, deterministic,
+                        masks=op_masks(window_left, window_right, softcap))
 
 
 @attn_bwd.register_fake
-def _attn_bwd_fake(grad_out, q, k, v, o, lse, causal, scale, deterministic):
+def _attn_bwd_fake(grad_out, q, k, v, o, lse, causal, scale, deterministic, window_left=-1,
+                   window_right=-1, softcap=None):
     check_grad_output(grad_out, o)
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, causal, scale, deterministic = inputs
+    q, k, v, causal, scale, deterministic, *mask_args = inputs
     o, lse = output
     ctx.save_for_backward(q, k, v, o, lse)
     ctx.causal, ctx.scale, ctx.deterministic = causal, scale, deterministic
+    ctx.mask_args = tuple(mask_args)
     # dispatch.force() is thread-local, but autograd runs CUDA backwards on its own thread:
     # carry a variant forced around the forward over to the backward (debugging, benchmarks)
     ctx.forced = dispatch.forced_variant()
@@ -165,12 +193,94 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, grad_o, grad_lse):
     q, k, v, o, lse = ctx.saved_tensors
     if grad_o is None:
-        return None, None, None, None, None, None
+        return (None,) * (6 + len(ctx.mask_args))
     dq, dk, dv = call_forced(ctx.forced, attn_bwd, grad_o, q, k, v, o, lse, ctx.causal,
-                             ctx.scale, ctx.deterministic)
+                             ctx.scale, ctx.deterministic, *ctx.mask_args)
     need = ctx.needs_input_grad
     return (dq if need[0] else None, dk if need[1] else None, dv if need[2] else None,
-            None, None, None)
+            *(None,) * (3 + len(ctx.mask_args)))
 
 
 attn_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+# -- block-sparse attention (flashtune.BlockMask) -------------------------------------------------
+# The block mask travels as its flat tensors (BlockMask.op_args), so torch.compile and CUDA
+# graphs see one opaque node here too.
+def _sparse_masks(bm_args, window_left, window_right, softcap) -> Masks:
+    from .block_mask import BlockMask
+    window = None if window_left == window_right == -1 else (window_left, window_right)
+    return Masks(window, softcap, BlockMask.from_op_args(*bm_args))
+
+
+@torch.library.custom_op("flashtune::attn_sparse_fwd", mutates_args=())
+def attn_sparse_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: torch.Tensor,
+                    kv_num: torch.Tensor, kv_idx: torch.Tensor, full_kv_num: torch.Tensor,
+                    full_kv_idx: torch.Tensor, q_num: torch.Tensor, q_idx: torch.Tensor,
+                    full_q_num: torch.Tensor, full_q_idx: torch.Tensor,
+                    elem: Optional[torch.Tensor], bs_q: int, bs_kv: int, nq: int, nk: int,
+                    causal: bool, scale: Optional[float], deterministic: bool, window_left: int,
+                    window_right: int,
+                    softcap: Optional[float]) -> tuple[torch.Tensor, torch.Tensor]:
+    bm = (state, kv_num, kv_idx, full_kv_num, full_kv_idx, q_num, q_idx, full_q_num, full_q_idx,
+          elem, bs_q, bs_kv, nq, nk)
+    o, lse = run_forward(q, k, v, causal, scale,
+                         masks=_sparse_masks(bm, window_left, window_right, softcap))
+    return o, lse
+
+
+@attn_sparse_fwd.register_fake
+def _attn_sparse_fwd_fake(q, k, v, *rest):
+    return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
+
+
+@torch.library.custom_op("flashtune::attn_sparse_bwd", mutates_args=())
+def attn_sparse_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    o: torch.Tensor, lse: torch.Tensor, state: torch.Tensor,
+                    kv_num: torch.Tensor, kv_idx: torch.Tensor, full_kv_num: torch.Tensor,
+                    full_kv_idx: torch.Tensor, q_num: torch.Tensor, q_idx: torch.Tensor,
+                    full_q_num: torch.Tensor, full_q_idx: torch.Tensor,
+                    elem: Optional[torch.Tensor], bs_q: int, bs_kv: int, nq: int, nk: int,
+                    causal: bool, scale: Optional[float], deterministic: bool, window_left: int,
+                    window_right: int, softcap: Optional[float]
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    bm = (state, kv_num, kv_idx, full_kv_num, full_kv_idx, q_num, q_idx, full_q_num, full_q_idx,
+          elem, bs_q, bs_kv, nq, nk)
+    return run_backward(grad_out, q, k, v, o, lse, causal, scale, deterministic,
+                        masks=_sparse_masks(bm, window_left, window_right, softcap))
+
+
+@attn_sparse_bwd.register_fake
+def _attn_sparse_bwd_fake(grad_out, q, k, v, o, *rest):
+    check_grad_output(grad_out, o)
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _sparse_setup_context(ctx, inputs, output):
+    q, k, v, *rest = inputs
+    o, lse = output
+    tensors = rest[:9]
+    elem = rest[9]
+    ctx.save_for_backward(q, k, v, o, lse, *tensors, *(() if elem is None else (elem,)))
+    ctx.has_elem = elem is not None
+    ctx.rest = tuple(rest[10:])  # bs_q, bs_kv, nq, nk, causal, scale, deterministic, window, cap
+    ctx.forced = dispatch.forced_variant()
+    ctx.mark_non_differentiable(lse)
+
+
+def _sparse_backward(ctx, grad_o, grad_lse):
+    n_in = 3 + 10 + len(ctx.rest)
+    if grad_o is None:
+        return (None,) * n_in
+    saved = ctx.saved_tensors
+    q, k, v, o, lse = saved[:5]
+    tensors = saved[5:14]
+    elem = saved[14] if ctx.has_elem else None
+    dq, dk, dv = call_forced(ctx.forced, attn_sparse_bwd, grad_o, q, k, v, o, lse, *tensors,
+                             elem, *ctx.rest)
+    need = ctx.needs_input_grad
+    return (dq if need[0] else None, dk if need[1] else None, dv if need[2] else None,
+            *(None,) * (n_in - 3))
+
+
+attn_sparse_fwd.register_autograd(_sparse_backward, setup_context=_sparse_setup_context)

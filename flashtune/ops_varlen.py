@@ -2,8 +2,9 @@
 variable-length sequences) and their autograd formula, as ops.py does for the dense ops.
 
 The offsets' values are checked here, in the ops' real implementations (one device->host copy
-of cu_seqlens per call, see validate_varlen), so that torch.compile traces the public function
-without a sync and still no kernel ever launches on bad offsets.
+of cu_seqlens per new or changed offsets tensor, see validate_varlen and checked.py), so that
+torch.compile traces the public function without a sync and still no kernel ever launches on bad
+offsets.
 """
 from __future__ import annotations
 
@@ -12,32 +13,57 @@ from typing import Optional
 import torch
 
 from . import dispatch, launch, launch_bwd
-from .ops import call_forced, check_grad_output, separate_twin
+from .checked import CheckedValues
+from .masks import NONE, Masks
+from .ops import call_forced, check_grad_output, op_masks, separate_twin
+from .problem import dtype_name
 from .validate_varlen import check_cu_seqlens_values
 
 
 def run_forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
-                       causal: bool, scale):
+                       causal: bool, scale, masks: Masks = NONE):
     """Validated shapes -> (O like q, LSE float32 (H, total_q)). Checks the offsets' values."""
     total_q, h, _ = q.shape
-    check_cu_seqlens_values(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, total_q,
-                            k.shape[0])
+    bounds = (max_seqlen_q, max_seqlen_k, total_q, k.shape[0])
+    if _checked.get((cu_seqlens_q, cu_seqlens_k), bounds) is None:
+        check_cu_seqlens_values(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, total_q,
+                                k.shape[0])  # a device->host copy
+        _checked.put((cu_seqlens_q, cu_seqlens_k), bounds, True)
     if total_q == 0 or k.shape[0] == 0:
         # no query, or no key anywhere: zeros (a row that sees no key returns zeros), LSE = -inf
         return (torch.zeros_like(q),
                 torch.full((h, total_q), float("-inf"), dtype=torch.float32, device=q.device))
     batch = cu_seqlens_q.shape[0] - 1
     key = (q.dtype, q.shape, q.stride(), k.shape, k.stride(), v.stride(), batch, max_seqlen_q,
-           max_seqlen_k, causal, scale, dispatch.forced_variant())
+           max_seqlen_k, causal, scale, dispatch.forced_variant(), masks.key)
     plan = _plans.get(key)
     if plan is None:
         if len(_plans) >= 4096:
             _plans.clear()
         variant = dispatch.select_varlen("fwd", q, k, batch, max_seqlen_q, max_seqlen_k, causal)
+        if variant.loads == "descriptor" and not _tma_strides(q, k, v):
+            variant = dispatch.varlen_pointer_fallback("fwd", q.shape[2], dtype_name(q.dtype))
+        if masks.any:
+            variant = dispatch.mask_twin(variant, masks, q.shape[2], q.dtype)
         plan = _plans[key] = launch.VarlenFwdPlan(q, k, v, batch, max_seqlen_q, max_seqlen_k,
-                                                  causal, scale, variant)
+                                                  causal, scale, variant, masks)
+    if plan.descriptor and (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15:
+        fallback = dispatch.varlen_pointer_fallback("fwd", q.shape[2], dtype_name(q.dtype))
+        if masks.any:
+            fallback = dispatch.mask_twin(fallback, masks, q.shape[2], q.dtype)
+        plan = launch.VarlenFwdPlan(q, k, v, batch, max_seqlen_q, max_seqlen_k, causal, scale,
+                                    fallback, masks)
     return plan.run(q, k, v, cu_seqlens_q, cu_seqlens_k)
 
+
+def _tma_strides(*packed) -> bool:
+    """Whether every packed (total, heads, D) tensor's strides suit TMA descriptors (bases are
+    checked per call)."""
+    return all(not ((t.stride(0) | t.stride(1)) * t.element_size()) & 15 for t in packed)
+
+
+# offsets already checked: the layers of one step share cu_seqlens and pay for one sync
+_checked = CheckedValues()
 
 # call signature -> launch.VarlenFwdPlan (as ops.py's dense plans; cleared with the dispatcher)
 _plans: dict = {}
@@ -45,7 +71,8 @@ dispatch.on_clear(_plans.clear)
 
 
 def run_backward_varlen(grad_out, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int,
-                        max_seqlen_k: int, causal: bool, scale, deterministic: bool = False):
+                        max_seqlen_k: int, causal: bool, scale, deterministic: bool = False,
+                        masks: Masks = NONE):
     """(dO, saved tensors) -> (dq, dk, dv) like q, k, v. The offsets were checked by the forward."""
     check_grad_output(grad_out, o)
     if q.shape[0] == 0 or k.shape[0] == 0:
@@ -56,9 +83,13 @@ def run_backward_varlen(grad_out, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, m
     variant = dispatch.select_varlen("bwd", q, k, batch, max_seqlen_q, max_seqlen_k, causal)
     if deterministic:
         variant = separate_twin(variant, q.shape[2], q.dtype)
+    if variant.loads == "descriptor":  # the bwd template has pointer loads only
+        variant = dispatch.pointer_twin(variant)
+    if masks.any:
+        variant = dispatch.mask_twin(variant, masks, q.shape[2], q.dtype)
     return launch_bwd.backward_varlen(grad_out, q, k, v, o, lse.contiguous(), cu_seqlens_q,
                                       cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale,
-                                      variant)
+                                      variant, *((masks,) if masks.any else ()))
 
 
 # -- torch.library registration ------------------------------------------------------------------
@@ -67,16 +98,17 @@ def run_backward_varlen(grad_out, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, m
 def attn_varlen_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                     cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
                     causal: bool, scale: Optional[float],
-                    deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                    deterministic: bool, window_left: int = -1, window_right: int = -1,
+                    softcap: Optional[float] = None) -> tuple[torch.Tensor, torch.Tensor]:
     # `deterministic` is unused here; it rides along so the autograd formula can read it
     o, lse = run_forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                causal, scale)
+                                causal, scale, op_masks(window_left, window_right, softcap))
     return o, lse
 
 
 @attn_varlen_fwd.register_fake
 def _attn_varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
-                          scale, deterministic):
+                          scale, deterministic, window_left=-1, window_right=-1, softcap=None):
     return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
 
 
@@ -85,36 +117,40 @@ def attn_varlen_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
                     o: torch.Tensor, lse: torch.Tensor, cu_seqlens_q: torch.Tensor,
                     cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
                     causal: bool, scale: Optional[float],
-                    deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                    deterministic: bool, window_left: int = -1, window_right: int = -1,
+                    softcap: Optional[float] = None
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return run_backward_varlen(grad_out, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k,
-                               max_seqlen_q, max_seqlen_k, causal, scale, deterministic)
+                               max_seqlen_q, max_seqlen_k, causal, scale, deterministic,
+                               op_masks(window_left, window_right, softcap))
 
 
 @attn_varlen_bwd.register_fake
 def _attn_varlen_bwd_fake(grad_out, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                          max_seqlen_k, causal, scale, deterministic):
+                          max_seqlen_k, causal, scale, deterministic, window_left=-1,
+                          window_right=-1, softcap=None):
     check_grad_output(grad_out, o)
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, deterministic = inputs
+    q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, deterministic, *mask_args = inputs
     o, lse = output
     ctx.save_for_backward(q, k, v, o, lse, cu_q, cu_k)
-    ctx.args = (max_q, max_k, causal, scale, deterministic)
+    ctx.args = (max_q, max_k, causal, scale, deterministic, *mask_args)
     ctx.forced = dispatch.forced_variant()  # carried to the backward's thread (ops.call_forced)
     ctx.mark_non_differentiable(lse)
 
 
 def _backward(ctx, grad_o, grad_lse):
     if grad_o is None:
-        return (None,) * 10
+        return (None,) * (5 + len(ctx.args))
     q, k, v, o, lse, cu_q, cu_k = ctx.saved_tensors
     dq, dk, dv = call_forced(ctx.forced, attn_varlen_bwd, grad_o, q, k, v, o, lse, cu_q, cu_k,
                              *ctx.args)
     need = ctx.needs_input_grad
     return (dq if need[0] else None, dk if need[1] else None, dv if need[2] else None,
-            *(None,) * 7)
+            *(None,) * (2 + len(ctx.args)))
 
 
 attn_varlen_fwd.register_autograd(_backward, setup_context=_setup_context)

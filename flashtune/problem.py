@@ -2,11 +2,11 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from ._keys import stable_key
+from ._keys import OMIT_DEFAULT, stable_key
 
 DTYPES = ("float16", "bfloat16", "float32")
 # what the CLI's --dtype options accept, to the names above
@@ -44,23 +44,45 @@ class Problem:
     heads: int       # q heads
     seqlen_q: int
     seqlen_k: int
+    # masks beyond causal (flashtune/masks.py); left out of the key at their defaults.
+    # window: the keys a query sees on average under a sliding window (0: no window);
+    # softcap: tanh softcapping; block_density: the fraction of blocks a BlockMask keeps (0: none)
+    window: int = field(default=0, metadata=OMIT_DEFAULT)
+    softcap: bool = field(default=False, metadata=OMIT_DEFAULT)
+    block_density: float = field(default=0.0, metadata=OMIT_DEFAULT)
 
     @property
     def key(self) -> str:
         return stable_key(self)
 
     @classmethod
-    def of_call(cls, family: str, q, k, causal: bool) -> "Problem":
-        """The problem of a call with q (B, H, Nq, D) and k (B, Hk, Nk, D)."""
+    def of_call(cls, family: str, q, k, causal: bool, masks=None) -> "Problem":
+        """The problem of a call with q (B, H, Nq, D) and k (B, Hk, Nk, D) (and its Masks)."""
         b, h, nq, d = q.shape
-        return cls(family, dtype_name(q.dtype), d, causal, h // k.shape[1],
-                   b, h, nq, k.shape[2])
+        if masks is None or not masks.any:
+            return cls(family, dtype_name(q.dtype), d, causal, h // k.shape[1],
+                       b, h, nq, k.shape[2])
+        from .masks import window_keys
+        nk = k.shape[2]
+        return cls(family, dtype_name(q.dtype), d, causal, h // k.shape[1], b, h, nq, nk,
+                   window=0 if masks.window is None else
+                   max(1, round(window_keys(nq, nk, causal, masks.window))),
+                   softcap=masks.softcap is not None,
+                   block_density=0.0 if masks.block_mask is None else
+                   round(masks.block_mask.density(), 4))
+
+    @property
+    def mask_kinds(self) -> tuple:
+        return tuple(n for n, on in (("window", self.window), ("softcap", self.softcap),
+                                     ("block_sparse", self.block_density)) if on)
 
     def flops(self) -> float:
-        """FlashAttention convention: fwd = 4*B*H*Nq*Nk*D, halved for causal; bwd = 2.5x fwd."""
-        f = 4.0 * self.batch * self.heads * self.seqlen_q * self.seqlen_k * self.head_dim
-        if self.causal:
-            f /= 2
+        """FlashAttention convention: fwd = 4*B*H*Nq*Nk*D, halved for causal; bwd = 2.5x fwd.
+        A window counts the keys a query sees (causal included), a block mask its density."""
+        keys = self.window or (self.seqlen_k / 2 if self.causal else self.seqlen_k)
+        f = 4.0 * self.batch * self.heads * self.seqlen_q * keys * self.head_dim
+        if self.block_density:
+            f *= self.block_density
         from .families import get
         return f * get(self.family).flops_factor
 
@@ -98,6 +120,10 @@ class Bucket:
     seqlen_k: int
     batch_heads: int  # batch*heads, nearest power of two, clamped where the grid saturates the
     #                   GPU (_ROWS_SATURATE): small grids leave SMs idle, large ones do not
+    # masks beyond causal, "" for none (left out of the key then): "+"-joined "window<keys per
+    # query, power of two>", "softcap", "block<kept blocks in 64ths, power of two>" -- a window
+    # or a density changes which tiles win (mask_of below)
+    mask: str = field(default="", metadata=OMIT_DEFAULT)
 
     @property
     def key(self) -> str:
@@ -113,7 +139,8 @@ class Bucket:
         """Whether a config tuned for `other` may serve `self`: the fields that decide which
         tiles fit (family, dtype, padded head dim) and the masking (causal) must agree."""
         return (self.family == other.family and self.dtype == other.dtype
-                and self.head_dim == other.head_dim and self.causal == other.causal)
+                and self.head_dim == other.head_dim and self.causal == other.causal
+                and _mask_parts(self.mask).keys() == _mask_parts(other.mask).keys())
 
     def log_distance(self, other: "Bucket") -> float:
         """How far apart two buckets are: octaves of seqlen_q + seqlen_k + batch*heads, plus half
@@ -123,7 +150,32 @@ class Bucket:
         d = sum(abs(math.log2(a) - math.log2(b)) for a, b in (
             (self.seqlen_q, other.seqlen_q), (self.seqlen_k, other.seqlen_k),
             (self.batch_heads, other.batch_heads)))
+        if self.mask:  # a window's keys per query, a block mask's density: octaves apart
+            a, b = _mask_parts(self.mask), _mask_parts(other.mask)
+            d += sum(abs(math.log2(a[n]) - math.log2(b[n])) for n in a if a[n] and b[n])
         return d + (0.5 if self.gqa != other.gqa else 0.0)
+
+
+def mask_of(p: Problem) -> str:
+    """Bucket.mask of a problem: its mask kinds, a window's keys per query and a block mask's
+    density on a log scale."""
+    parts = []
+    if p.window:
+        parts.append(f"window{log2_bucket(p.window)}")
+    if p.softcap:
+        parts.append("softcap")
+    if p.block_density:
+        parts.append(f"block{min(64, log2_bucket(round(p.block_density * 64)))}")
+    return "+".join(parts)
+
+
+def _mask_parts(mask: str) -> dict:
+    """"window1024+softcap" -> {"window": 1024, "softcap": 0}."""
+    out = {}
+    for part in filter(None, mask.split("+")):
+        name = part.rstrip("0123456789")
+        out[name] = int(part[len(name):] or 0)
+    return out
 
 
 def dense_bucket(p: Problem) -> Bucket:
@@ -132,4 +184,4 @@ def dense_bucket(p: Problem) -> Bucket:
     sq = log2_bucket(p.seqlen_q)
     bh = min(log2_bucket(p.batch * p.heads), max(1, _ROWS_SATURATE // sq))
     return Bucket(p.family, p.dtype, head_dim_bucket(p.head_dim), p.causal, p.group > 1,
-                  sq, log2_bucket(p.seqlen_k), bh)
+                  sq, log2_bucket(p.seqlen_k), bh, mask_of(p))

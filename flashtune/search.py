@@ -64,6 +64,7 @@ class SearchConfig:
     write_db: bool = True
     enqueue_default: bool = True   # measure the built-in default first (a good first point)
     replay: str | None = None      # answer from a recording instead of the GPU
+    masks: tuple = ((),)           # mask specs (Problem fields as pairs; () = dense), --mask
 
 
 @dataclass(frozen=True)
@@ -154,25 +155,31 @@ def resolve_target(cfg: SearchConfig, *, dry_run: bool = False):
 
 def plan_of(cfg: SearchConfig, target) -> list[PlannedBucket]:
     return plan(target, cfg.families, cfg.dtypes, cfg.head_dims, cfg.causal, cfg.seqlens,
-                cfg.batches)
+                cfg.batches, cfg.masks)
 
 
 def _default_variant(pb: PlannedBucket) -> Variant | None:
     """The built-in default the dispatcher would run (the final pick re-times it)."""
     from .defaults import default_variant
     try:
-        return default_variant(pb.bucket.family, pb.problem.head_dim, pb.problem.dtype,
-                               arch=pb.space.target.arch)
+        return _with_masks(pb, default_variant(pb.bucket.family, pb.problem.head_dim,
+                                               pb.problem.dtype, arch=pb.space.target.arch))
     except KeyError:
         return None
+
+
+def _with_masks(pb: PlannedBucket, variant: Variant) -> Variant:
+    """`variant` with the mask code the bucket's problem needs (the space pins the same)."""
+    flags = {n: v for n, v in pb.space.pinned if n in ("window", "softcap", "block_sparse")}
+    return dataclasses.replace(variant, **flags) if flags else variant
 
 
 def _first_points(pb: PlannedBucket) -> list[Variant]:
     """Measured first (good points for TPE to start from): the family's seeds, its built-in
     default first (bwd: both dQ schemes' defaults, so both are in the study from the start)."""
     from .families import get
-    return get(pb.bucket.family).seed_variants(pb.problem.head_dim, pb.problem.dtype,
-                                               arch=pb.space.target.arch)
+    return [_with_masks(pb, v) for v in get(pb.bucket.family).seed_variants(
+        pb.problem.head_dim, pb.problem.dtype, arch=pb.space.target.arch)]
 
 
 class _Interrupted(Exception):

@@ -4,6 +4,7 @@ says how those become problems (its `grid`): the dense families the standard gri
 decode grid."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from .problem import Bucket, Problem
@@ -38,10 +39,12 @@ def standard_grid(family: str, dtype: str, head_dim: int, causal: bool, seqlens=
             for n in (seqlens or STANDARD_SEQLENS) for b in (batches or (None,))]
 
 
-def plan(target: Target, families, dtypes, head_dims, causal, seqlens=(), batches=()
-         ) -> list[PlannedBucket]:
+def plan(target: Target, families, dtypes, head_dims, causal, seqlens=(), batches=(),
+         masks=((),)) -> list[PlannedBucket]:
     """One entry per distinct bucket, in the order given (problems that share a bucket are
-    tuned once, with the first). Empty seqlens/batches: each family's own grid."""
+    tuned once, with the first). Empty seqlens/batches: each family's own grid. masks: Problem
+    mask fields per mask spec (masks.parse_spec, as (name, value) pairs; () = no mask): every
+    grid problem is tuned once per spec its family can take."""
     from .families import get
     from .problem import head_dim_bucket
     out: dict[str, PlannedBucket] = {}
@@ -53,8 +56,12 @@ def plan(target: Target, families, dtypes, head_dims, causal, seqlens=(), batche
                     # measure the bucket's own head dim: D=96 shares the D=128 bucket (one
                     # BLOCK_D), so asking for 96 tunes exactly what 128 tunes instead of
                     # overwriting its record with other measurements
-                    for p in grid(dt, head_dim_bucket(d), c, seqlens, batches):
-                        bk = Bucket.of(p)
-                        if bk.key not in out:
-                            out[bk.key] = PlannedBucket(bk, p, Space.build(fam, target, p))
+                    for p0 in grid(dt, head_dim_bucket(d), c, seqlens, batches):
+                        for spec in masks:
+                            p = dataclasses.replace(p0, **dict(spec))
+                            if any(m not in get(fam).fields for m in p.mask_kinds):
+                                continue  # splitkv takes no block mask
+                            bk = Bucket.of(p)
+                            if bk.key not in out:
+                                out[bk.key] = PlannedBucket(bk, p, Space.build(fam, target, p))
     return list(out.values())

@@ -163,8 +163,17 @@ class Space:
                 pinned.append((name, keep[0]))
             else:
                 params.append(Param(name, tuple(keep)))
-        return cls(family, target, problem, tuple(params), tuple(pinned),
-                   tuple(raw.get("constraints", ())), tuple(dropped),
+        # a masked problem's variants carry its mask code (flashtune/masks.py): pinned, so a
+        # dense problem's space (and its hash) is what it was
+        from .families import get as _family
+        own = _family(family).fields
+        pinned += [(m, True) for m in problem.mask_kinds if m in own]
+        constraints = tuple(raw.get("constraints", ()))
+        if problem.block_density:  # the tiles divide the representative block mask's 128
+            constraints += tuple(f"{t} <= 128" for t in ("block_m", "block_n", "block_m2",
+                                                          "block_n2") if t in raw["params"])
+        return cls(family, target, problem, tuple(params), tuple(pinned), constraints,
+                   tuple(dropped),
                    math.prod(len(v) for v in raw["params"].values()))
 
     # -- identity --------------------------------------------------------------------------

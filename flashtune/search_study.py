@@ -32,7 +32,8 @@ _ALIASES = {"exhaustive": "grid"}
 def bucket_label(b: Bucket) -> str:
     dt = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}.get(b.dtype, b.dtype)
     return (f"{b.family}-{dt}-d{b.head_dim}-{'causal' if b.causal else 'full'}"
-            f"{'-gqa' if b.gqa else ''}-q{b.seqlen_q}-k{b.seqlen_k}-bh{b.batch_heads}")
+            f"{'-gqa' if b.gqa else ''}-q{b.seqlen_q}-k{b.seqlen_k}-bh{b.batch_heads}"
+            f"{'-' + b.mask if b.mask else ''}")
 
 
 def study_name(space: Space, bucket: Bucket) -> str:

@@ -55,7 +55,8 @@ def describe_family(family: str) -> dict:
 
     space = load_space(family)
     p = space["params"]
+    # the family's own fields that have a rule (dq, loader_regs, ...) take their first value
+    own = {f: p[f][0] for f in p if f in ("dq", "loader_regs")}
     example = Variant(family, block_m=p["block_m"][-2], block_n=p["block_n"][-2],
-                      num_warps=p["num_warps"][1], num_stages=p["num_stages"][2],
-                      **({"dq": p["dq"][0]} if "dq" in p else {}))
+                      num_warps=p["num_warps"][1], num_stages=p["num_stages"][2], **own)
     return {"family": family, "template": template_name(family), "choices": p, "example": example.name}

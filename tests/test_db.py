@@ -98,7 +98,7 @@ def test_migrations_from_an_empty_db(db_url):
     assert db.records() == []  # first use creates the schema
     engine = sa.create_engine(db_url)
     with engine.connect() as c:
-        assert migrate.current(c) == migrate.head() == "0001"
+        assert migrate.current(c) == migrate.head() == "0002"
         # the models and what the migrations built agree: no pending autogenerate diff
         assert compare_metadata(MigrationContext.configure(c), Base.metadata) == []
     # a second open is a no-op and keeps the data
@@ -221,3 +221,20 @@ def test_concurrent_writers_lose_nothing(db_url):
         (1 << (w + 8), 1 << (i % 12), 1 << (i // 12)) for w in range(N_PROCS) for i in range(N_OWN)}
     assert len(shared) == N_SHARED
     assert all(r.median_ms in {1.0 + w for w in range(N_PROCS)} for r in shared)
+
+
+def test_a_0001_db_upgrades_to_the_mask_column(tmp_path):
+    # a tuned DB made before Bucket.mask: its rows read back as dense buckets
+    from alembic import command
+
+    from flashtune.tuned_db import migrate
+    url = f"sqlite:///{tmp_path / 'old.db'}"
+    engine = sa.create_engine(url)
+    with engine.begin() as conn:
+        cfg = migrate._config()
+        cfg.attributes["connection"] = conn
+        command.upgrade(cfg, "0001")
+    db = TunedDB(url)
+    assert db.records() == []
+    db.put(make_record())
+    assert [r.bucket.mask for r in db.records()] == [""]

@@ -107,3 +107,33 @@ def test_space_file_errors_are_clear(tmp_path, monkeypatch):
 def test_frozen():
     with pytest.raises(dataclasses.FrozenInstanceError):
         Space.build("fwd", H100, _p()).family = "bwd"
+
+
+def _decode(d=128, group=4, nq=1, nk=32768, batch=1):
+    from flashtune.problem import Problem
+    return Problem("splitkv", "bfloat16", d, False, group, batch, 8 * group, nq, nk)
+
+
+@pytest.mark.parametrize("name,d,shared", [
+    # metadata.shared of attn_splitkv_partial compiled for sm_90 (families.splitkv.compile_check,
+    # Triton 3.9, 2026-11-23); the H100 sweep hit the last one as "out of resource: 237624"
+    ("splitkv-m64-n64-w4-s3", 128, 71680),
+    ("splitkv-m64-n16-w4-s1", 128, 8704),
+    ("splitkv-m64-n32-w4-s5", 128, 70656),
+    ("splitkv-m64-n64-w4-s2-loads=descriptor", 128, 55320),
+    ("splitkv-m64-n128-w4-s4-loads=descriptor", 128, 237624),
+])
+def test_splitkv_shared_memory_model_matches_triton(name, d, shared):
+    r = feasibility.resources(Variant.parse(name), _decode(d), H100)
+    assert abs(r.smem_bytes - shared) <= 0.02 * shared
+
+
+def test_splitkv_model_prunes_what_the_h100_refused():
+    assert not feasibility.check(Variant.parse("splitkv-m64-n128-w4-s4-loads=descriptor"),
+                                 _decode(), H100).ok
+    assert feasibility.check(Variant.parse("splitkv-m64-n128-w4-s3-loads=descriptor"),
+                             _decode(), H100).ok
+    # more rows per tile (GQA 8 x 8 speculative tokens: BLOCK_M 64) need more shared memory
+    small, big = (feasibility.resources(Variant.parse("splitkv-m64-n64-w4-s3"),
+                                        _decode(group=8, nq=nq), H100) for nq in (1, 8))
+    assert big.smem_bytes > small.smem_bytes

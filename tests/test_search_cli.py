@@ -85,15 +85,24 @@ def test_dtype_and_head_dim_use_the_shared_names_and_bounds():
     assert r.exit_code == 2 and "head_dim 300 is not supported: expected 16..256" in r.output
 
 
+def test_default_families_follow_the_target_arch():
+    r = _run("--dry-run", "--gpu", "A100", "--head-dim", "128", "--causal", "false",
+             "--format", "json")
+    assert r.exit_code == 0, r.output
+    assert {b["problem"]["family"] for b in json.loads(r.output)["buckets"]} == {
+        "fwd", "bwd", "splitkv"}
+
+
 def test_by_default_every_family_is_tuned_on_its_own_grid():
     r = _run("--dry-run", "--gpu", "H100", "--head-dim", "128", "--causal", "false",
              "--format", "json")
     assert r.exit_code == 0, r.output
     problems = [b["problem"] for b in json.loads(r.output)["buckets"]]
     fams = {p["family"] for p in problems}
-    assert fams == {"fwd", "bwd", "splitkv"}
-    dense = [p for p in problems if p["family"] == "fwd"]
-    assert sorted({p["seqlen_q"] for p in dense}) == [512, 1024, 2048, 4096, 8192, 16384]
+    assert fams == {"fwd", "bwd", "splitkv", "hopper_fwd"}  # hopper_fwd: sm_90 targets only
+    for fam in ("fwd", "hopper_fwd"):
+        dense = [p for p in problems if p["family"] == fam]
+        assert sorted({p["seqlen_q"] for p in dense}) == [512, 1024, 2048, 4096, 8192, 16384]
     decode = [p for p in problems if p["family"] == "splitkv"]
     assert {p["seqlen_q"] for p in decode} == {1}  # one query token per sequence
     assert {p["seqlen_k"] for p in decode} == {2048, 8192, 32768, 131072}

@@ -6,7 +6,7 @@ import torch
 import flashtune
 from flashtune.accuracy import compare
 from flashtune.codegen import Variant, render
-from flashtune.launch_splitkv import auto_num_splits, clamp_num_splits
+from flashtune.launch_splitkv import MAX_SPLITS, auto_num_splits, clamp_num_splits
 from flashtune.reference import reference, same_dtype_math
 
 DTYPES = [torch.float16, torch.float32, torch.bfloat16]
@@ -172,13 +172,47 @@ def test_descriptor_loads_contiguous(device):
     check(q, kc, vc, lengths, out)
 
 
+@pytest.mark.parametrize("num_splits,d", [(3, 16), (100, 64), (300, 40)])
+def test_combine_merges_exactly(num_splits, d, device):
+    """The combine alone on random partial results (some splits empty: LSE -inf, one row with
+    every split empty), against the float64 merge. 100 and 300 splits take the thin-slice tiles
+    (several programs per row, a head dim that is not a power of two)."""
+    import triton
+
+    from flashtune.codegen import load
+    from flashtune.launch_splitkv import combine_tile
+    b, h, nq = 2, 3, 1
+    rows = b * h * nq
+    o_part = torch.randn(rows, num_splits, d, dtype=torch.float32, device=device)
+    lse_part = torch.randn(rows, num_splits, dtype=torch.float32, device=device) * 4
+    lse_part[:, ::3] = float("-inf")
+    lse_part[rows - 1] = float("-inf")
+    o = torch.empty(b, nq, h, d, dtype=torch.float16, device=device)
+    lse = torch.empty(b, h, nq, dtype=torch.float32, device=device)
+    block_s, chunk_d = combine_tile(num_splits, triton.next_power_of_2(d))
+    load(Variant.parse(SMALL)).attn_splitkv_combine[(rows, triton.cdiv(d, chunk_d))](
+        o_part, lse_part, o, lse, h, nq, num_splits, o.stride(0), o.stride(1), o.stride(2),
+        HEAD_DIM=d, BLOCK_S=block_s, CHUNK_D=chunk_d, USE_PDL=False)
+    ref_lse = torch.logsumexp(lse_part.double(), 1)
+    w = torch.exp(lse_part.double() - ref_lse[:, None]).nan_to_num(0.0)
+    ref_o = (w[:, :, None] * o_part.double()).sum(1)
+    got_o = o.transpose(1, 2).reshape(rows, d).double()  # rows are (b, head, token)
+    torch.testing.assert_close(got_o[:-1].cpu(), ref_o[:-1].cpu(), atol=2e-3, rtol=2e-3)
+    assert (got_o[-1] == 0).all() and lse.reshape(-1)[-1] == float("-inf")
+    torch.testing.assert_close(lse.reshape(-1)[:-1].double().cpu(), ref_lse[:-1].cpu(),
+                               atol=1e-5, rtol=1e-5)
+
+
 # -- the num_splits rule and the renders ---------------------------------------------------------
 def test_num_splits_rule():
-    # H100: B=1, Hk=8, 32k keys, BLOCK_N=64 -> about two waves of 132 SMs
-    assert auto_num_splits(8, 32768, 64, 132) == 33
-    assert auto_num_splits(512, 32768, 64, 132) == 1   # enough programs already
+    # H100: B=1, Hk=8, 32k keys, BLOCK_N=64 -> about one wave of 132 SMs
+    assert auto_num_splits(8, 32768, 64, 132) == 16
+    assert auto_num_splits(64, 32768, 64, 132) == 2
+    assert auto_num_splits(256, 32768, 64, 132) == 1   # enough programs already
     assert auto_num_splits(8, 256, 64, 132) == 1       # 4 blocks: one split
-    assert auto_num_splits(1, 1 << 20, 64, 132) == 128  # capped
+    assert auto_num_splits(1, 32768, 64, 132) == 128   # 512 blocks: 4 per split
+    assert auto_num_splits(1, 1 << 20, 64, 132) == 132
+    assert auto_num_splits(1, 1 << 20, 64, 1000) == MAX_SPLITS  # capped
     assert auto_num_splits(8, 0, 64, 132) == 1
     assert clamp_num_splits(7, 40, 16) == 3 and clamp_num_splits(7, 0, 16) == 1
 

@@ -213,9 +213,39 @@ def test_unsupported_arguments_are_clear_errors(device):
     module = torch.nn.Module()
     q = torch.randn(1, 4, 5, 16, device=device)
     k = v = torch.randn(1, 2, 5, 16, device=device)
-    with pytest.raises(NotImplementedError, match="sliding"):
-        ft_hf.attention_forward(module, q, k, v, None, sliding_window=4)
-    with pytest.raises(NotImplementedError, match="softcap"):
-        ft_hf.attention_forward(module, q, k, v, None, softcap=30.0)
     with pytest.raises(NotImplementedError, match="4D"):
         ft_hf.attention_forward(module, q, k, v, torch.zeros(1, 1, 5, 5, device=device))
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_sliding_window_and_softcap(padded, device):
+    # transformers' FlashAttention-2 meaning: sliding_window W = window (W - 1, W - 1), causal
+    from flashtune.reference import reference
+    module = torch.nn.Module()
+    q = torch.randn(2, 4, 20, 16, device=device)
+    k, v = torch.randn(2, 2, 20, 16, device=device), torch.randn(2, 2, 20, 16, device=device)
+    mask = None
+    if padded:
+        mask = torch.ones(2, 20, dtype=torch.bool, device=device)
+        mask[1, :5] = False  # left padding
+    out, _ = ft_hf.attention_forward(module, q, k, v, mask, sliding_window=6, softcap=3.0,
+                                     is_causal=True)
+    kw = dict(causal=True, window=(5, 5), softcap=3.0)
+    ref0 = reference(q[:1], k[:1], v[:1], **kw)
+    torch.testing.assert_close(out[:1].transpose(1, 2).double(), ref0, atol=2e-5, rtol=1e-4)
+    s = 5 if padded else 0
+    ref1 = reference(q[1:, :, s:], k[1:, :, s:], v[1:, :, s:], **kw)
+    torch.testing.assert_close(out[1:, s:].transpose(1, 2).double(), ref1, atol=2e-5, rtol=1e-4)
+
+
+def test_gemma2_sliding_window_and_softcap_match_eager(name, device):
+    # Gemma 2: alternating sliding-window (4 tokens) and global layers, logit softcapping (a
+    # small cap: this tiny model's scores are small, and a cap of 50 would change nothing)
+    torch.manual_seed(1234)
+    cfg = transformers.Gemma2Config(**{**CFG, "num_hidden_layers": 2}, sliding_window=4,
+                                    attn_logit_softcapping=0.05, query_pre_attn_scalar=16)
+    model = transformers.Gemma2ForCausalLM(cfg).to(device).eval()
+    ids = torch.randint(0, CFG["vocab_size"], (2, 12), device=device)
+    want = _run(model, "eager", input_ids=ids).logits.detach()
+    got = _run(model, name, input_ids=ids).logits.detach()
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)

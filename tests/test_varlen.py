@@ -138,6 +138,59 @@ def test_equal_lengths_equal_dense_attention(device):
     torch.testing.assert_close(out, dense.transpose(1, 2).reshape(b * n, h, d), atol=2e-3, rtol=0)
 
 
+def test_descriptor_forward_falls_back_for_unaligned_tensors(device, monkeypatch):
+    # a TMA variant forced on tensors whose base is not 16-byte aligned (sliced 1 element in):
+    # the portable pointer default runs instead, with the same numbers
+    from flashtune import dispatch, launch
+    seen = []
+    real = launch.VarlenFwdPlan.__init__
+
+    def spy(self, *a, **kw):
+        real(self, *a, **kw)
+        seen.append(self.variant)
+    monkeypatch.setattr(launch.VarlenFwdPlan, "__init__", spy)
+    buf = torch.randn(3, 29, 2, 33, dtype=torch.float16, device=device)
+    q, k, v = (t[..., 1:] for t in buf.unbind(0))
+    c = cu([12, 17], device)
+    with flashtune.force("fwd-m16-n32-w4-s1-loads=descriptor"):
+        assert_varlen_matches(q, k, v, c, c, causal=True, grads=False)
+    assert seen and seen[-1] == dispatch.varlen_pointer_fallback("fwd", 32, "float16")
+    assert seen[-1].loads == "pointer"
+
+
+def test_offsets_checked_once_per_tensor_version(device, monkeypatch):
+    # the layers of a step share cu_seqlens: one host check, until the offsets change in place
+    from flashtune import ops_varlen
+    calls = []
+    real = ops_varlen.check_cu_seqlens_values
+    monkeypatch.setattr(ops_varlen, "check_cu_seqlens_values",
+                        lambda *a: (calls.append(1), real(*a))[1])
+    q, k, v, cu_q, cu_k = packed([5, 9], [7, 12], 2, 1, 16, torch.float16, device)
+    for _ in range(3):
+        flashtune.attention_varlen(q, k, v, cu_q, cu_k, 9, 12)
+    assert len(calls) == 1
+    flashtune.attention_varlen(q, k, v, cu_q, cu_k, 10, 12)  # other bounds: checked again
+    assert len(calls) == 2
+    cu_k[1] += 30  # an in-place write bumps the version: checked again, and refused
+    with pytest.raises(ValueError, match="cu_seqlens_k must be non-decreasing"):
+        flashtune.attention_varlen(q, k, v, cu_q, cu_k, 9, 12)
+
+
+def test_offsets_rewritten_behind_pytorchs_back_stay_in_bounds(device):
+    # a write PyTorch cannot see (through .data: no version bump) skips the host check; the
+    # kernels clamp each sequence to the packed tensors and max_seqlen, so nothing is read or
+    # written out of bounds (the answer is for the clamped sequences)
+    q, k, v, cu_q, cu_k = packed([5, 9], [7, 12], 2, 1, 16, torch.float16, device)
+    flashtune.attention_varlen(q, k, v, cu_q, cu_k, 9, 12)
+    cu_q.data[1], cu_k.data[2] = -50, 10_000
+    out = flashtune.attention_varlen(q, k, v, cu_q, cu_k, 9, 12)
+    # sequence 0 is now empty (zeros); sequence 1 spans q rows 0..8 (max_seqlen_q) and k rows 7..18
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q[:9].transpose(0, 1).float(), k[7:].transpose(0, 1).float().expand(2, -1, -1),
+        v[7:].transpose(0, 1).float().expand(2, -1, -1))
+    torch.testing.assert_close(out[:9].float(), ref.transpose(0, 1), atol=2e-3, rtol=2e-3)
+
+
 def test_strided_packed_qkv(device):
     # q, k, v sliced out of one (total, 3, H, D) projection: token stride 3*H*D, no copy
     qkv = torch.randn(30, 3, 2, 32, dtype=torch.float16, device=device)
@@ -304,6 +357,7 @@ def test_varlen_renders_compile_for_sm90():
             "from flashtune.compile_check import check_variant\n"
             "out = {}\n"
             "for n in ('fwd-m128-n64-w8-s2', 'fwd-m64-n32-w4-s2-causal_split=false',\n"
+            "          'fwd-m128-n64-w4-s2-loads=descriptor',\n"
             "          'bwd-m32-n128-w8-s2-dq=separate-mq128-nq64-wq8-sq2',\n"
             "          'bwd-m32-n128-w8-s3-dq=atomic'):\n"
             "    v = dataclasses.replace(Variant.parse(n), varlen=True)\n"
@@ -313,6 +367,6 @@ def test_varlen_renders_compile_for_sm90():
                        env={**os.environ, "TRITON_INTERPRET": "0"})
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     res = json.loads(r.stdout.strip().splitlines()[-1])
-    assert len(res) == 4 and all(0 < k["smem"] <= 232448 for v in res.values() for k in v.values())
+    assert len(res) == 5 and all(0 < k["smem"] <= 232448 for v in res.values() for k in v.values())
     assert set(res["bwd-m32-n128-w8-s2-dq=separate-mq128-nq64-wq8-sq2-varlen=true"]) == \
         {"pre", "dkdv", "dq"}

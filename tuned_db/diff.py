@@ -4,6 +4,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from flashtune._keys import as_dict
+
 from .record import Record
 
 
@@ -46,7 +48,7 @@ class Change:
         return out
 
     def to_dict(self) -> dict:
-        return {"kind": self.kind, "gpu": self.gpu, "bucket": dataclasses.asdict(self.bucket),
+        return {"kind": self.kind, "gpu": self.gpu, "bucket": as_dict(self.bucket),
                 "old": None if self.old is None else self.old.to_dict(),
                 "new": None if self.new is None else self.new.to_dict(),
                 "time_ratio": self.time_ratio, "what": self.what()}

@@ -45,7 +45,7 @@ def table_path(gpu, tables_dir: str | Path | None = None) -> Path:
 def bucket_order(r: Record) -> tuple:
     b = r.bucket
     return (r.gpu, b.family, b.dtype, b.head_dim, b.causal, b.gqa, b.seqlen_q, b.seqlen_k,
-            b.batch_heads)
+            b.batch_heads, b.mask)
 
 
 def _arch_of(gpu: str, records) -> tuple[str, str]:

@@ -35,6 +35,7 @@ class TunedRow(Base):
     seqlen_q: Mapped[int] = mapped_column(Integer)
     seqlen_k: Mapped[int] = mapped_column(Integer)
     batch_heads: Mapped[int] = mapped_column(Integer)
+    mask: Mapped[str] = mapped_column(String(64), server_default="")  # Bucket.mask ("" dense)
     # the winner: Variant.to_json() (sorted, every field) and its name for people
     variant: Mapped[str] = mapped_column(Text)
     variant_name: Mapped[str] = mapped_column(String(255))

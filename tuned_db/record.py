@@ -4,7 +4,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from flashtune._keys import stable_key
+from flashtune._keys import as_dict, stable_key
 from flashtune.codegen import Variant
 from flashtune.problem import Bucket
 
@@ -53,7 +53,7 @@ class Record:
         """JSON-ready dict. Keys are sorted when dumped; runner-ups become [name, ms] pairs."""
         return {
             "gpu": self.gpu,
-            "bucket": dataclasses.asdict(self.bucket),
+            "bucket": as_dict(self.bucket),
             "variant": self.variant.to_dict(),
             "median_ms": self.median_ms,
             "throughput": self.throughput,

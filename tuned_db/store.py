@@ -61,7 +61,8 @@ def _row_values(r: Record) -> dict:
     return dict(
         gpu=r.gpu, family=b.family, bucket_key=b.key, dtype=b.dtype, head_dim=b.head_dim,
         causal=b.causal, gqa=b.gqa, seqlen_q=b.seqlen_q, seqlen_k=b.seqlen_k,
-        batch_heads=b.batch_heads, variant=r.variant.to_json(), variant_name=r.variant.name,
+        batch_heads=b.batch_heads, mask=b.mask, variant=r.variant.to_json(),
+        variant_name=r.variant.name,
         median_ms=r.median_ms, throughput=r.throughput, unit=r.unit, max_err=r.max_err,
         runner_ups=json.dumps([[str(n), float(ms)] for n, ms in r.runner_ups]),
         gpu_name=p.gpu_name, compute_capability=p.compute_capability, sm_count=p.sm_count,
@@ -77,7 +78,7 @@ def _record_of(row: TunedRow) -> Record:
     except (TypeError, ValueError) as e:
         raise ValueError(f"variant {row.variant_name!r} is not one the generator knows: {e}") from None
     bucket = Bucket(row.family, row.dtype, row.head_dim, bool(row.causal), bool(row.gqa),
-                    row.seqlen_q, row.seqlen_k, row.batch_heads)
+                    row.seqlen_q, row.seqlen_k, row.batch_heads, row.mask or "")
     prov = Provenance(row.gpu_name, row.compute_capability, row.sm_count, row.driver, row.cuda,
                       row.torch_version, row.triton_version, row.flashtune_version,
                       row.template_hash, row.found_at, row.source)
@@ -199,7 +200,7 @@ class TunedDB:
             stmt = stmt.where(TunedRow.family == family)
         stmt = stmt.order_by(TunedRow.gpu, TunedRow.family, TunedRow.dtype, TunedRow.head_dim,
                              TunedRow.causal, TunedRow.gqa, TunedRow.seqlen_q, TunedRow.seqlen_k,
-                             TunedRow.batch_heads)
+                             TunedRow.batch_heads, TunedRow.mask)
         out = []
         for row in self._read(stmt):
             try:

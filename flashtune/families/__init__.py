@@ -18,7 +18,7 @@ from functools import lru_cache
 __all__ = ["Family", "get", "names", "all_families"]
 
 # the families, in the order the CLI lists them
-_MODULES = ("fwd", "bwd", "splitkv")
+_MODULES = ("fwd", "bwd", "splitkv", "hopper_fwd")
 
 
 def _resolve(ref: str):
@@ -55,6 +55,10 @@ class Family:
     heuristic: str = ""
     interpreter: bool = True        # runs in Triton's interpreter (CPU tests)
     min_capability: int = 80        # sm_XX the template needs
+    max_capability: int = 0         # newest sm_XX it runs on (0: any; Hopper's wgmma: 90 only)
+    # "module:fn": Problem -> why the kernels cannot compute it ("" = they can): head dims,
+    # dtypes, Triton features. Arch and interpreter are cannot_run's, from the fields above.
+    support: str = ""
     rules: tuple = field(default=())  # (field, allowed values, why) per own field with a rule
     seeds: str = ""                 # "module:fn": more variants a search measures first
 
@@ -78,6 +82,24 @@ class Family:
 
     def prefers(self, problem) -> bool:
         return bool(self.heuristic) and _resolve(self.heuristic)(problem)
+
+    def cannot_run(self, problem, arch: str | None) -> str:
+        """Why this family cannot serve `problem` on `arch` ("sm_90"; "" or None: no GPU known)
+        in this process ("" when it can). The dispatcher skips a rival family that cannot run,
+        and explain() quotes the reason."""
+        from .. import env
+        if not self.interpreter and env.interpreting():
+            return "Triton's interpreter is on (TRITON_INTERPRET=1), which cannot run its kernels"
+        if self.min_capability > 80 or self.max_capability:
+            if not arch:
+                return f"no GPU known to be sm_{self.min_capability}"
+            cap = int("".join(c for c in arch[3:] if c.isdigit()) or 0)
+            top = self.max_capability or cap
+            if not self.min_capability <= cap <= top:
+                need = (f"sm_{self.min_capability}" if top == self.min_capability else
+                        f"sm_{self.min_capability}+")
+                return f"the GPU is {arch}; its kernels need {need}"
+        return _resolve(self.support)(problem) if self.support else ""
 
     def plan_for(self, q, k, v, causal, scale, variant):
         """A launch plan of `variant` for a call of a family this one serves."""

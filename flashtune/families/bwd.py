@@ -12,7 +12,8 @@ FAMILY = Family(
     doc="FlashAttention-2 backward: dK/dV over key blocks, dQ separate or atomic",
     template="attn_bwd.py.tmpl",
     kernels=("attn_bwd_preprocess", "attn_bwd_dkdv", "attn_bwd_dq"),
-    fields=("causal_split", "loads", "dq", "block_m2", "block_n2", "num_warps2", "num_stages2", "varlen"),
+    fields=("causal_split", "loads", "dq", "block_m2", "block_n2", "num_warps2", "num_stages2", "varlen",
+            "window", "softcap", "block_sparse"),
     rules=(("dq", ("separate", "atomic"), "bwd accumulates dQ 'separate' or 'atomic'"),),
     defaults="flashtune.defaults:bwd_default",
     seeds="flashtune.defaults:bwd_seeds",
@@ -36,6 +37,9 @@ def compile_check(variant, head_dim: int, dtype: str, causal: bool, tails: bool,
     n, group = (1000, 4) if tails else (1024, 1)
     params = kernel_params(variant, torch_dtype(dtype), head_dim, causal, group, n, n,
                            varlen=variant.varlen)
+    from ..launch import example_masks
+    extra = example_masks(variant, causal)
+    params = {k: ({**c, **extra}, w, s) for k, (c, w, s) in params.items()}
     fns = {"pre": "attn_bwd_preprocess", "dkdv": "attn_bwd_dkdv", "dq": "attn_bwd_dq"}
     dq_f32 = frozenset({"DQ"}) if variant.dq == "atomic" else frozenset()
     return {k: compile_for(getattr(mod, fns[k]), consts, dtype, warps, stages, capability=cap,

@@ -11,7 +11,7 @@ FAMILY = Family(
     doc="FlashAttention-2 forward, split over queries",
     template="attn_fwd.py.tmpl",
     kernels=("attn_fwd",),
-    fields=("causal_split", "loads", "varlen"),
+    fields=("causal_split", "loads", "varlen", "window", "softcap", "block_sparse"),
     defaults="flashtune.defaults:fwd_default",
     measure="flashtune.measure_fwd:OPS",
     compile_check="flashtune.families.fwd:compile_check",
@@ -28,13 +28,15 @@ def compile_check(variant, head_dim: int, dtype: str, causal: bool, tails: bool,
 
     from ..codegen import load
     from ..codegen.aot import compile_for
-    from ..launch import FwdPlan, fwd_params
+    from ..launch import FwdPlan, example_masks, fwd_params
     from ..problem import torch_dtype
     n, group = (1000, 4) if tails else (1024, 1)
     q = torch.empty(2, 8, n, head_dim, dtype=torch_dtype(dtype), device="meta")
     k = torch.empty(2, 8 // group, n, head_dim, dtype=torch_dtype(dtype), device="meta")
-    if variant.varlen:  # what launch.VarlenFwdPlan passes
-        kwargs = fwd_params(variant, torch_dtype(dtype), head_dim, causal, group, even_n=False)
+    if variant.varlen or variant.masks:  # what launch.VarlenFwdPlan passes, or a masked launch
+        kwargs = fwd_params(variant, torch_dtype(dtype), head_dim, causal, group,
+                            even_n=not variant.varlen and n % 128 == 0)
+        kwargs.update(example_masks(variant, causal))
     else:
         kwargs = FwdPlan(q, k, k, causal, None, variant).kwargs
     consts = {n: v for n, v in kwargs.items() if n not in ("num_warps", "num_stages")}

@@ -14,10 +14,12 @@ FAMILY = Family(
     doc="Flash-Decoding: keys split over programs, exact combine; GQA heads share tile rows",
     template="attn_splitkv.py.tmpl",
     kernels=("attn_splitkv_partial", "attn_splitkv_combine"),
-    fields=("loads", "num_splits", "paged"),
+    fields=("loads", "num_splits", "paged", "window", "softcap"),
     defaults="flashtune.families.splitkv:default",
     measure="flashtune.measure_splitkv:OPS",
     compile_check="flashtune.families.splitkv:compile_check",
+    feasibility="flashtune.feasibility:splitkv_kernels",
+    feasibility_version=1,
     unit="GB/s",
     work="flashtune.families.splitkv:kv_bytes",
     bucket="flashtune.families.splitkv:bucket",
@@ -64,11 +66,11 @@ def bucket(p):
     """What decides the best split-KV config: the rows of one tile (GROUP q heads x Nq tokens),
     the keys per sequence, and the programs before splitting (batch x kv heads). They go into
     Bucket's seqlen_q, seqlen_k and batch_heads fields, on the same log scale."""
-    from ..problem import Bucket, head_dim_bucket, log2_bucket
+    from ..problem import Bucket, head_dim_bucket, log2_bucket, mask_of
     causal = p.causal and p.seqlen_q > 1  # one query token sees every key either way
     return Bucket(p.family, p.dtype, head_dim_bucket(p.head_dim), causal, p.group > 1,
                   log2_bucket(p.group * p.seqlen_q), log2_bucket(p.seqlen_k),
-                  log2_bucket(p.batch * (p.heads // p.group)))
+                  log2_bucket(p.batch * (p.heads // p.group)), mask_of(p))
 
 
 def compile_check(variant, head_dim: int, dtype: str, causal: bool, tails: bool, cap: int,
@@ -80,22 +82,26 @@ def compile_check(variant, head_dim: int, dtype: str, causal: bool, tails: bool,
     from ..codegen import load
     from ..codegen.aot import compile_for
     from ..launch import block_d
-    from ..launch_splitkv import COMBINE_CHUNK_S, SplitKVPlan, combine_block_s
+    from ..launch_splitkv import SplitKVPlan, combine_tile
     from ..problem import torch_dtype
     dt = torch_dtype(dtype)
     nq, group = (3, 4) if tails else (1, 8)
     q = torch.empty(2, nq, 8, head_dim, dtype=dt, device="meta")
     k = torch.empty(2, 4096, 8 // group, head_dim, dtype=dt, device="meta")
-    plan = SplitKVPlan(q, k, causal, None, variant)
+    from ..masks import Masks
+    plan = SplitKVPlan(q, k, causal, None, variant,
+                       Masks((64, 0) if variant.window else None, 30.0 if variant.softcap else None))
     consts = {n: v for n, v in plan.kwargs.items() if n not in ("num_warps", "num_stages")}
+    consts["USE_PDL"] = cap >= 90  # as launched on that target
     mod = load(variant)
     # the partial kernel writes float32 scratch (O, LSE) when the keys are split
     ints = {"BLOCK_TABLE": "*i32", "SEQLENS": "*i32", "HK": "i32", "O": "*fp32"}
     out = {"partial": compile_for(mod.attn_splitkv_partial, consts, dtype, variant.num_warps,
                                   variant.num_stages, capability=cap, usage=usage, types=ints)}
+    block_s, chunk_d = combine_tile(64, block_d(head_dim))
     out["combine"] = compile_for(mod.attn_splitkv_combine,
-                                 dict(HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim),
-                                      BLOCK_S=combine_block_s(64), CHUNK_S=COMBINE_CHUNK_S),
+                                 dict(HEAD_DIM=head_dim, BLOCK_S=block_s, CHUNK_D=chunk_d,
+                                      USE_PDL=cap >= 90),
                                  dtype, 4, 3, capability=cap,
                                  usage=usage, types={"O_PART": "*fp32", "LSE_PART": "*fp32",
                                                      "H": "i32"})

@@ -41,8 +41,13 @@ FlashAttention-2 integration's does: it hands the attention a 2D boolean padding
   `position_ids` that restart, or `cu_seq_lens_q/k` + `max_length_q/k` keyword arguments as
   `DataCollatorWithFlattening` gives) run as varlen too, one sequence per segment.
 
+Sliding windows and softcapping (Mistral, Gemma 2/3) run as flashtune's `window=` and
+`softcap=`, with the FlashAttention-2 integration's meaning: `sliding_window` W is
+`window=(W - 1, W - 1)` (causal: W - 1 keys back plus the token itself), applied only when
+there are more than W keys.
+
 Not supported (a clear error instead of a wrong answer): dropout > 0 (flashtune has no
-dropout), `sliding_window`, `softcap`, attention sinks (`s_aux`), additive position biases,
+dropout), attention sinks (`s_aux`), additive position biases,
 4D custom masks, transformers' paged (continuous-batching) cache. `output_attentions` gives
 no weights (None, as FlashAttention and SDPA).
 """
@@ -145,14 +150,6 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
             f"flashtune has no attention dropout (got dropout={dropout}): set the model's "
             "config.attention_dropout to 0, or call model.eval(), to train or run with "
             "flashtune's attention implementation")
-    if sliding_window is not None:
-        raise NotImplementedError(
-            f"flashtune's transformers backend does not support sliding-window attention yet "
-            f"(sliding_window={sliding_window}); use attn_implementation='sdpa' for this model")
-    if softcap is not None:
-        raise NotImplementedError(
-            f"flashtune's transformers backend does not support logit softcapping yet "
-            f"(softcap={softcap}); use attn_implementation='eager' for this model")
     for kw in ("s_aux", "position_bias"):
         if kwargs.get(kw) is not None:
             raise NotImplementedError(
@@ -186,15 +183,22 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         key = key[:, :, :attention_mask.shape[1]]
         value = value[:, :, :attention_mask.shape[1]]
 
+    # as transformers' FlashAttention-2 integration: W - 1 each side, only when it cuts keys
+    masks = {}
+    if sliding_window is not None and key.shape[2] > sliding_window:
+        masks["window"] = (sliding_window - 1, sliding_window - 1)
+    if softcap is not None:
+        masks["softcap"] = softcap
     packed = None
     if attention_mask is None:
         packed = _packed_from_kwargs(query, key, kwargs)
     if attention_mask is not None or packed is not None:
-        out = _varlen(query, key, value, attention_mask, packed, causal, scaling, deterministic)
+        out = _varlen(query, key, value, attention_mask, packed, causal, scaling, deterministic,
+                      masks)
     else:
         import flashtune
         out = flashtune.attention(query, key, value, causal=causal, scale=scaling,
-                                  deterministic=deterministic).transpose(1, 2)
+                                  deterministic=deterministic, **masks).transpose(1, 2)
     if v_head_dim != head_dim:
         out = out[..., :v_head_dim]
     return out.contiguous(), None
@@ -207,7 +211,11 @@ _memo: dict = {}
 
 def _memoized(kind: str, t: torch.Tensor, extra: tuple, compute):
     from ..launch import capturing
-    if capturing(t):  # tensors made during CUDA-graph capture must not outlive the call
+    # Not kept: tensors made during CUDA-graph capture, and anything under torch.compile (which
+    # traces this function: generate() with a static cache compiles the model with CUDA graph
+    # trees, whose memory pool may hold no tensor past a replay but its outputs -- a kept index
+    # tensor failed that check on the H100)
+    if torch.compiler.is_compiling() or capturing(t):
         return compute()
     hit = _memo.get(kind)
     if hit is not None and hit[0] is t and hit[1] == (t._version, *extra):
@@ -260,7 +268,7 @@ def _packed_from_kwargs(query, key, kwargs):
     return cu, cu, mx, mx
 
 
-def _varlen(query, key, value, mask, packed, causal, scale, deterministic):
+def _varlen(query, key, value, mask, packed, causal, scale, deterministic, masks):
     import flashtune
     bsz, h, nq, d = query.shape
     nk = key.shape[2]
@@ -272,7 +280,7 @@ def _varlen(query, key, value, mask, packed, causal, scale, deterministic):
         out = flashtune.attention_varlen(
             q.reshape(bsz * nq, h, d), k.reshape(bsz * nk, k.shape[2], d),
             v.reshape(bsz * nk, v.shape[2], d), cu_q, cu_k, max_q, max_k,
-            causal=causal, scale=scale, deterministic=deterministic)
+            causal=causal, scale=scale, deterministic=deterministic, **masks)
         return out.view(bsz, nq, h, d)
 
     def keys_and_queries():
@@ -288,6 +296,7 @@ def _varlen(query, key, value, mask, packed, causal, scale, deterministic):
     (kb, kn, cu_k, max_k), (qb, qn, cu_q, max_q) = _memoized(
         "unpad", mask, (tuple(mask.shape), nq, causal), keys_and_queries)
     out = flashtune.attention_varlen(q[qb, qn], k[kb, kn], v[kb, kn], cu_q, cu_k, max_q, max_k,
-                                     causal=causal, scale=scale, deterministic=deterministic)
+                                     causal=causal, scale=scale, deterministic=deterministic,
+                                     **masks)
     full = query.new_zeros(bsz, nq, h, d)
     return full.index_put((qb, qn), out)

@@ -1,0 +1,199 @@
+"""Run the cases against the peers: one row per (case, peer) with its time and throughput, or
+why it was skipped, or its error. Inputs are made once per case and shared by every peer."""
+from __future__ import annotations
+
+import datetime
+import platform
+
+import torch
+
+from . import grid
+from .grid import Case
+from .peers import Inputs, Peer, Unavailable, make_inputs
+from .progress import Progress
+from .report import OURS, case_key, write_json
+from .timing import ceilings, measure, peak_mib
+
+_SCALE = {"TFLOP/s": 1e12, "GB/s": 1e9}
+
+
+def environment(device: str) -> dict:
+    import triton
+
+    import flashtune
+    env = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+           "torch": torch.__version__, "triton": triton.__version__,
+           "flashtune": flashtune.__version__, "python": platform.python_version(),
+           "device_kind": device}
+    if device == "cuda":
+        from ..measure_gpu import _driver_version
+        props = torch.cuda.get_device_properties(0)
+        env.update(device=props.name, sm_count=props.multi_processor_count,
+                   capability=f"{props.major}.{props.minor}", driver=_driver_version(),
+                   cuda=str(torch.version.cuda))
+    else:
+        from ..env import triton_interprets
+        env.update(device=f"CPU ({platform.processor() or platform.machine()})",
+                   note="Triton interpreter: a smoke run, the numbers mean nothing"
+                   if triton_interprets() else "no GPU")
+    return env
+
+
+def _timed(case: Case, fn, inp: Inputs):
+    """fn(*tensors) -> the callable the case's mode times, and what it computed (the output,
+    or the gradients) to compare between peers."""
+    if case.mode == "fwd":
+        def run():
+            with torch.no_grad():
+                return fn(*inp.tensors)
+        return run, (run(),)
+    xs = [t.detach().requires_grad_() for t in inp.tensors]
+    out = fn(*xs)
+    gen = torch.Generator(device=out.device).manual_seed(1)
+    do = torch.randn(out.shape, generator=gen, device=out.device, dtype=out.dtype)
+    if case.mode == "bwd":  # the backward alone, on one saved graph
+        call = lambda: torch.autograd.grad(out, xs, do, retain_graph=True)  # noqa: E731
+    else:
+        call = lambda: torch.autograd.grad(fn(*xs), xs, do)  # noqa: E731
+    return call, call()
+
+
+def _max_diff(a: tuple, b: tuple) -> float | None:
+    if len(a) != len(b) or any(x.shape != y.shape for x, y in zip(a, b)):
+        return None
+    return max((x.float() - y.float()).abs().max().item() for x, y in zip(a, b))
+
+
+def _error(e: BaseException) -> str:
+    text = " ".join(str(e).split())
+    return f"{type(e).__name__}: {text[:300]}"
+
+
+def run_case(case: Case, peer: Peer, inp: Inputs, device: str, budget_ms: float,
+             graph: bool, ref=None) -> tuple[dict, object]:
+    row = {**case.to_dict(), "peer": peer.name}
+    out = None
+    why = peer.why_not(case, device)
+    if why is None and case.section == "memory" and device != "cuda":
+        why = "peak memory is measured on CUDA only"
+    if why:
+        row["skipped"] = why
+        return row, None
+    try:
+        with peer.context(case):
+            fn = peer.prepare(case, inp)
+            if getattr(fn, "note", None):
+                row["note"] = fn.note
+            if case.section == "memory":
+                xs = [t.detach().requires_grad_() for t in inp.tensors]
+                do = torch.randn_like(xs[0])  # outputs have q's shape
+                def step():
+                    return torch.autograd.grad(fn(*xs), xs, do)
+                step()  # compiles (flex, Triton) and their workspaces stay out of the peak
+                row["peak_mib"] = peak_mib(step, device)
+            else:
+                call, out = _timed(case, fn, inp)
+                ms, note = measure(call, device, budget_ms=budget_ms,
+                                   graph=graph and case.section == "decode")
+                row.update(ms=ms, throughput=case.work() / (ms * 1e-3) / _SCALE[case.unit],
+                           timing=note)
+                diff = None if ref is None else _max_diff(out, ref)
+                if diff is not None:
+                    row["max_abs_diff"] = diff  # of the output (fwd) or the gradients
+    except Unavailable as e:
+        row["skipped"] = str(e)
+    except torch.cuda.OutOfMemoryError:
+        if case.section == "memory":
+            row["peak_mib"] = "OOM"
+        else:
+            row["error"] = "out of memory"
+    except Exception as e:  # noqa: BLE001 -- a peer that fails is a cell, not a crash
+        row["error"] = _error(e)
+    finally:
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    return row, out
+
+
+def _summary(case: Case, rows: list[dict]) -> str:
+    cells = []
+    for r in rows:
+        if "throughput" in r:
+            cells.append(f"{r['peer']} {r['throughput']:.4g}")
+        elif "peak_mib" in r:
+            v = r["peak_mib"]
+            cells.append(f"{r['peer']} {v if isinstance(v, str) else f'{v:.0f} MiB'}")
+        elif "error" in r:
+            cells.append(f"{r['peer']} error")
+    unit = "" if case.section == "memory" else f" ({case.unit})"
+    return f"{case.label}{unit}: " + (", ".join(cells) or "nothing ran")
+
+
+class ResumeMismatch(ValueError):
+    """--resume got another device's result."""
+
+
+def run(shapes: grid.Shapes, sections, peers: list[Peer], device: str, *, quick: bool = False,
+        budget_ms: float = 60.0, graph: bool = True, progress: str = "auto",
+        stream=None, checkpoint=None, command: str | None = None,
+        resume: dict | None = None) -> dict:
+    """The whole benchmark; returns the result document (report.py renders it). checkpoint: a
+    path the document so far is written to after every case ("partial": true), so that a run
+    cut short (a time limit) still leaves its rows for `flashtune bench --from`. resume: an
+    earlier result of this device whose finished cells (a number, or a reason to skip) are
+    kept instead of measured again; its failed cells run again."""
+    env = environment(device)
+    if command:
+        env["command"] = command
+    kept = {}
+    if resume:
+        if resume["env"].get("device") != env["device"]:
+            raise ResumeMismatch(f"cannot resume a run of {resume['env'].get('device')!r} on "
+                             f"{env['device']!r}")
+        kept = {(case_key(r), r["peer"]): r for r in resume["rows"]
+                if "error" not in r and any(k in r for k in ("throughput", "peak_mib", "skipped"))}
+    cases = grid.cases(shapes, sections)
+    plan = []
+    for c in cases:
+        key = case_key(c.to_dict())
+        ps = [p for p in peers if c.section in p.sections]
+        plan.append((c, [p for p in ps if (key, p.name) not in kept],
+                     [kept[(key, p.name)] for p in ps if (key, p.name) in kept]))
+    bar = Progress(sum(len(ps) for _, ps, _ in plan), progress, stream)
+    bar.line(f"{env['device']}, torch {env['torch']}, triton {env['triton']}: "
+             f"{len(cases)} cases x {len(peers)} peers"
+             + (f"; {len(kept)} cells kept from the resumed run" if kept else ""))
+    ceil = ceilings(device, quick)
+    bar.line(f"ceilings: {ceil['matmul']['what']} {ceil['matmul']['tflops']:.4g} TFLOP/s, "
+             f"{ceil['copy']['what']} {ceil['copy']['gbps']:.4g} GB/s")
+    rows = []
+    doc = {"env": env, "ceilings": ceil, "peers": {p.name: p.doc for p in peers},
+           "masks": {k: m.doc for k, m in grid.MASKS.items()}, "rows": rows}
+    for case, case_peers, done in plan:
+        rows += done
+        if not case_peers:
+            continue
+        try:
+            inp = make_inputs(case, device)
+        except Exception as e:  # noqa: BLE001 -- e.g. out of memory for the inputs
+            for p in case_peers:
+                rows.append({**case.to_dict(), "peer": p.name, "error": f"inputs: {_error(e)}"})
+                bar.step(case.label)
+            bar.line(f"{case.label}: inputs failed: {_error(e)}")
+            if device == "cuda":
+                torch.cuda.empty_cache()
+            continue
+        mine, ref = [], None
+        for peer in case_peers:
+            row, out = run_case(case, peer, inp, device, budget_ms, graph, ref)
+            if peer.name == OURS and out is not None:
+                ref = out  # what the other peers' results are compared to
+            mine.append(row)
+            bar.step(f"{case.label} {peer.name}")
+        rows += mine
+        bar.line(_summary(case, done + mine))
+        del inp, ref
+        if checkpoint is not None:
+            write_json({**doc, "partial": True}, checkpoint)
+    bar.close()
+    return doc

@@ -1,0 +1,136 @@
+"""hopper_fwd: the forward for Hopper (sm_90) in Gluon -- TMA loads into a shared-memory ring on
+mbarriers, async wgmma, a loader warp (warp specialization), FA3's QK^T-before-softmax overlap,
+optional ping-pong consumers and a persistent grid. Template attn_hopper_fwd.py.tmpl (version
+shims in flashtune/gluon_compat.py); launched by flashtune/launch_hopper.py (HopperFwdPlan);
+measured by flashtune/measure_hopper.py; space search_spaces/hopper_fwd.json.
+
+It serves dense forward calls (`serves=("fwd",)`) and competes with the generic fwd family per
+bucket (dispatch._compete). Where it cannot run -- not sm_90, a Triton without Gluon, Triton's
+interpreter, a head dim other than 64/128/256, float32 -- the dispatcher keeps the generic family
+and `flashtune.explain` says why (`cannot_serve`)."""
+from __future__ import annotations
+
+from . import Family
+
+FAMILY = Family(
+    name="hopper_fwd",
+    doc="Hopper forward in Gluon: TMA ring + mbarriers, async wgmma, loader warp, ping-pong",
+    template="attn_hopper_fwd.py.tmpl",
+    kernels=("attn_fwd_hopper",),
+    fields=("pingpong", "persistent", "loader_regs"),
+    defaults="flashtune.families.hopper_fwd:default",
+    measure="flashtune.measure_hopper:OPS",
+    compile_check="flashtune.families.hopper_fwd:compile_check",
+    feasibility="flashtune.families.hopper_fwd:resources",
+    serves=("fwd",),
+    serve_plan="flashtune.launch_hopper:HopperFwdPlan",
+    heuristic="flashtune.families.hopper_fwd:prefer_for_dense",
+    support="flashtune.families.hopper_fwd:cannot_serve",
+    interpreter=False,
+    min_capability=90,
+    max_capability=90,
+    rules=(("num_warps", (4, 8), "a consumer partition is one or two warpgroups"),
+           ("block_m", (64, 128), "64 query rows per consumer warpgroup (wgmma M), at most 2"),
+           ("block_n", (32, 64, 128, 256), "the wgmma N of QK^T: 32..256"),
+           ("num_stages", (1, 2, 3, 4), "the K/V ring: 1..4 stages"),
+           ("loader_regs", (24, 32, 40, 48, 56), "setmaxnreg of the loader: 24..56, step 8")),
+)
+
+# Defaults: the fastest spill-free candidates measured on the H100 (bench/hopper_check.py, bf16,
+# standard grid, torch 2.11, triton 3.6, 2026-11-23; docs/data/hopper_fwd_h100_2026-11-23.jsonl
+# runs 3-4; TFLOP/s at N=512..16k non-causal / causal, geomean vs SDPA's cuDNN backend in the
+# same run, non-causal / causal; docs/benchmarks.md has the table):
+#   D=64:  ping-pong m64-n64-w4-s4      247-393 / 148-367  0.74x / 0.70x (the generic fwd is
+#          faster here: 0.91x / 0.87x). m64-n128-w4-s3 was faster (0.85x / 0.73x) but spills
+#          16 B causal; s2 0.65x / 0.55x.
+#   D=128: ping-pong m64-n64-w4-s3, persistent  393-542 / 199-477  0.81x / 0.70x (not
+#          persistent 0.79x / 0.70x, s4 0.79x / 0.70x, s2 0.65x / 0.60x; one consumer partition of
+#          8 warps m128-n64-w8-s3 0.66x / 0.65x; generic fwd 0.74x / 0.75x)
+#   D=256: ping-pong m64-n32-w4-s3      374-525 / 193-503  0.73x / 0.83x (generic fwd 0.35x / 0.40x)
+# Spill-free matters: Triton gives ptxas a 168-register cap for the whole kernel (65536 / 384
+# threads: the consumers plus the loader's warp group), which setmaxnreg does not lift for register
+# allocation, so 128-key steps spill at D >= 128 (the S of block j+1, the P of block j and the O
+# accumulator are live together).
+DEFAULTS = {
+    64: dict(block_m=64, block_n=64, num_warps=4, num_stages=4, pingpong=True),
+    128: dict(block_m=64, block_n=64, num_warps=4, num_stages=3, pingpong=True, persistent=True),
+    256: dict(block_m=64, block_n=32, num_warps=4, num_stages=3, pingpong=True),
+}
+
+
+def default(head_dim: int, dtype: str, *, arch=None):
+    from ..codegen import Variant
+    d = 64 if head_dim <= 64 else 128 if head_dim <= 128 else 256
+    return Variant("hopper_fwd", loader_regs=24, **DEFAULTS[d])
+
+
+def cannot_serve(p) -> str:
+    """Why the kernels cannot compute problem `p` ("" when they can): this Triton's Gluon, head
+    dim and dtype. The GPU arch and the interpreter are Family.cannot_run's."""
+    from ..gluon_compat import missing
+    from ..launch_hopper import unsupported
+    from ..problem import torch_dtype
+    return missing() or unsupported(p.head_dim, torch_dtype(p.dtype))
+
+
+def prefer_for_dense(p) -> bool:
+    """Until tuned records decide: hopper_fwd where it beat the generic fwd family on the H100's
+    standard grid (run 3 of DEFAULTS' data: both timed in one run, plans built once): D=256
+    (1.4-1.5x the generic kernel, causal or not; the defaults since, 2x) and D=128 without a causal
+    mask (1.07x geomean: 363-548 vs 326-524 TFLOP/s). The generic kernel stays ahead at D=64 and
+    at causal D=128 (0.92x: short causal tiles, where the per-tile prologue, the ping-pong's turns
+    and the O epilogue cost more than they hide: 188-502 vs 197-508). Only the measured range:
+    N >= 512 queries and keys (shorter calls, decoding, stay with fwd/splitkv)."""
+    if p.seqlen_q < 512 or p.seqlen_k < 512 or cannot_serve(p):
+        return False
+    return p.head_dim == 256 or (p.head_dim == 128 and not p.causal)
+
+
+def smem_bytes(variant, head_dim: int, elem: int = 2) -> int:
+    """Q tile(s) + the K/V ring (+ 1 KB for barriers and alignment)."""
+    consumers = 2 if variant.pingpong else 1
+    return elem * head_dim * (consumers * variant.block_m + 2 * variant.num_stages
+                              * variant.block_n) + 1024
+
+
+def resources(variant, problem, target) -> tuple:
+    """(kernel, Resources) for the feasibility model. Shared memory from the tiles; registers per
+    consumer thread from its accumulators (S in float32, P in the input dtype, O in float32)
+    over the consumer threads only -- setmaxnreg hands the loader's share to them, so the cap
+    the model applies (65536 / consumer threads, at most 255) is near the real one
+    (launch_hopper.consumer_regs, 240 at most)."""
+    from ..feasibility import Resources, dtype_bytes
+    e = dtype_bytes(problem.dtype)
+    threads = 32 * variant.num_warps * (2 if variant.pingpong else 1)
+    per = 32 * variant.num_warps
+    s = variant.block_m * variant.block_n
+    words = s + s * e // 4 + variant.block_m * problem.head_dim
+    return (("attn_fwd_hopper", Resources(smem_bytes(variant, problem.head_dim, e),
+                                          -(-words // per) + 32, threads)),)
+
+
+def compile_check(variant, head_dim: int, dtype: str, causal: bool, tails: bool, cap: int,
+                  usage: bool) -> dict:
+    """The kernel compiled for `cap` without a GPU, with the launcher's constexprs (tails: GQA 4;
+    the masks are run-time branches here, compiled in either way). float32 has no kernel."""
+    if dtype == "float32" or cap < 90:
+        return {}
+    from triton.experimental.gluon import language as gl
+
+    from ..codegen import load
+    from ..codegen.aot import compile_for
+    from ..launch_hopper import consumer_regs
+    gdt = {"bfloat16": gl.bfloat16, "float16": gl.float16}[dtype]
+    short = {"bfloat16": "bf16", "float16": "fp16"}[dtype]
+
+    def desc(rows):
+        lay = gl.NVMMASharedLayout.get_default_for([1, rows, head_dim], gdt)
+        return f"tensordesc<{short}[1,{rows},{head_dim}],{lay!r}>"
+    types = {"q_desc": desc(variant.block_m), "o_desc": desc(variant.block_m),
+             "k_desc": desc(variant.block_n), "v_desc": desc(variant.block_n), "n_tiles": "i32"}
+    consts = dict(HEAD_DIM=head_dim, BLOCK_M=variant.block_m, BLOCK_N=variant.block_n,
+                  STAGES=variant.num_stages, GROUP=4 if tails else 1, IS_CAUSAL=causal,
+                  LOADER_REGS=variant.loader_regs, CONSUMER_REGS=consumer_regs(variant),
+                  num_warps=variant.num_warps)
+    return {"fwd": compile_for(load(variant).attn_fwd_hopper, consts, dtype, variant.num_warps,
+                               1, capability=cap, usage=usage, types=types)}

@@ -1,0 +1,144 @@
+"""Launch the hopper_fwd family (Gluon, sm_90): TMA descriptors over 3-D views of the tensors,
+the grid (one program per tile, or one per SM when persistent), the register split. Which
+variant runs is decided by the caller; a call this kernel cannot address (strides TMA cannot
+describe, misaligned bases) runs the generic fwd family's default instead, as ops.run_forward
+expects of any plan."""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+
+from .codegen import Variant, load
+
+HEAD_DIMS = (64, 128, 256)
+DTYPES = (torch.float16, torch.bfloat16)
+REGS_PER_SM = 65536
+MAX_REGS = 240          # per thread under setmaxnreg (multiples of 8, at most 256; 240 leaves room)
+
+
+def consumer_regs(variant: Variant) -> int:
+    """Registers per thread of a consumer partition under setmaxnreg: what the loader warp group
+    (4 warps: setmaxnreg acts per warpgroup) leaves, shared by the consumers' warps, rounded down
+    to a multiple of 8, at most MAX_REGS. E.g. two 4-warp consumers, loader 24:
+    (65536 - 128*24) / 256 = 244 -> 240."""
+    consumers = 2 if variant.pingpong else 1
+    left = REGS_PER_SM - 128 * variant.loader_regs
+    return min(MAX_REGS, left // (32 * variant.num_warps * consumers) // 8 * 8)
+
+
+def unsupported(head_dim: int, dtype: torch.dtype) -> str:
+    """Why the kernels cannot serve this head dim / dtype ("" when they can)."""
+    if head_dim not in HEAD_DIMS:
+        return f"head dim {head_dim} is not one of {HEAD_DIMS}"
+    if dtype not in DTYPES:
+        return f"dtype {dtype} is not float16/bfloat16 (wgmma operands)"
+    return ""
+
+
+def _view3(t: torch.Tensor):
+    """(shape, strides) of the (B*H, N, D) view of a (B, H, N, D) tensor, or None when the batch
+    and head strides do not merge (a TMA descriptor has one stride per dim)."""
+    b, h, n, d = t.shape
+    sb, sh, sn, sd = t.stride()
+    if sd != 1 or (b > 1 and sb != h * sh):
+        return None
+    return [b * h, n, d], [sh, sn, 1]
+
+
+def addressable(*tensors: torch.Tensor) -> bool:
+    """TMA can address each tensor: mergeable batch/head strides, 16-byte strides and base."""
+    for t in tensors:
+        v = _view3(t)
+        if v is None or t.data_ptr() % 16 or any(s * t.element_size() % 16 for s in v[1][:2]):
+            return False
+    return True
+
+
+def _device_blocker(device: torch.device) -> str:
+    """Why the kernels cannot run on `device` ("" when they can): a GPU of sm_90, Gluon."""
+    if device.type != "cuda":
+        return "tensors are not on a GPU"
+    if torch.cuda.get_device_capability(device) != (9, 0):
+        return f"the GPU is sm_{''.join(map(str, torch.cuda.get_device_capability(device)))}"
+    from .gluon_compat import missing
+    return missing()
+
+
+def _sm_count(device: torch.device) -> int:
+    from .launch_splitkv import sm_count
+    return sm_count(device)
+
+
+class HopperFwdPlan:
+    """One hopper_fwd launch fixed by the call's shapes, strides, dtype, causal and scale;
+    run(q, k, v) -> (O like q, LSE (B, H, Nq) float32), as launch.FwdPlan. `descriptor` is False:
+    this plan checks the base addresses itself (ops.run_forward would otherwise swap the variant
+    for a pointer twin, which this family has not)."""
+    __slots__ = ("variant", "kernel", "grid", "scale", "n_tiles", "consts", "layouts", "fallback",
+                 "why")
+    descriptor = False
+
+    def __init__(self, q, k, v, causal: bool, scale: float | None, variant: Variant):
+        b, h, nq, d = q.shape
+        self.variant = variant
+        self.why = unsupported(d, q.dtype) or _device_blocker(q.device)
+        o_meta = torch.empty_like(q, device="meta")
+        if not self.why and not all(_view3(t) for t in (q, k, v, o_meta)):
+            self.why = "strides TMA cannot describe as (B*H, N, D)"
+        self.fallback = None
+        if self.why:
+            self.fallback = _generic_plan(q, k, v, causal, scale)
+            return
+        from triton.experimental.gluon import language as gl
+        gdt = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
+        self.layouts = {r: gl.NVMMASharedLayout.get_default_for([1, r, d], gdt)
+                        for r in {variant.block_m, variant.block_n}}
+        self.kernel = load(variant).attn_fwd_hopper
+        rows = variant.block_m * (2 if variant.pingpong else 1)
+        n_tiles = triton.cdiv(nq, rows) * b * h
+        programs = min(n_tiles, _sm_count(q.device)) if variant.persistent else n_tiles
+        self.grid = (programs,)
+        self.n_tiles = n_tiles
+        self.scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+        self.consts = dict(HEAD_DIM=d, BLOCK_M=variant.block_m, BLOCK_N=variant.block_n,
+                           STAGES=variant.num_stages, GROUP=h // k.shape[1], IS_CAUSAL=causal,
+                           LOADER_REGS=variant.loader_regs, CONSUMER_REGS=consumer_regs(variant),
+                           num_warps=variant.num_warps)
+
+    def run(self, q, k, v):
+        if self.fallback is not None:
+            return self.fallback.run(q, k, v)
+        o = torch.empty_like(q)  # keeps q's layout, as the generic plan's
+        if not addressable(q, k, v, o):  # this call's base addresses only: no memo
+            return _generic_plan(q, k, v, self.consts["IS_CAUSAL"], self.scale).run(q, k, v)
+        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+        b, h, nq, d = q.shape
+        lse = torch.empty((b, h, nq), dtype=torch.float32, device=q.device)
+        bm, bn = self.variant.block_m, self.variant.block_n
+
+        def desc(t, rows):
+            shape, strides = _view3(t)
+            return TensorDescriptor(t, shape, strides, [1, rows, d], self.layouts[rows])
+        self.kernel[self.grid](desc(q, bm), desc(k, bn), desc(v, bn), desc(o, bm), lse,
+                               self.scale, h, nq, k.shape[2], self.n_tiles, **self.consts)
+        return o, lse
+
+
+def _generic_plan(q, k, v, causal: bool, scale):
+    """The generic fwd family's default for this call (what the dispatcher would have chosen
+    without hopper_fwd), pointer loads where TMA cannot address the tensors."""
+    from . import launch
+    from .defaults import default_variant
+    from .dispatch import pointer_twin
+    from .problem import dtype_name
+    fv = default_variant("fwd", q.shape[3], dtype_name(q.dtype))
+    if fv.loads == "descriptor" and not launch.descriptor_ok(q, k, v):
+        fv = pointer_twin(fv)
+    return launch.FwdPlan(q, k, v, causal, scale, fv)
+
+
+def forward(q, k, v, causal: bool, scale: float | None, variant: Variant):
+    """Run a hopper_fwd variant: O (q's dtype and layout) and LSE (float32, (B, H, Nq))."""
+    return HopperFwdPlan(q, k, v, causal, scale, variant).run(q, k, v)

@@ -1,0 +1,250 @@
+"""hopper_fwd (Gluon, sm_90): GPU tests force the family and compare against the float64
+reference; CPU tests cover what runs without one -- rendering, the version shim, the fallback and
+explain() logic, the launcher's register split, and the sm_90 compile of the defaults (no Gluon
+code runs in Triton's interpreter)."""
+import dataclasses
+import json
+
+import pytest
+import torch
+
+import flashtune
+from flashtune import dispatch
+from flashtune.codegen import Variant, render
+from flashtune.families import get
+from flashtune.problem import Problem
+
+from _check import assert_matches_reference, qkv
+
+FAM = get("hopper_fwd")
+ON_H100 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+hopper_gpu = pytest.mark.skipif(not ON_H100, reason="needs an sm_90 GPU")
+
+
+@pytest.fixture(autouse=True)
+def _reset():
+    yield
+    flashtune.force(None)
+    dispatch.configure()
+
+
+def _problem(d=128, dtype="bfloat16", causal=False, nq=4096):
+    return Problem("fwd", dtype, d, causal, 1, 4, 16, nq, nq)
+
+
+# -- CPU: rendering, shim, fallback, explain ------------------------------------------------------
+
+def test_gpu_tests_cover_each_default():
+    assert all(FAM.default(d, "bfloat16").name in VARIANTS[d] for d in (64, 128, 256))
+
+
+def test_registered_as_a_gluon_family_serving_dense_forwards():
+    assert FAM.serves == ("fwd",) and not FAM.interpreter
+    assert FAM.min_capability == FAM.max_capability == 90
+    for d in (64, 128, 256):
+        for dt in ("bfloat16", "float16"):
+            v = FAM.default(d, dt)
+            assert v.family == "hopper_fwd" and v.loader_regs in (24, 32, 40, 48, 56)
+
+
+def test_render_pingpong_is_structural():
+    one = render(Variant.parse("hopper_fwd-m128-n128-w8-s2-lr24"))
+    two = render(Variant.parse("hopper_fwd-m64-n128-w4-s2-pingpong=true-lr24"))
+    assert "CONSUMERS: gl.constexpr = 1" in one and "CONSUMERS: gl.constexpr = 2" in two
+    assert one.count("(_consumer,") == 1 and two.count("(_consumer,") == 2
+    # line numbers match the template (tracebacks point into it), no interpreter render lines
+    assert len(one.splitlines()) == len(two.splitlines())
+    assert "from flashtune.gluon_compat import" in one
+    # persistent is a launch choice: same source
+    assert render(Variant.parse("hopper_fwd-m128-n128-w8-s2-persistent=true-lr24")) \
+        .splitlines()[1:] == one.splitlines()[1:]
+
+
+def test_variant_names_round_trip_and_rules():
+    v = Variant.parse("hopper_fwd-m64-n128-w4-s2-pingpong=true-persistent=true-lr32")
+    assert (v.pingpong, v.persistent, v.loader_regs) == (True, True, 32)
+    assert Variant.parse(v.name) == v and Variant.from_dict(json.loads(v.to_json())) == v
+    with pytest.raises(ValueError, match="num_warps"):
+        Variant.parse("hopper_fwd-m64-n128-w2-s2-lr24")
+    with pytest.raises(ValueError, match="loader_regs"):
+        Variant.parse("hopper_fwd-m64-n128-w4-s2-lr20")
+    with pytest.raises(ValueError, match="pingpong"):  # another family's field
+        Variant.parse("fwd-m64-n64-w4-s2-pingpong=true")
+
+
+def test_version_shim_resolves_this_triton():
+    from flashtune import gluon_compat
+    assert gluon_compat.missing() == ""
+    import triton.experimental.gluon.language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import tma
+    assert gluon_compat.tma_load in (getattr(tma, "async_load", None),
+                                     getattr(tma, "async_copy_global_to_shared", None))
+    assert gluon_compat.sync_warps in (getattr(gl, "barrier", None),
+                                       getattr(gl, "thread_barrier", None))
+
+
+def test_consumer_registers_fill_what_the_loader_leaves():
+    from flashtune.launch_hopper import consumer_regs
+    assert consumer_regs(Variant.parse("hopper_fwd-m64-n128-w4-s2-pingpong=true-lr24")) == 240
+    assert consumer_regs(Variant.parse("hopper_fwd-m128-n128-w8-s2-lr24")) == 240
+    assert consumer_regs(Variant.parse("hopper_fwd-m128-n128-w8-s2-pingpong=true-lr56")) == 112
+
+
+@pytest.mark.parametrize("arch,problem,why", [
+    ("sm_80", _problem(), "need sm_90"),
+    ("sm_100", _problem(), "need sm_90"),
+    ("", _problem(), "no GPU"),
+    ("sm_90", _problem(d=96), "head dim 96"),
+    ("sm_90", _problem(dtype="float32"), "float32"),
+])
+def test_cannot_run_says_why(arch, problem, why, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert why in FAM.cannot_run(problem, arch)
+
+
+def test_cannot_run_in_the_interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert "interpreter" in FAM.cannot_run(_problem(), "sm_90")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert FAM.cannot_run(_problem(), "sm_90") == ""
+
+
+@pytest.mark.parametrize("gpu,prefer,family,note", [
+    ("A100", True, "fwd", "need sm_90"),       # preferred, but the GPU cannot run it
+    ("H100", True, "hopper_fwd", "heuristic"),  # preferred and runnable: it serves the call
+    ("H100", False, "fwd", ""),                 # runnable, not preferred: the generic family
+])
+def test_dispatcher_competes_or_falls_back_with_a_reason(gpu, prefer, family, note, monkeypatch,
+                                                         tmp_path):
+    from flashtune.families import hopper_fwd
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # as on a GPU machine (no kernel runs here)
+    monkeypatch.setattr(hopper_fwd, "prefer_for_dense", lambda p: prefer)
+    dispatch.configure(gpu=gpu, db=f"sqlite:///{tmp_path}/none.db", tables_dir=tmp_path)
+    ex = flashtune.explain(_problem())
+    assert ex.variant.family == family
+    assert note in "\n".join(ex.notes)
+    assert dispatch.select(_problem()).family == family
+
+
+@pytest.mark.parametrize("d,causal,n,want", [
+    (256, True, 4096, True), (256, False, 512, True), (128, False, 8192, True),
+    (128, True, 8192, False), (64, False, 8192, False), (128, False, 256, False),
+    (96, False, 8192, False)])
+def test_heuristic_quotes_the_h100_measurement(d, causal, n, want):
+    assert FAM.prefers(_problem(d=d, causal=causal, nq=n)) is want
+
+
+def test_unsupported_head_dim_falls_back_silently_on_h100(monkeypatch, tmp_path):
+    from flashtune.families import hopper_fwd
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setattr(hopper_fwd, "prefer_for_dense", lambda p: True)
+    dispatch.configure(gpu="H100", db=f"sqlite:///{tmp_path}/none.db", tables_dir=tmp_path)
+    ex = flashtune.explain(_problem(d=96))
+    assert ex.variant.family == "fwd"
+    assert any("hopper_fwd skipped: head dim 96" in n for n in ex.notes)
+
+
+def test_forced_on_a_gpu_that_cannot_run_it_is_explained(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    dispatch.configure(gpu="A100")
+    with flashtune.force("hopper_fwd-m128-n128-w8-s2-lr24"):
+        ex = flashtune.explain(_problem())
+    assert ex.level == "forced" and any("cannot run here" in n for n in ex.notes)
+
+
+def test_plan_falls_back_to_the_generic_default_off_hopper(device):
+    """A forced hopper variant on a device that cannot run it (the CPU here, any non-sm_90 GPU)
+    computes the call with the generic family's default."""
+    if ON_H100:
+        pytest.skip("the H100 runs the Gluon kernel itself")
+    q, k, v = qkv(1, 4, 2, 37, 45, 64, torch.float16, device)
+    with flashtune.force("hopper_fwd-m128-n128-w8-s3-lr24"):
+        assert_matches_reference(q, k, v, causal=True)
+
+
+def test_feasibility_model_prunes_what_cannot_fit():
+    from flashtune import targets
+    from flashtune.feasibility import check
+    h100 = targets.get("H100")
+    p = dataclasses.replace(_problem(d=256), family="hopper_fwd")
+    assert check(Variant.parse("hopper_fwd-m128-n64-w8-s2-lr24"), p, h100).ok
+    bad = check(Variant.parse("hopper_fwd-m128-n128-w8-s4-lr24"), p, h100)
+    assert not bad.ok and "shared memory" in bad.reason
+
+
+# -- the sm_90 compile of every default, with this Triton (3.9 in CI), no GPU ------------------
+
+@pytest.mark.slow
+def test_defaults_compile_for_sm90():
+    from test_compile_sm90 import kernels_check
+    names = {FAM.default(d, "bfloat16").name for d in (64, 128, 256)}
+    r = kernels_check("--gpu", "H100", "--dtype", "bf16,fp16", "--head-dim", "64,128,256",
+                      "--format", "json", *sorted(names))
+    rows = json.loads(r.stdout) if r.stdout.startswith("[") else []
+    assert rows, r.stdout[-2000:] + r.stderr[-2000:]
+    mine = {(x["dtype"], x["head_dim"], x["variant"]): x for x in rows}
+    for dt in ("bfloat16", "float16"):
+        for d in (64, 128, 256):
+            x = mine[(dt, d, FAM.default(d, dt).name)]  # each D's own default: fits, no spills
+            assert x["fits"] and not x["why"], x
+
+
+# -- GPU: the kernel against the float64 reference, the family forced -----------------------------
+
+SHAPES = [  # (B, H, Hk, Nq, Nk): odd lengths, one key, GQA, Nq > Nk (rows that see no key)
+    (1, 2, 2, 1, 1), (2, 3, 3, 37, 37), (1, 4, 2, 113, 203), (1, 4, 1, 1000, 1000),
+    (2, 2, 2, 300, 100), (1, 8, 2, 515, 2051)]
+VARIANTS = {64: ["hopper_fwd-m64-n64-w4-s4-pingpong=true-lr24"],             # the defaults,
+            128: ["hopper_fwd-m64-n64-w4-s3-pingpong=true-persistent=true-lr24",
+                  "hopper_fwd-m128-n64-w8-s3-lr24"],                         # one 8-warp consumer
+            256: ["hopper_fwd-m64-n32-w4-s3-pingpong=true-lr24"]}
+
+
+@pytest.mark.gpu
+@hopper_gpu
+@pytest.mark.parametrize("d,name", [(d, n) for d, ns in VARIANTS.items() for n in ns])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_matches_reference(d, name, dtype, causal, shape):
+    from flashtune.reference import reference
+    b, h, hk, nq, nk = shape
+    q, k, v = qkv(b, h, hk, nq, nk, d, dtype, "cuda")
+    with flashtune.force(name):
+        o, lse = flashtune.attention(q, k, v, causal=causal, return_lse=True)
+    assert_matches_reference(q, k, v, causal=causal, out=o)
+    _, ref_lse = reference(q, k, v, causal=causal, return_lse=True)
+    ref_lse, lse = ref_lse.cpu(), lse.double().cpu()
+    assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse))  # -inf: rows that see no key
+    fin = torch.isfinite(ref_lse)
+    assert (lse[fin] - ref_lse[fin]).abs().max() < 1e-3
+
+
+@pytest.mark.gpu
+@hopper_gpu
+def test_strided_layouts_and_backward_from_its_lse():
+    """(B, N, H, D) views go through the descriptors' merged strides; the generic backward
+    consumes the LSE this forward returns."""
+    from flashtune.reference import reference
+    q, k, v = (t.requires_grad_() for t in qkv(2, 4, 2, 300, 300, 128, torch.bfloat16, "cuda",
+                                               layout="bnhd"))
+    with flashtune.force("hopper_fwd-m64-n64-w4-s3-pingpong=true-lr24"):
+        out = flashtune.attention(q, k, v, causal=True)
+    assert_matches_reference(q.detach(), k.detach(), v.detach(), causal=True, out=out.detach())
+    g = torch.randn_like(out)
+    out.backward(g)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    reference(q64, k64, v64, causal=True).backward(g.double())
+    for got, want in ((q.grad, q64.grad), (k.grad, k64.grad), (v.grad, v64.grad)):
+        err = (got.double() - want).abs().max() / want.abs().max()
+        assert err < 2e-2, err
+
+
+@pytest.mark.gpu
+@hopper_gpu
+def test_misaligned_call_runs_the_generic_kernel():
+    base = torch.randn(2 * 4 * 64 * 128 + 8, dtype=torch.bfloat16, device="cuda")
+    q = base[1:1 + 2 * 4 * 64 * 128].view(2, 4, 64, 128)  # 2-byte offset: no TMA descriptor
+    k, v = torch.randn_like(q), torch.randn_like(q)
+    with flashtune.force("hopper_fwd-m64-n64-w4-s3-pingpong=true-lr24"):
+        assert_matches_reference(q, k, v)
