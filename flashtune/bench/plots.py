@@ -53,19 +53,25 @@ def _dense(doc, path) -> bool:
     style = _style(doc, peers)
     for ax, (m, c, d) in zip(axes, panels):
         sub = [(k, v) for k, v in groups if k[1] == m and k[7] == d and k[8] == c]
-        for p in peers:
-            xs, ys = _series(sub, p, "throughput", lambda k: k[5])
-            if xs:
-                ax.plot(xs, ys, label=p, **style[p])
-        _log2_axis(ax, [k[5] for k, _ in groups])
-        ax.set_title(f"{m}{' causal' if c else ''}, D={d}", fontsize=9)
-        ax.set_xlabel("N")
-        ax.set_ylabel("TFLOP/s")
-        ax.set_ylim(bottom=0)
-        ax.grid(alpha=0.3)
+        _panel(ax, sub, groups, peers, style, 5, f"{m}{' causal' if c else ''}, D={d}", "N",
+               "TFLOP/s")
     axes[0].legend(fontsize=7)
     _save(fig, doc, path, "dense attention")
     return True
+
+
+def _panel(ax, sub, groups, peers, style, x: int, title: str, xlabel: str, ylabel: str) -> None:
+    """One panel: each peer's throughput against the case key's field `x` (log2 axis)."""
+    for p in peers:
+        xs, ys = _series(sub, p, "throughput", lambda k: k[x])
+        if xs:
+            ax.plot(xs, ys, label=p, **style[p])
+    _log2_axis(ax, [k[x] for k, _ in groups])
+    ax.set_title(title, fontsize=9)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
 
 
 def _decode(doc, path) -> bool:
@@ -78,16 +84,7 @@ def _decode(doc, path) -> bool:
     style = _style(doc, peers)
     for ax, (h, hk, b) in zip(axes, panels):
         sub = [(k, v) for k, v in groups if (k[3], k[4], k[2]) == (h, hk, b)]
-        for p in peers:
-            xs, ys = _series(sub, p, "throughput", lambda k: k[6])
-            if xs:
-                ax.plot(xs, ys, label=p, **style[p])
-        _log2_axis(ax, [k[6] for k, _ in groups])
-        ax.set_title(f"decode Hq/Hk={h}/{hk}, B={b}", fontsize=9)
-        ax.set_xlabel("Nk")
-        ax.set_ylabel("GB/s")
-        ax.set_ylim(bottom=0)
-        ax.grid(alpha=0.3)
+        _panel(ax, sub, groups, peers, style, 6, f"decode Hq/Hk={h}/{hk}, B={b}", "Nk", "GB/s")
     axes[0].legend(fontsize=7)
     _save(fig, doc, path, "decoding")
     return True
