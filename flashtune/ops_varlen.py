@@ -43,17 +43,20 @@ def run_forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, m
         variant = dispatch.select_varlen("fwd", q, k, batch, max_seqlen_q, max_seqlen_k, causal)
         if variant.loads == "descriptor" and not _tma_strides(q, k, v):
             variant = dispatch.varlen_pointer_fallback("fwd", q.shape[2], dtype_name(q.dtype))
-        if masks.any:
-            variant = dispatch.mask_twin(variant, masks, q.shape[2], q.dtype)
-        plan = _plans[key] = launch.VarlenFwdPlan(q, k, v, batch, max_seqlen_q, max_seqlen_k,
-                                                  causal, scale, variant, masks)
+        plan = _plans[key] = _fwd_plan(variant, q, k, v, batch, max_seqlen_q, max_seqlen_k,
+                                       causal, scale, masks)
     if plan.descriptor and (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15:
-        fallback = dispatch.varlen_pointer_fallback("fwd", q.shape[2], dtype_name(q.dtype))
-        if masks.any:
-            fallback = dispatch.mask_twin(fallback, masks, q.shape[2], q.dtype)
-        plan = launch.VarlenFwdPlan(q, k, v, batch, max_seqlen_q, max_seqlen_k, causal, scale,
-                                    fallback, masks)
+        plan = _fwd_plan(dispatch.varlen_pointer_fallback("fwd", q.shape[2], dtype_name(q.dtype)),
+                         q, k, v, batch, max_seqlen_q, max_seqlen_k, causal, scale, masks)
     return plan.run(q, k, v, cu_seqlens_q, cu_seqlens_k)
+
+
+def _fwd_plan(variant, q, k, v, batch, max_seqlen_q, max_seqlen_k, causal, scale, masks):
+    """The varlen fwd launch of `variant`, carrying the call's masks."""
+    if masks.any:
+        variant = dispatch.mask_twin(variant, masks, q.shape[2], q.dtype)
+    return launch.VarlenFwdPlan(q, k, v, batch, max_seqlen_q, max_seqlen_k, causal, scale,
+                                variant, masks)
 
 
 def _tma_strides(*packed) -> bool:
