@@ -97,10 +97,10 @@ for step in ${STEPS:-fwdtests}; do
               t0=$(date +%s)
               timeout ${TABLES_TIMEOUT:-570} flashtune search --gpu auto --gpus "$gpus" --trials ${TRIALS:-40} \
                 --time-budget ${TABLES_BUDGET:-480} --in-order --storage "$st/$slug.journal" \
-                --db "sqlite:///$st/$slug.db" --progress lines 2>&1 | tee -a "$OUT/tables_search.log" \
+                --db "sqlite:///$st/$slug.db" --progress lines ${TABLES_ARGS:-} 2>&1 | tee -a "$OUT/tables_search.log" \
                 | grep -v "measured so far\|^\[all\]" | tail -30
               echo "$(date -u +%FT%TZ) $name --gpus $gpus: $(( $(date +%s) - t0 )) s" >> "$st/$slug.calls"
-              flashtune search --gpu auto --status --trials ${TRIALS:-40} --storage "$st/$slug.journal" \
+              flashtune search --gpu auto --status --trials ${TRIALS:-40} --storage "$st/$slug.journal" ${TABLES_ARGS:-} \
                 > "$OUT/tables_status.txt"; tail -2 "$OUT/tables_status.txt"
               flashtune db export --gpu "$name" --db "sqlite:///$st/$slug.db" -o "$OUT/tables/$slug.json" 2>&1 | tail -2
               gzip -c "$st/$slug.journal" > "$OUT/tables_state/$slug.journal.gz"
@@ -116,8 +116,12 @@ for step in ${STEPS:-fwdtests}; do
               tail -3 "$OUT/decode_ncu.err"; wc -l "$OUT/decode_ncu.csv" ;;
     varlentests) timeout ${VARLENTESTS_TIMEOUT:-240} python3 -m pytest -q -x tests/test_varlen.py 2>&1 \
                 | tee "$OUT/varlentests.log" | tail -6 ;;
-    hfstatic) timeout 240 python3 -m pytest -q -x --tb=long tests/test_transformers_backend.py -k "static" 2>&1 \
-                | tee "$OUT/hfstatic.log" | tail -40 ;;
+    hfstatic) # the static-cache generate() tests, with CUDA graph trees recording where every pool
+              # allocation came from (their "tensor not tracked as outputs" error then names it)
+              timeout 240 python3 -c "import sys, pytest, torch._inductor.config as c
+c.triton.cudagraph_trees_history_recording = True
+sys.exit(pytest.main(['-q', '-x', '--tb=long', 'tests/test_transformers_backend.py', '-k', 'static']))" \
+                2>&1 | tee "$OUT/hfstatic.log" | tail -60 ;;
     # flashtune bench: BENCH_ARGS narrows it (--section dense --mode fwd --head-dim 128 ...) to
     # fit a call; BENCH_NAME names the folder, so two runs of one call do not collide. The JSON
     # is rewritten after every case (a run cut by the timeout keeps its rows; put it in the

@@ -8,7 +8,6 @@ import torch
 
 from . import dispatch
 from .checked import CheckedValues
-from .launch import capturing
 from .launch_splitkv import SplitKVPlan, descriptor_ok
 from .masks import NONE, Masks, check_softcap, check_window, window_keys
 from .problem import Problem, dtype_name, log2_bucket
@@ -124,8 +123,10 @@ def _variant(q, k_cache, v_cache, paged: bool, causal: bool, max_total: int,
 
 
 def _append(k_cache, v_cache, k, v, seqlens, block_table):
+    """seqlens: the (B,) int32 tensor, or an int shared by every sequence."""
     b, n_new = k.shape[:2]
-    pos = seqlens.to(torch.int64)[:, None] + torch.arange(n_new, device=k.device)  # (B, Nnew)
+    start = seqlens.to(torch.int64)[:, None] if isinstance(seqlens, torch.Tensor) else seqlens
+    pos = (start + torch.arange(n_new, device=k.device)).expand(b, n_new)  # (B, Nnew)
     if block_table is None:
         rows = torch.arange(b, device=k.device)[:, None].expand(b, n_new)
         k_cache[rows, pos] = k
@@ -146,8 +147,9 @@ def _check_tensor(name, t, dims: int, layout: str):
 
 
 def _validate(q, k_cache, v_cache, cache_seqlens, k, v, block_table, causal, scale, return_lse):
-    """Raise a clear error naming the bad argument. Returns (cache_seqlens as an int32 tensor on
-    q's device, the total keys per sequence as one, the largest total as a host int)."""
+    """Raise a clear error naming the bad argument. Returns (cache_seqlens: the int32 tensor on
+    q's device, or the int; the total keys per sequence as a tensor, or None for an int; the
+    largest total as a host int)."""
     _check_tensor("q", q, 4, "(batch, seqlen_q, heads, head_dim)")
     paged = block_table is not None
     cache_layout = ("(num_pages, page_size, kv_heads, head_dim)" if paged
@@ -218,8 +220,9 @@ def _validate(q, k_cache, v_cache, cache_seqlens, k, v, block_table, causal, sca
     if isinstance(cache_seqlens, bool):
         raise TypeError("cache_seqlens must be an int or an int32 tensor (batch,), got bool")
     if isinstance(cache_seqlens, int):
+        # one length for all: the kernels take it as an argument (UNIFORM), so no tensor is made
         host = [cache_seqlens] * b
-        seqlens = _full_seqlens(b, cache_seqlens, q.device)
+        seqlens = None
     elif isinstance(cache_seqlens, torch.Tensor):
         if cache_seqlens.dtype != torch.int32:
             raise TypeError(f"cache_seqlens.dtype must be torch.int32, got {cache_seqlens.dtype}")
@@ -234,13 +237,18 @@ def _validate(q, k_cache, v_cache, cache_seqlens, k, v, block_table, causal, sca
     else:
         raise TypeError(f"cache_seqlens must be an int or an int32 tensor (batch,), got "
                         f"{type(cache_seqlens).__name__}")
-    bounds = (capacity, n_new, k_cache.shape[0], k_cache.shape[1], paged)
-    max_total = _checked.get((seqlens, block_table), bounds) if host is None else None
+    bounds = (capacity, n_new, k_cache.shape[0], k_cache.shape[1], paged,
+              None if host is None else cache_seqlens)
+    tensors = (seqlens, block_table)
+    max_total = _checked.get(tensors, bounds) if seqlens is not None or paged else None
     if max_total is None:
-        max_total = _check_values(host if host is not None else seqlens.tolist(),  # a sync
+        # device->host copies of cache_seqlens and (paged) block_table, once per their versions
+        max_total = _check_values(host if host is not None else seqlens.tolist(),
                                   block_table, capacity, n_new, where, k_cache)
-        if host is None:
-            _checked.put((seqlens, block_table), bounds, max_total)
+        if seqlens is not None or paged:
+            _checked.put(tensors, bounds, max_total)
+    if seqlens is None:  # uniform lengths: (the int, None, the keys after the append)
+        return cache_seqlens, None, max_total
     total = (seqlens + n_new if n_new else seqlens).contiguous()
     return seqlens, total, max_total
 
@@ -278,21 +286,3 @@ def _check_values(host: list, block_table, capacity: int, n_new: int, where: str
 
 # values already checked (one device->host copy per decoding step, not per layer)
 _checked = CheckedValues()
-
-
-_full: dict = {}
-
-
-def _full_seqlens(b: int, n: int, device) -> torch.Tensor:
-    """cache_seqlens given as an int: one int32 tensor per (batch, value, device), never written
-    (not kept when made during CUDA-graph capture, where it belongs to the graph's pool)."""
-    t = _full.get((b, n, device))
-    if t is None:
-        t = torch.full((b,), n, dtype=torch.int32, device=device)
-        if not capturing(t):
-            if len(_full) >= 64:
-                _full.clear()
-            _full[(b, n, device)] = t
-    return t
-
-

@@ -129,7 +129,7 @@ class SplitKVPlan:
             HEAD_DIM=d, BLOCK_D=block_d(d), BLOCK_M=self.block_m, BLOCK_N=variant.block_n,
             IS_CAUSAL=causal, GROUP=group, PAGE=k_cache.shape[1] if self.paged else 0,
             DOT_PRECISION=_DOT_PRECISION.get(q.dtype, "tf32"), PRECISE=q.dtype == torch.float32,
-            USE_PDL=self.pdl, UNIFORM=False, num_warps=variant.num_warps,
+            USE_PDL=self.pdl, num_warps=variant.num_warps,
             num_stages=variant.num_stages)
         self._splits: dict = {}
 
@@ -146,9 +146,10 @@ class SplitKVPlan:
 
     def run(self, q, k_cache, v_cache, seqlens, block_table=None, max_seqlen: int = 0):
         """Returns O (q's shape, dtype and layout) and LSE (B, Hq, Nq) float32.
-        seqlens (B,) int32 on q's device: the keys each sequence attends to, or None where every
-        sequence holds the whole cache (kwargs UNIFORM); max_seqlen (a host int, their maximum)
-        sizes the splits."""
+        seqlens (B,) int32 on q's device: the keys each sequence attends to (at most the cache's
+        capacity, which the kernel clamps to); or None where every sequence holds max_seqlen
+        keys (UNIFORM: no lengths tensor is read, made or kept). max_seqlen: a host int, their
+        maximum; it sizes the splits."""
         b, nq, h, d = self.shape
         hk = k_cache.shape[2]
         s = self.num_splits(max_seqlen)
@@ -166,7 +167,9 @@ class SplitKVPlan:
             l_strides = (h * nq * s, s, nq * s, 1)
         if self.variant.loads == "descriptor":
             _need_allocator()
+        uniform = seqlens is None
         bt = block_table if self.paged else seqlens  # (unused when not paged)
+        capacity = bt.shape[1] * k_cache.shape[1] if self.paged else k_cache.shape[1]
         self.partial[(self.programs, s)](
             q, k_cache, v_cache, bt, seqlens, o_dst, l_dst, self.scale, *self.mask_args,
             q.stride(0), q.stride(1), q.stride(2),
@@ -175,8 +178,8 @@ class SplitKVPlan:
             bt.stride(0) if bt is not None else 0,
             *o_strides, *l_strides,
             hk, nq, s, k_cache.shape[0] if self.paged else 0,
-            bt.shape[1] * k_cache.shape[1] if self.paged else k_cache.shape[1],
-            **self.kwargs)
+            min(max_seqlen, capacity) if uniform else capacity,
+            UNIFORM=uniform, **self.kwargs)
         if s > 1:
             block_s, chunk_d = combine_tile(s, self.kwargs["BLOCK_D"])
             self.combine[(b * h * nq, triton.cdiv(d, chunk_d))](
@@ -197,8 +200,8 @@ def combine_tile(num_splits: int, block_d: int) -> tuple:
 class DensePlan:
     """splitkv serving a dense forward call: q (B, H, Nq, D), k/v (B, Hk, Nk, D) in SDPA's
     layout, viewed (no copy) as the (B, N, H, D) cache layout the kernels take, every sequence
-    holding all Nk keys (UNIFORM: no lengths tensor, so nothing is allocated or kept between
-    calls -- a kept one broke torch.compile's CUDA graph trees). run(q, k, v) -> (O in q's
+    holding all Nk keys (seqlens None, UNIFORM: no lengths tensor, so nothing is allocated or kept
+    between calls -- a kept one broke torch.compile's CUDA graph trees). run(q, k, v) -> (O in q's
     layout, LSE (B, H, Nq)), as launch.FwdPlan."""
     __slots__ = ("variant", "plan", "descriptor")
 
@@ -208,7 +211,6 @@ class DensePlan:
             variant = dataclasses.replace(variant, loads="pointer")
         self.variant = variant
         self.plan = SplitKVPlan(q.transpose(1, 2), k.transpose(1, 2), causal, scale, variant)
-        self.plan.kwargs["UNIFORM"] = True
         # ops.run_forward checks each call's base addresses for TMA (strides: above, once)
         self.descriptor = variant.loads == "descriptor"
 

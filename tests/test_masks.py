@@ -205,8 +205,8 @@ DENSE_HASHES = {
     "fwd-m64-n32-w4-s2-varlen=true": "3bcfccb673286998",
     "bwd-m16-n32-w4-s1-dq=atomic": "881be2433973ea1a",
     "bwd-m16-n32-w4-s1-dq=separate-mq32-nq16-wq4-sq1": "faa4b749d26d519a",
-    "splitkv-m64-n64-w4-s3": "b853d5d80b37d0a7",
-    "splitkv-m64-n64-w4-s3-loads=descriptor-paged=true": "63ac74fe26471953",
+    "splitkv-m64-n64-w4-s3": "060e2cceee32ce17",
+    "splitkv-m64-n64-w4-s3-loads=descriptor-paged=true": "938f5b355e0ceb65",
 }
 
 

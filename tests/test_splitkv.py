@@ -164,6 +164,28 @@ def test_paged_equals_contiguous(loads, device):
     check(q, kc, vc, [32, 52], out, causal=True)
 
 
+@pytest.mark.parametrize("paged", [False, True])
+def test_int_cache_seqlens_append(paged, device):
+    # an int cache_seqlens is one length for every sequence: no lengths tensor (UNIFORM), the
+    # append lands at that position, the keys past it (NaN) are never read
+    q, kc, vc = make(2, 2, 4, 2, 16, 64, torch.float16, device)
+    k_new, v_new = (torch.randn(2, 2, 2, 16, dtype=torch.float16, device=device) for _ in range(2))
+    kc[:, 41:] = float("nan")
+    vc[:, 41:] = float("nan")
+    kw = dict(k=k_new, v=v_new, causal=True)
+    if paged:
+        kp, vp, bt = to_paged(kc, vc, 16)
+        out = run(q, kp, vp, 39, variant(3), block_table=bt, **kw)
+        for b in range(2):
+            for t in range(2):
+                assert torch.equal(kp[bt[b, (39 + t) // 16], (39 + t) % 16], k_new[b, t])
+        kc[:, 39:41], vc[:, 39:41] = k_new, v_new  # what the reference attends to
+    else:
+        out = run(q, kc, vc, 39, variant(3), **kw)
+        assert torch.equal(kc[:, 39:41], k_new) and torch.equal(vc[:, 39:41], v_new)
+    check(q, kc, vc, [41, 41], out, causal=True)
+
+
 def test_descriptor_loads_contiguous(device):
     q, kc, vc = make(2, 1, 4, 2, 32, 64, torch.bfloat16, device)
     lengths = [64, 21]

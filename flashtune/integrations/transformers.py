@@ -53,6 +53,8 @@ no weights (None, as FlashAttention and SDPA).
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 NAME = "ft_attention"
@@ -218,10 +220,10 @@ def _memoized(kind: str, t: torch.Tensor, extra: tuple, compute):
     if torch.compiler.is_compiling() or capturing(t):
         return compute()
     hit = _memo.get(kind)
-    if hit is not None and hit[0] is t and hit[1] == (t._version, *extra):
+    if hit is not None and hit[0]() is t and hit[1] == (t._version, *extra):
         return hit[2]
     value = compute()
-    _memo[kind] = (t, (t._version, *extra), value)
+    _memo[kind] = (weakref.ref(t), (t._version, *extra), value)  # a memo keeps no mask alive
     return value
 
 
