@@ -4,6 +4,11 @@ SDPA's flash and cuDNN backends on the same data in the same run.
     python bench/decode_bench.py --out decode.jsonl [--batches 1,8,32,64]
         [--seqlens 2048,4096,...,131072] [--heads 32/8,8/1] [--dim 128] [--pages 64,256]
         [--variant splitkv-m64-n64-w4-s3] [--num-splits 0,8,32] [--max-gib 20] [--quick]
+        [--defaults] [--no-dense]
+
+"flashtune" rows run as dispatched (the tuned DB or shipped table, else the built-in default;
+FLASHTUNE_DB picks the DB), or forced to --variant; --defaults adds "flashtune-defaults" rows
+forced to the built-in default, the tuned table's baseline.
 
 One query token per sequence (Nq = 1), every sequence of the batch with Nk cached keys, bf16.
 GB/s = (bytes of K and V the problem reads, B * Nk * Hk * D * 2 tensors * 2 bytes) / median time
@@ -17,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 
@@ -25,6 +31,7 @@ import triton
 
 import flashtune
 import flashtune.defaults
+from flashtune import kvcache
 from flashtune.launch_splitkv import SplitKVPlan, default_variant
 
 
@@ -119,7 +126,12 @@ def main(argv=None):
     ap.add_argument("--heads", default="32/8,8/1", help="Hq/Hk pairs")
     ap.add_argument("--dim", type=int, default=128)
     ap.add_argument("--pages", type=_ints, default=[64, 256], help="page sizes of the paged runs")
-    ap.add_argument("--variant", default=None, help="force this splitkv variant (default: built-in)")
+    ap.add_argument("--variant", default=None,
+                    help="force this splitkv variant (default: as dispatched)")
+    ap.add_argument("--no-dense", action="store_true",
+                    help="skip the flashtune.attention rows (dense API on the same data)")
+    ap.add_argument("--defaults", action="store_true",
+                    help="also time the built-in default variant (flashtune-defaults rows)")
     ap.add_argument("--num-splits", type=_ints, default=None,
                     help="also time these num_splits (0 = auto) of the variant, contiguous")
     ap.add_argument("--max-gib", type=float, default=20.0, help="skip caches larger than this")
@@ -135,7 +147,9 @@ def main(argv=None):
     if args.quick:
         args.batches, args.seqlens = [1, 32], [4096, 32768, 131072]
     dtype, d = torch.bfloat16, args.dim
-    base = flashtune.codegen.Variant.parse(args.variant) if args.variant else default_variant(d)
+    # None: as dispatched (kvcache._variant gives the variant each call runs)
+    base = flashtune.codegen.Variant.parse(args.variant) if args.variant else None
+    default = default_variant(d)
     props = (torch.cuda.get_device_properties(0) if DEVICE == "cuda"
              else argparse.Namespace(name="cpu", multi_processor_count=0))
     out = open(args.out, "w")
@@ -146,7 +160,9 @@ def main(argv=None):
 
     write({"kind": "env", "graph": GRAPH, "device": props.name, "sm_count": props.multi_processor_count,
            "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
-           "python": platform.python_version(), "variant": base.name})
+           "python": platform.python_version(),
+           "variant": base.name if base else "dispatched",
+           "db": os.environ.get("FLASHTUNE_DB", "")})
     print(f"{'B':>3} {'Hq/Hk':>6} {'Nk':>7} {'impl':<28} {'ms':>9} {'GB/s':>8}")
     for heads in args.heads.split(","):
         hq, hk = (int(x) for x in heads.split("/"))
@@ -167,9 +183,11 @@ def main(argv=None):
                     continue
                 seqlens = torch.full((b,), nk, dtype=torch.int32, device=DEVICE)
                 runs = [("flashtune", base, None)]
+                if args.defaults and base is None:
+                    runs.append(("flashtune-defaults", default, None))
                 for s in args.num_splits or []:
-                    runs.append((f"flashtune-sp{s}", base.__class__.from_dict(
-                        {**base.to_dict(), "num_splits": s}), None))
+                    runs.append((f"flashtune-sp{s}", default.__class__.from_dict(
+                        {**(base or default).to_dict(), "num_splits": s}), None))
                 for page in args.pages:
                     if nk % page == 0:
                         runs.append((f"flashtune-paged{page}", base, page))
@@ -185,6 +203,9 @@ def main(argv=None):
                             bt = bt.view(b, nk // page)
 
                         def fn(kk=kk, vv=vv, bt=bt, variant=variant):
+                            if variant is None:
+                                return flashtune.attention_with_kvcache(
+                                    q, kk, vv, cache_seqlens=seqlens, block_table=bt)
                             with flashtune.force(variant):
                                 return flashtune.attention_with_kvcache(
                                     q, kk, vv, cache_seqlens=seqlens, block_table=bt)
@@ -194,11 +215,13 @@ def main(argv=None):
                         ms = bench_ms(fn)
                         # the kernels alone (no validation sync, no variant choice): what the
                         # API's host-side checks cost is ms - ms_kernels
-                        plan = SplitKVPlan(q, kk, False, None, _paged(variant, page))
+                        used = (_paged(variant, page) if variant is not None else
+                                kvcache._variant(q, kk, vv, page is not None, False, nk))
+                        plan = SplitKVPlan(q, kk, False, None, used)
                         ms_k = bench_ms(lambda: plan.run(q, kk, vv, seqlens, bt, nk))
                         row = {"kind": "result", **cfg, "impl": name, "page": page, "ms": ms,
                                "gbps": kv_bytes / ms / 1e6, "ms_kernels": ms_k,
-                               "gbps_kernels": kv_bytes / ms_k / 1e6, "variant": variant.name,
+                               "gbps_kernels": kv_bytes / ms_k / 1e6, "variant": used.name,
                                "num_splits": plan.num_splits(nk), "block_m": plan.block_m}
                     except Exception as e:  # noqa: BLE001 -- a failing run is a row, not a crash
                         row = {"kind": "error", **cfg, "impl": name, "page": page,
@@ -224,7 +247,8 @@ def main(argv=None):
                 # fwd default, the measurement behind that heuristic
                 qt, kt, vt = q.transpose(1, 2), kc.transpose(1, 2), vc.transpose(1, 2)
                 splitq = flashtune.defaults.default_variant("fwd", d, "bfloat16")
-                for name, forced in (("flashtune-dense", None), ("flashtune-dense-splitq", splitq)):
+                for name, forced in (() if args.no_dense else
+                                     (("flashtune-dense", None), ("flashtune-dense-splitq", splitq))):
                     try:
                         def fn(forced=forced):
                             if forced is None:

@@ -19,7 +19,7 @@ for step in ${STEPS:-fwdtests}; do
     fwdtests) timeout 240 python3 -m pytest -q -x tests/test_forward.py tests/test_forward_gpu.py \
                 tests/test_api_errors.py tests/test_codegen.py 2>&1 | tee "$OUT/fwdtests.log" | tail -25 ;;
     fwdbench) timeout ${FWDBENCH_TIMEOUT:-420} python3 bench/fwd_bench.py ${FWDBENCH_ARGS:---sweep} 2>&1 | tee "$OUT/fwdbench.log" | tail -45 ;;
-    masktests) timeout 300 python3 -m pytest -q -x tests/test_masks.py 2>&1 | tee "$OUT/masktests.log" | tail -15 ;;
+    masktests) timeout ${MASKTESTS_TIMEOUT:-300} python3 -m pytest -q -x tests/test_masks.py 2>&1 | tee "$OUT/masktests.log" | tail -15 ;;
     masks)    # issue 11: window sweep 128..N and density sweep 5..100 % at N=16k (D=128, bf16) beside
               # Flex (compiled, same mask) and SDPA (explicit mask); dense rows for before/after
               timeout ${MASKS_TIMEOUT:-540} python3 bench/mask_bench.py ${MASKS_ARGS:-} 2>&1 \
