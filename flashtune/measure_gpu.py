@@ -100,8 +100,10 @@ class GpuBackend(Backend):
             if not report.ok:
                 return Outcome.fail("gate", str(report), max_err=report.max_err)
             tin = self._cached(("time-in", problem.key), lambda: ops.inputs(problem, self.seed + 1))
-            ms, spread = timing.bench(lambda: ops.run(variant, problem, tin),
-                                      budget_ms=self.bench_ms, flush_bytes=self.flush_bytes)
+            fn = lambda: ops.run(variant, problem, tin)  # noqa: E731
+            if getattr(ops, "graphed", False):
+                fn = timing.graphed(fn)
+            ms, spread = timing.bench(fn, budget_ms=self.bench_ms, flush_bytes=self.flush_bytes)
         except Exception as e:  # noqa: BLE001
             return self._launch_failure(e)
         notes = f"spread {spread:.3f}"
@@ -132,7 +134,7 @@ class GpuBackend(Backend):
                     object.__setattr__(self, "poisoned", True)
                     raise
                 continue
-            fns.append(fn)
+            fns.append(timing.graphed(fn) if getattr(ops, "graphed", False) else fn)
             idx.append(i)
         res = timing.interleaved(fns, rounds, self.retime_reps, self.flush_bytes, self.seed)
         out = [None] * len(variants)

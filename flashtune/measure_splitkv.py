@@ -16,6 +16,9 @@ from .reference import reference, same_dtype_math
 
 class SplitKVOps:
     family = "splitkv"
+    # a decoding step takes microseconds: timed as CUDA-graph replays (timing.graphed), as
+    # serving runs it; timed call by call, Python's launch latency decided the pick
+    graphed = True
 
     def __init__(self, device: str = "cuda"):
         self.device = device  # "cpu" runs the same path in Triton's interpreter (tests)

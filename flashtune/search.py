@@ -523,6 +523,13 @@ def _finish(bs: BucketStudy, pipeline, info, pb, label, name, cfg, status, t_b, 
         # measured first, so it passed the gate here unless it failed: then it may win the
         # re-timing even if the study's noisy first numbers left it out of the top k
         passed = bs.passed(default)
+        if passed is None and pipeline is not None:
+            # not in the study: the space's constraints leave it out (splitkv's default tile
+            # is wider than a decode step's rows, which the launch narrows) or it was never
+            # proposed. Gate it here, so a winner must beat what runs untuned.
+            out = pipeline.submit(default, pb.problem).result()
+            if out.ok:
+                passed = {"ms": out.ms, "max_err": out.max_err or 0.0}
         if passed is not None:
             by_key[default.key] = (default, passed)
         if pipeline is not None:

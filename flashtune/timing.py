@@ -21,6 +21,27 @@ def _flush(nbytes: int) -> None:
     buf.zero_()
 
 
+def graphed(fn):
+    """fn captured once in a CUDA graph: replay() runs the kernels fn launches without the host's
+    per-launch cost, so a microsecond kernel (a decoding step) is timed by its GPU time, not by
+    Python's launch latency (which the L2 flush before each run does not always hide). fn itself
+    where it cannot be captured (a host sync inside, say)."""
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up outside the graph, as capture requires
+            fn()
+        torch.cuda.current_stream().wait_stream(side)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn()
+        torch.cuda.synchronize()
+    except Exception:  # noqa: BLE001 -- not capturable: time the plain calls
+        torch.cuda.synchronize()
+        return fn
+    return g.replay
+
+
 def samples(fn, reps: int, flush_bytes: int) -> list[float]:
     """`reps` timings of fn() in ms, each after an L2 flush, events around fn only."""
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
