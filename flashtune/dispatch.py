@@ -478,9 +478,13 @@ def _explain_bucket(problem: Problem) -> Explanation:
                        f"flashtune: using stale tuned record {match.record.variant.name} for "
                        f"{bucket} from {match.origin} ({'; '.join(match.stale)}): no fresh record "
                        "serves it; re-run `flashtune search` to refresh")
-        ex = Explanation(problem, bucket, match.record.variant, match.level, match.origin,
+        variant, note = match.record.variant, ""
+        if match.distance:  # a neighbour's record: fitted to this bucket by its family
+            from .families import get as family
+            variant, note = family(variant.family).adapt_to(variant, match.record.bucket, bucket)
+        ex = Explanation(problem, bucket, variant, match.level, match.origin,
                          levels.gpu, match.record, match.distance, match.stale,
-                         match.notes + levels.notes)
+                         match.notes + levels.notes + ((note,) if note else ()))
     _by_bucket[bucket] = ex
     return ex
 

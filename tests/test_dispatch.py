@@ -395,3 +395,22 @@ def test_launch_plans_follow_the_tuned_db(tables, tmp_path, monkeypatch):
     assert not ops._plans  # the write cleared them
     flashtune.attention(q, k, v, causal=True)
     assert ran() == V_USER
+
+
+def test_splitkv_record_from_another_bucket_drops_its_split_count(tables):
+    # a split count tuned at 2k keys is wrong at 16k (0.56x cuDNN on the H100): a record serving
+    # a neighbour bucket runs its tile with the launch's one-wave split rule; its own bucket
+    # keeps the count it was tuned with
+    tuned = "splitkv-m16-n64-w2-s1-sp32"
+    ship(tables, H200, make_record(variant=tuned, family="splitkv", dtype="bfloat16", d=128,
+                                   causal=False, gqa=True, sq=8, sk=2048, bh=1))
+    dispatch.clear_cache()
+
+    def decode(nk):
+        return Problem("splitkv", "bfloat16", 128, False, 8, 1, 8, 1, nk)
+    own = dispatch.explain(decode(2048))
+    assert own.distance == 0 and own.variant.name == tuned
+    far = dispatch.explain(decode(16384))
+    assert far.distance > 0 and far.record.variant.name == tuned
+    assert far.variant.num_splits == 0 and far.variant.block_n == 64
+    assert any("num_splits 32 -> 0" in n for n in far.notes)

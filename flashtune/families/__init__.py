@@ -61,6 +61,9 @@ class Family:
     support: str = ""
     rules: tuple = field(default=())  # (field, allowed values, why) per own field with a rule
     seeds: str = ""                 # "module:fn": more variants a search measures first
+    # "module:fn": (variant, record's bucket, asked bucket) -> (variant, note): a tuned record's
+    # variant fitted to a bucket it was not measured on (the nearest-bucket fallback); "" = as is
+    adapt: str = ""
 
     def throughput(self, problem, ms: float) -> float:
         """Speed of one call of `problem` taking `ms`, in self.unit."""
@@ -100,6 +103,10 @@ class Family:
                         f"sm_{self.min_capability}+")
                 return f"the GPU is {arch}; its kernels need {need}"
         return _resolve(self.support)(problem) if self.support else ""
+
+    def adapt_to(self, variant, measured_on, asked):
+        """(variant, note) to run for bucket `asked` from a record measured on another bucket."""
+        return _resolve(self.adapt)(variant, measured_on, asked) if self.adapt else (variant, "")
 
     def plan_for(self, q, k, v, causal, scale, variant):
         """A launch plan of `variant` for a call of a family this one serves."""

@@ -27,7 +27,21 @@ FAMILY = Family(
     serves=("fwd",),
     serve_plan="flashtune.launch_splitkv:DensePlan",
     heuristic="flashtune.families.splitkv:prefer_for_dense",
+    adapt="flashtune.families.splitkv:adapt",
 )
+
+
+def adapt(variant, measured_on, asked):
+    """A record serving another bucket keeps its tile but not a fixed split count: the best count
+    follows the keys and programs of the call (measured on the H100: a record's 32 splits tuned
+    at 2k keys ran at 0.56x cuDNN at 16k), so it becomes 0, the launch's one-wave rule."""
+    if variant.num_splits and (measured_on.seqlen_k, measured_on.batch_heads) != (
+            asked.seqlen_k, asked.batch_heads):
+        import dataclasses
+        return (dataclasses.replace(variant, num_splits=0),
+                f"num_splits {variant.num_splits} -> 0 (auto): tuned for another key count "
+                "or batch")
+    return variant, ""
 
 
 def prefer_for_dense(p) -> bool:
