@@ -5,8 +5,8 @@ import torch
 
 from .block_mask import BlockMask
 from .masks import NONE, Masks, check_softcap, check_window
-from .ops import attn_fwd, attn_sparse_fwd, run_forward
-from .ops_varlen import attn_varlen_fwd, run_forward_varlen
+from .ops import attn_fwd, attn_fwd_eager, attn_sparse_fwd, attn_sparse_fwd_eager, run_forward
+from .ops_varlen import attn_varlen_fwd, attn_varlen_fwd_eager, run_forward_varlen
 from .validate import check_qkv
 from .validate_varlen import check_varlen
 
@@ -52,15 +52,19 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     masks = NONE
     if window is not None or softcap is not None or block_mask is not None:
         masks = check_masks(q, k, causal, window, softcap, block_mask)
-    if (torch.compiler.is_compiling() or (torch.is_grad_enabled() and
-                                          (q.requires_grad or k.requires_grad or v.requires_grad))):
-        # through the registered op: autograd, torch.compile and CUDA graphs see one node
+    compiling = torch.compiler.is_compiling()
+    if compiling or (torch.is_grad_enabled() and
+                     (q.requires_grad or k.requires_grad or v.requires_grad)):
+        # torch.compile traces the registered op (one node for it and CUDA graphs); eager
+        # autograd runs the op's own formula without the torch.library dispatch (ops.py)
         wl, wr = masks.window or (-1, -1)
         if masks.block_mask is not None:
-            out = attn_sparse_fwd(q, k, v, *masks.block_mask.op_args(), causal, scale,
-                                  deterministic, wl, wr, masks.softcap)
+            op = attn_sparse_fwd if compiling else attn_sparse_fwd_eager
+            out = op(q, k, v, *masks.block_mask.op_args(), causal, scale, deterministic, wl, wr,
+                     masks.softcap)
         else:
-            out = attn_fwd(q, k, v, causal, scale, deterministic, wl, wr, masks.softcap)
+            op = attn_fwd if compiling else attn_fwd_eager
+            out = op(q, k, v, causal, scale, deterministic, wl, wr, masks.softcap)
     else:
         # inference: skip the op's dispatch overhead
         out = run_forward(q, k, v, causal, scale, masks=masks)
@@ -117,11 +121,13 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
     scale = None if scale is None else float(scale)
-    if (torch.compiler.is_compiling() or (torch.is_grad_enabled() and
-                                          (q.requires_grad or k.requires_grad or v.requires_grad))):
+    compiling = torch.compiler.is_compiling()
+    if compiling or (torch.is_grad_enabled() and
+                     (q.requires_grad or k.requires_grad or v.requires_grad)):
         wl, wr = window or (-1, -1)
-        out = attn_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                              causal, scale, deterministic, wl, wr, softcap)
+        op = attn_varlen_fwd if compiling else attn_varlen_fwd_eager
+        out = op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale,
+                 deterministic, wl, wr, softcap)
     else:
         out = run_forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                  causal, scale, masks)

@@ -149,6 +149,11 @@ def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
              scale: Optional[float], deterministic: bool, window_left: int = -1,
              window_right: int = -1,
              softcap: Optional[float] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    return _fwd_impl(q, k, v, causal, scale, deterministic, window_left, window_right, softcap)
+
+
+def _fwd_impl(q, k, v, causal, scale, deterministic, window_left=-1, window_right=-1,
+              softcap=None):
     # `deterministic` is unused here; it rides along so the autograd formula can read it.
     # window / softcap: validated by the API (flashtune/masks.py), (-1, -1) = no window
     o, lse = run_forward(q, k, v, causal, scale,
@@ -167,6 +172,12 @@ def attn_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
              o: torch.Tensor, lse: torch.Tensor, causal: bool, scale: Optional[float],
              deterministic: bool, window_left: int = -1, window_right: int = -1,
              softcap: Optional[float] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _bwd_impl(grad_out, q, k, v, o, lse, causal, scale, deterministic, window_left,
+                     window_right, softcap)
+
+
+def _bwd_impl(grad_out, q, k, v, o, lse, causal, scale, deterministic, window_left=-1,
+              window_right=-1, softcap=None):
     return run_backward(grad_out, q, k, v, o, lse, causal, scale, deterministic,
                         masks=op_masks(window_left, window_right, softcap))
 
@@ -188,13 +199,14 @@ def _setup_context(ctx, inputs, output):
     # carry a variant forced around the forward over to the backward (debugging, benchmarks)
     ctx.forced = dispatch.forced_variant()
     ctx.mark_non_differentiable(lse)
+    ctx.bwd = getattr(ctx, "bwd", attn_bwd)  # eager_autograd sets the implementation itself
 
 
 def _backward(ctx, grad_o, grad_lse):
     q, k, v, o, lse = ctx.saved_tensors
     if grad_o is None:
         return (None,) * (6 + len(ctx.mask_args))
-    dq, dk, dv = call_forced(ctx.forced, attn_bwd, grad_o, q, k, v, o, lse, ctx.causal,
+    dq, dk, dv = call_forced(ctx.forced, ctx.bwd, grad_o, q, k, v, o, lse, ctx.causal,
                              ctx.scale, ctx.deterministic, *ctx.mask_args)
     need = ctx.needs_input_grad
     return (dq if need[0] else None, dk if need[1] else None, dv if need[2] else None,
@@ -202,6 +214,29 @@ def _backward(ctx, grad_o, grad_lse):
 
 
 attn_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def eager_autograd(fwd, bwd, setup_context, backward):
+    """apply(*inputs): a registered op's forward, setup_context and backward (as given to
+    register_autograd) as a plain torch.autograd.Function that calls the implementations
+    directly. Eager calls with gradients take it: the torch.library dispatch of an op pair cost
+    about 0.2 ms of host time per forward + backward (kernels stubbed, tests' CPU), which an
+    H100 bench showed at short sequences. torch.compile and CUDA graphs trace the ops."""
+    class Eager(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, *inputs):
+            out = fwd(*inputs)
+            ctx.bwd = bwd
+            setup_context(ctx, inputs, out)
+            return out
+
+        @staticmethod
+        def backward(ctx, *grads):
+            return backward(ctx, *grads)
+    return Eager.apply
+
+
+attn_fwd_eager = eager_autograd(_fwd_impl, _bwd_impl, _setup_context, _backward)
 
 
 # -- block-sparse attention (flashtune.BlockMask) -------------------------------------------------
@@ -222,8 +257,13 @@ def attn_sparse_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: to
                     causal: bool, scale: Optional[float], deterministic: bool, window_left: int,
                     window_right: int,
                     softcap: Optional[float]) -> tuple[torch.Tensor, torch.Tensor]:
-    bm = (state, kv_num, kv_idx, full_kv_num, full_kv_idx, q_num, q_idx, full_q_num, full_q_idx,
-          elem, bs_q, bs_kv, nq, nk)
+    return _sparse_fwd_impl(q, k, v, state, kv_num, kv_idx, full_kv_num, full_kv_idx, q_num,
+                            q_idx, full_q_num, full_q_idx, elem, bs_q, bs_kv, nq, nk, causal,
+                            scale, deterministic, window_left, window_right, softcap)
+
+
+def _sparse_fwd_impl(q, k, v, *rest):
+    bm, (causal, scale, _deterministic, window_left, window_right, softcap) = rest[:14], rest[14:]
     o, lse = run_forward(q, k, v, causal, scale,
                          masks=_sparse_masks(bm, window_left, window_right, softcap))
     return o, lse
@@ -244,8 +284,14 @@ def attn_sparse_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
                     causal: bool, scale: Optional[float], deterministic: bool, window_left: int,
                     window_right: int, softcap: Optional[float]
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    bm = (state, kv_num, kv_idx, full_kv_num, full_kv_idx, q_num, q_idx, full_q_num, full_q_idx,
-          elem, bs_q, bs_kv, nq, nk)
+    return _sparse_bwd_impl(grad_out, q, k, v, o, lse, state, kv_num, kv_idx, full_kv_num,
+                            full_kv_idx, q_num, q_idx, full_q_num, full_q_idx, elem, bs_q, bs_kv,
+                            nq, nk, causal, scale, deterministic, window_left, window_right,
+                            softcap)
+
+
+def _sparse_bwd_impl(grad_out, q, k, v, o, lse, *rest):
+    bm, (causal, scale, deterministic, window_left, window_right, softcap) = rest[:14], rest[14:]
     return run_backward(grad_out, q, k, v, o, lse, causal, scale, deterministic,
                         masks=_sparse_masks(bm, window_left, window_right, softcap))
 
@@ -266,6 +312,7 @@ def _sparse_setup_context(ctx, inputs, output):
     ctx.rest = tuple(rest[10:])  # bs_q, bs_kv, nq, nk, causal, scale, deterministic, window, cap
     ctx.forced = dispatch.forced_variant()
     ctx.mark_non_differentiable(lse)
+    ctx.bwd = getattr(ctx, "bwd", attn_sparse_bwd)
 
 
 def _sparse_backward(ctx, grad_o, grad_lse):
@@ -276,7 +323,7 @@ def _sparse_backward(ctx, grad_o, grad_lse):
     q, k, v, o, lse = saved[:5]
     tensors = saved[5:14]
     elem = saved[14] if ctx.has_elem else None
-    dq, dk, dv = call_forced(ctx.forced, attn_sparse_bwd, grad_o, q, k, v, o, lse, *tensors,
+    dq, dk, dv = call_forced(ctx.forced, ctx.bwd, grad_o, q, k, v, o, lse, *tensors,
                              elem, *ctx.rest)
     need = ctx.needs_input_grad
     return (dq if need[0] else None, dk if need[1] else None, dv if need[2] else None,
@@ -284,3 +331,5 @@ def _sparse_backward(ctx, grad_o, grad_lse):
 
 
 attn_sparse_fwd.register_autograd(_sparse_backward, setup_context=_sparse_setup_context)
+attn_sparse_fwd_eager = eager_autograd(_sparse_fwd_impl, _sparse_bwd_impl, _sparse_setup_context,
+                                       _sparse_backward)

@@ -15,7 +15,7 @@ import torch
 from . import dispatch, launch, launch_bwd
 from .checked import CheckedValues
 from .masks import NONE, Masks
-from .ops import call_forced, check_grad_output, op_masks, separate_twin
+from .ops import call_forced, check_grad_output, eager_autograd, op_masks, separate_twin
 from .problem import dtype_name
 from .validate_varlen import check_cu_seqlens_values
 
@@ -103,6 +103,12 @@ def attn_varlen_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlen
                     causal: bool, scale: Optional[float],
                     deterministic: bool, window_left: int = -1, window_right: int = -1,
                     softcap: Optional[float] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    return _fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                     scale, deterministic, window_left, window_right, softcap)
+
+
+def _fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale,
+              deterministic, window_left=-1, window_right=-1, softcap=None):
     # `deterministic` is unused here; it rides along so the autograd formula can read it
     o, lse = run_forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                 causal, scale, op_masks(window_left, window_right, softcap))
@@ -123,6 +129,12 @@ def attn_varlen_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
                     deterministic: bool, window_left: int = -1, window_right: int = -1,
                     softcap: Optional[float] = None
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _bwd_impl(grad_out, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                     max_seqlen_k, causal, scale, deterministic, window_left, window_right, softcap)
+
+
+def _bwd_impl(grad_out, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+              causal, scale, deterministic, window_left=-1, window_right=-1, softcap=None):
     return run_backward_varlen(grad_out, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k,
                                max_seqlen_q, max_seqlen_k, causal, scale, deterministic,
                                op_masks(window_left, window_right, softcap))
@@ -143,13 +155,14 @@ def _setup_context(ctx, inputs, output):
     ctx.args = (max_q, max_k, causal, scale, deterministic, *mask_args)
     ctx.forced = dispatch.forced_variant()  # carried to the backward's thread (ops.call_forced)
     ctx.mark_non_differentiable(lse)
+    ctx.bwd = getattr(ctx, "bwd", attn_varlen_bwd)  # ops.eager_autograd sets run_backward_varlen
 
 
 def _backward(ctx, grad_o, grad_lse):
     if grad_o is None:
         return (None,) * (5 + len(ctx.args))
     q, k, v, o, lse, cu_q, cu_k = ctx.saved_tensors
-    dq, dk, dv = call_forced(ctx.forced, attn_varlen_bwd, grad_o, q, k, v, o, lse, cu_q, cu_k,
+    dq, dk, dv = call_forced(ctx.forced, ctx.bwd, grad_o, q, k, v, o, lse, cu_q, cu_k,
                              *ctx.args)
     need = ctx.needs_input_grad
     return (dq if need[0] else None, dk if need[1] else None, dv if need[2] else None,
@@ -157,3 +170,4 @@ def _backward(ctx, grad_o, grad_lse):
 
 
 attn_varlen_fwd.register_autograd(_backward, setup_context=_setup_context)
+attn_varlen_fwd_eager = eager_autograd(_fwd_impl, _bwd_impl, _setup_context, _backward)

@@ -302,3 +302,23 @@ def test_gpu_cuda_graph_capture(device):
     for a, b, e in zip(static, expected, eager):
         torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
         assert not torch.equal(a, e)  # the replay saw the new inputs
+
+
+@pytest.mark.parametrize("kw", [dict(causal=True), dict(causal=False, window=(5, 3), softcap=2.0)])
+def test_eager_autograd_equals_the_registered_op(kw, device):
+    # eager calls with gradients skip torch.library's dispatch (ops.eager_autograd) but must be
+    # the op's formula exactly: same outputs, same gradients, same saved LSE
+    q, k, v = qkv(2, 4, 2, 19, 23, 16, torch.float16, device)
+    g = torch.randn(2, 4, 19, 16, dtype=torch.float16, device=device)
+    wl, wr = kw.get("window", (-1, -1))
+    results = []
+    for path in ("eager", "op"):
+        xs = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        if path == "eager":
+            out, lse = flashtune.attention(*xs, return_lse=True, **kw)
+        else:
+            out, lse = ops.attn_fwd(*xs, kw["causal"], None, False, wl, wr, kw.get("softcap"))
+        results.append((out, lse, *torch.autograd.grad(out, xs, g)))
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+    assert type(results[0][0].grad_fn).__name__ != type(results[1][0].grad_fn).__name__
