@@ -28,7 +28,20 @@ FAMILY = Family(
     serve_plan="flashtune.launch_splitkv:DensePlan",
     heuristic="flashtune.families.splitkv:prefer_for_dense",
     adapt="flashtune.families.splitkv:adapt",
+    seeds="flashtune.families.splitkv:seeds",
 )
+
+
+def seeds(head_dim: int, dtype: str, *, arch=None) -> list:
+    """Measured first in every splitkv study, after the default: the tiles the H100 decode sweep
+    found best where the default trails cuDNN (docs/data/decode_sweep_h100_2026-11-23.jsonl:
+    GQA B=64 8k-32k 3,086-3,113 GB/s with 32- and 64-key steps at 2 stages, against 2,900 for
+    the default's 3 stages; 8 trials of TPE had not reached them). 16-row tiles: a decode step's
+    rows (GROUP x Nq) are at most 16 on that grid, and the launch narrows wider tiles to that."""
+    from ..codegen import Variant
+    base = default(head_dim, dtype, arch=arch)
+    names = ("splitkv-m16-n32-w4-s2", "splitkv-m16-n32-w4-s3", "splitkv-m16-n64-w4-s2")
+    return [Variant.parse(n) for n in names if Variant.parse(n) != base]
 
 
 def adapt(variant, measured_on, asked):
