@@ -3,6 +3,8 @@ reference (O and LSE; odd lengths, GQA, causal with rows that see no key, both d
 standard grid timed against SDPA's flash and cuDNN backends and flashtune's generic forward.
 
     python3 bench/hopper_check.py [--variants a,b,...] [--head-dims 64,128] [--budget 270]
+    python3 bench/hopper_check.py --set no_loader   # the schedules without a loader partition,
+                                                    # beside each D's default
 
 Every candidate runs in its own subprocess with a timeout (a Gluon kernel whose mbarrier phases
 are wrong hangs rather than fails). Rows go to $OUT/hopper_fwd.jsonl; a table is printed last.
@@ -32,6 +34,19 @@ CANDIDATES = {  # spill-free under the 168-register entry cap Triton gives ptxas
     256: ["hopper_fwd-m128-n32-w8-s2-lr24",
           "hopper_fwd-m64-n32-w4-s2-pingpong=true-lr24"],
 }
+# loader_regs 0: no loader partition, the consumers load the K/V ring (two consumer warpgroups are
+# all 256 threads: a 255-register cap), so 128-key steps fit at D=128 (sm_90 compile: 0 spills)
+NO_LOADER = {
+    64: ["hopper_fwd-m64-n128-w4-s3-pingpong=true",
+         "hopper_fwd-m64-n64-w4-s4-pingpong=true"],
+    128: ["hopper_fwd-m128-n128-w8-s2",
+          "hopper_fwd-m64-n128-w4-s3-pingpong=true",
+          "hopper_fwd-m64-n128-w4-s2-pingpong=true-persistent=true",
+          "hopper_fwd-m64-n64-w4-s3-pingpong=true-persistent=true"],
+    256: ["hopper_fwd-m64-n64-w4-s2-pingpong=true",
+          "hopper_fwd-m64-n32-w4-s3-pingpong=true"],
+}
+SETS = {"loader": CANDIDATES, "no_loader": NO_LOADER}
 # (B, H, Hk, Nq, Nk, causal): odd lengths, a single key/query, GQA, Nq > Nk causal (the first
 # Nq - Nk rows see no key), a multi-tile causal case
 CHECK_SHAPES = [(1, 2, 2, 1, 1, False), (2, 3, 3, 37, 37, True), (1, 4, 2, 113, 203, False),
@@ -167,6 +182,8 @@ def main():
     ap.add_argument("--skip-check", action="store_true")
     ap.add_argument("--baselines", default="cudnn,flash,fwd")
     ap.add_argument("--per-dim", type=int, default=0, help="only the first N candidates per D")
+    ap.add_argument("--set", choices=sorted(SETS), default="loader",
+                    help="the candidate list (no_loader: loader_regs 0, each D's default beside)")
     a = ap.parse_args()
     seqlens = [int(x) for x in a.seqlens.split(",")]
     if a.mode == "check":
@@ -184,7 +201,11 @@ def main():
     # --variants a@128,b@64,...: those, per head dim (default: the first --per-dim CANDIDATES)
     given = [v.split("@") for v in a.variants.split(",") if v]
     chosen = {d: [n for n, dd in given if int(dd) == d] if given else
-              CANDIDATES[d][:a.per_dim or None] for d in dims}
+              SETS[a.set][d][:a.per_dim or None] for d in dims}
+    if a.set == "no_loader" and not given:  # the shipped default beside, timed in the same run
+        from flashtune.families import get
+        for d in dims:
+            chosen[d].append(get("hopper_fwd").default(d, "bfloat16").name)
     good = {d: [] for d in dims}
     if not a.skip_check:
         for d in dims:

@@ -56,7 +56,8 @@ class Variant:
     paged: bool = False
     # hopper_fwd only (Gluon, sm_90): two consumer partitions with a Q tile each taking turns on
     # the tensor cores (structural); a persistent grid of one program per SM looping over tiles
-    # (launch); the loader warp's registers (setmaxnreg; 0 = not a warp-specialized family)
+    # (launch); the loader warp's registers (setmaxnreg; 0 = no loader partition: the consumers
+    # load their own K/V ring -- structural -- and other families, which have none)
     pingpong: bool = False
     persistent: bool = False
     loader_regs: int = 0
@@ -170,6 +171,7 @@ class Variant:
         """The fields that change the rendered text (the template's `#%if` conditions read these)."""
         return {"causal_split": self.causal_split, "loads": self.loads, "dq": self.dq,
                 "varlen": self.varlen, "paged": self.paged, "pingpong": self.pingpong,
+                "loader": self.loader_regs > 0,
                 "window": self.window,
                 "softcap": self.softcap, "block_sparse": self.block_sparse,
                 # any mask beyond causal: the window's bounds and loops (softcap alone runs them

@@ -22,10 +22,13 @@ def consumer_regs(variant: Variant) -> int:
     """Registers per thread of a consumer partition under setmaxnreg: what the loader warp group
     (4 warps: setmaxnreg acts per warpgroup) leaves, shared by the consumers' warps, rounded down
     to a multiple of 8, at most MAX_REGS. E.g. two 4-warp consumers, loader 24:
-    (65536 - 128*24) / 256 = 244 -> 240."""
+    (65536 - 128*24) / 256 = 244 -> 240. Without a loader partition (loader_regs 0) the consumers
+    are all the threads and keep the even share, no less than the cap ptxas allocates under (two
+    4-warp consumers: 256; a smaller setmaxnreg there makes ptxas spill to fit it)."""
     consumers = 2 if variant.pingpong else 1
-    left = REGS_PER_SM - 128 * variant.loader_regs
-    return min(MAX_REGS, left // (32 * variant.num_warps * consumers) // 8 * 8)
+    share = REGS_PER_SM - 128 * variant.loader_regs
+    share //= 32 * variant.num_warps * consumers
+    return min(256, share) // 8 * 8 if not variant.loader_regs else min(MAX_REGS, share // 8 * 8)
 
 
 def unsupported(head_dim: int, dtype: torch.dtype) -> str:

@@ -60,10 +60,28 @@ def test_render_pingpong_is_structural():
         .splitlines()[1:] == one.splitlines()[1:]
 
 
+def test_render_without_a_loader_is_structural():
+    """loader_regs 0: no loader partition (the consumers load the ring); the loader schedules'
+    code is untouched by the branch (their kernel hash reads code lines only)."""
+    from flashtune.codegen import kernel_hash
+    two = render(Variant.parse("hopper_fwd-m64-n128-w4-s3-pingpong=true"))
+    one = render(Variant.parse("hopper_fwd-m128-n128-w8-s2"))
+    for src in (one, two):
+        assert "(_loader," not in src and "_refill(" in src
+    assert two.count("(_consumer,") == 2 and "_consumer(q_bufs" in one
+    with_loader = render(Variant.parse("hopper_fwd-m64-n128-w4-s3-pingpong=true-lr24"))
+    assert "_refill" not in with_loader and with_loader.count("(_loader,") == 1
+    assert len(two.splitlines()) == len(with_loader.splitlines())
+    assert kernel_hash(Variant.parse("hopper_fwd-m64-n128-w4-s3-pingpong=true")) != \
+        kernel_hash(Variant.parse("hopper_fwd-m64-n128-w4-s3-pingpong=true-lr24"))
+
+
 def test_variant_names_round_trip_and_rules():
     v = Variant.parse("hopper_fwd-m64-n128-w4-s2-pingpong=true-persistent=true-lr32")
     assert (v.pingpong, v.persistent, v.loader_regs) == (True, True, 32)
     assert Variant.parse(v.name) == v and Variant.from_dict(json.loads(v.to_json())) == v
+    v0 = Variant.parse("hopper_fwd-m64-n128-w4-s3-pingpong=true")  # loader_regs 0: no loader
+    assert v0.loader_regs == 0 and Variant.parse(v0.name) == v0 and "-lr" not in v0.name
     with pytest.raises(ValueError, match="num_warps"):
         Variant.parse("hopper_fwd-m64-n128-w2-s2-lr24")
     with pytest.raises(ValueError, match="loader_regs"):
@@ -88,6 +106,9 @@ def test_consumer_registers_fill_what_the_loader_leaves():
     assert consumer_regs(Variant.parse("hopper_fwd-m64-n128-w4-s2-pingpong=true-lr24")) == 240
     assert consumer_regs(Variant.parse("hopper_fwd-m128-n128-w8-s2-lr24")) == 240
     assert consumer_regs(Variant.parse("hopper_fwd-m128-n128-w8-s2-pingpong=true-lr56")) == 112
+    # no loader partition: the even share of all the threads, no setmaxnreg below it
+    assert consumer_regs(Variant.parse("hopper_fwd-m64-n128-w4-s3-pingpong=true")) == 256
+    assert consumer_regs(Variant.parse("hopper_fwd-m128-n128-w8-s2-pingpong=true")) == 128
 
 
 @pytest.mark.parametrize("arch,problem,why", [
@@ -198,6 +219,14 @@ VARIANTS = {64: ["hopper_fwd-m64-n64-w4-s4-pingpong=true-lr24"],             # t
             128: ["hopper_fwd-m64-n64-w4-s3-pingpong=true-persistent=true-lr24",
                   "hopper_fwd-m128-n64-w8-s3-lr24"],                         # one 8-warp consumer
             256: ["hopper_fwd-m64-n32-w4-s3-pingpong=true-lr24"]}
+# no loader partition (loader_regs 0): the consumers load the ring; 128-key steps at D <= 128
+NO_LOADER = {64: ["hopper_fwd-m64-n128-w4-s3-pingpong=true"],
+             128: ["hopper_fwd-m64-n128-w4-s3-pingpong=true",
+                   "hopper_fwd-m64-n128-w4-s2-pingpong=true-persistent=true",
+                   "hopper_fwd-m128-n128-w8-s2"],
+             256: ["hopper_fwd-m64-n64-w4-s2-pingpong=true"]}
+for _d, _names in NO_LOADER.items():
+    VARIANTS[_d] = VARIANTS[_d] + _names
 
 
 @pytest.mark.gpu

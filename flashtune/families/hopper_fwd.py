@@ -33,7 +33,8 @@ FAMILY = Family(
            ("block_m", (64, 128), "64 query rows per consumer warpgroup (wgmma M), at most 2"),
            ("block_n", (32, 64, 128, 256), "the wgmma N of QK^T: 32..256"),
            ("num_stages", (1, 2, 3, 4), "the K/V ring: 1..4 stages"),
-           ("loader_regs", (24, 32, 40, 48, 56), "setmaxnreg of the loader: 24..56, step 8")),
+           ("loader_regs", (0, 24, 32, 40, 48, 56),
+            "setmaxnreg of the loader: 24..56, step 8; 0: no loader partition")),
 )
 
 # Defaults: the fastest spill-free candidates measured on the H100 (bench/hopper_check.py, bf16,
