@@ -85,6 +85,11 @@ class HopperFwdPlan:
 
     def __init__(self, q, k, v, causal: bool, scale: float | None, variant: Variant):
         b, h, nq, d = q.shape
+        if not variant.loader_regs and variant.num_stages < 2:
+            # the consumer that loads refills a stage only after handing it back: one stage
+            # would wait on itself (a hang, not an error), so refuse it before any launch
+            raise ValueError(f"{variant.name}: hopper_fwd without a loader partition "
+                             "(loader_regs=0) needs num_stages >= 2")
         self.variant = variant
         self.why = unsupported(d, q.dtype) or _device_blocker(q.device)
         o_meta = torch.empty_like(q, device="meta")

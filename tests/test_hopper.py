@@ -183,6 +183,14 @@ def test_plan_falls_back_to_the_generic_default_off_hopper(device):
         assert_matches_reference(q, k, v, causal=True)
 
 
+def test_one_stage_without_a_loader_is_refused_before_launch(device):
+    # its loading consumer would wait on its own stage: a clear error, never a hang
+    q, k, v = qkv(1, 2, 2, 16, 16, 64, torch.float16, device)
+    with flashtune.force("hopper_fwd-m64-n64-w4-s1"):
+        with pytest.raises(ValueError, match="needs num_stages >= 2"):
+            flashtune.attention(q, k, v)
+
+
 def test_feasibility_model_prunes_what_cannot_fit():
     from flashtune import targets
     from flashtune.feasibility import check
