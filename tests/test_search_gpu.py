@@ -27,3 +27,30 @@ def test_tiny_real_search(tmp_path):
     assert ok and all(r["max_err"] >= 0 for r in ok)
     # compile-ahead left the binary in Triton's cache: the timing worker did not recompile
     assert not any("recompiled" in r.get("notes", "") for r in ok), results
+
+
+def test_graphed_timing_replays_the_kernels_and_falls_back():
+    # splitkv's search times CUDA-graph replays (timing.graphed): the replay must run what fn
+    # launches, on fresh data each time, and a fn that cannot be captured is timed as it is
+    import torch
+
+    from flashtune import timing
+    x = torch.randn(1 << 20, device="cuda")
+    out = torch.empty_like(x)
+
+    def fn():
+        torch.mul(x, 3.0, out=out)
+    replay = timing.graphed(fn)
+    assert replay is not fn
+    x.normal_()
+    out.zero_()
+    replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, x * 3.0)
+
+    def syncing():
+        fn()
+        return out.sum().item()  # a host sync: not capturable
+    assert timing.graphed(syncing) is syncing
+    ms, _ = timing.bench(replay, budget_ms=5.0)
+    assert ms > 0
