@@ -18,7 +18,7 @@ from functools import lru_cache
 __all__ = ["Family", "get", "names", "all_families"]
 
 # the families, in the order the CLI lists them
-_MODULES = ("fwd", "bwd", "splitkv", "hopper_fwd")
+_MODULES = ("fwd", "bwd", "splitkv", "hopper_fwd", "hopper_bwd")
 
 
 def _resolve(ref: str):
