@@ -83,6 +83,13 @@ def test_search_space_admits_the_defaults():
         assert all(v.family == "hopper_bwd" for v in space.feasible)
 
 
+def test_search_grid_leaves_out_what_the_kernel_cannot_compute():
+    # else a search would time the generic fallback under hopper_bwd's name
+    assert FAM.grid_of("bfloat16", 256, False) == [] and FAM.grid_of("float32", 128, True) == []
+    grid = FAM.grid_of("float16", 128, True)
+    assert grid and all(p.family == "hopper_bwd" and p.head_dim == 128 for p in grid)
+
+
 @pytest.mark.parametrize("arch,problem,why", [
     ("sm_80", _problem(), "need sm_90"),
     ("", _problem(), "no GPU"),

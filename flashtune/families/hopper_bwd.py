@@ -29,6 +29,7 @@ FAMILY = Family(
     serves=("bwd",),
     serve_plan="flashtune.launch_hopper_bwd:HopperBwdPlan",
     support="flashtune.families.hopper_bwd:cannot_serve",
+    grid="flashtune.families.hopper_bwd:grid",
     interpreter=False,
     min_capability=90,
     max_capability=90,
@@ -62,6 +63,14 @@ def cannot_serve(p) -> str:
     return missing() or unsupported(p.head_dim, torch_dtype(p.dtype))
 
 
+def grid(family: str, dtype: str, head_dim: int, causal: bool, seqlens=(), batches=()) -> list:
+    """The standard grid, less what the kernel cannot compute (D=256, float32): a search would
+    otherwise time the generic bwd the launcher falls back to under this family's name."""
+    from ..search_plan import standard_grid
+    return [p for p in standard_grid(family, dtype, head_dim, causal, seqlens, batches)
+            if not cannot_serve(p)]
+
+
 def smem_bytes(variant, head_dim: int, elem: int = 2) -> int:
     """K and V tiles, the Q/dO ring, dS^T (+ 1 KB for barriers and alignment)."""
     return elem * (2 * variant.block_n * head_dim + 2 * variant.num_stages * variant.block_m
@@ -83,8 +92,10 @@ def resources(variant, problem, target) -> tuple:
 def compile_check(variant, head_dim: int, dtype: str, causal: bool, tails: bool, cap: int,
                   usage: bool) -> dict:
     """The kernel compiled for `cap` without a GPU, with the launcher's constexprs (tails: GQA 4;
-    the masks are run-time branches, compiled in either way). float32 has no kernel."""
-    if dtype == "float32" or cap < 90:
+    the masks are run-time branches, compiled in either way). float32 and head dims other than
+    64/128 have no kernel (the generic bwd serves them)."""
+    from ..launch_hopper_bwd import HEAD_DIMS
+    if dtype == "float32" or cap < 90 or head_dim not in HEAD_DIMS:
         return {}
     from triton.experimental.gluon import language as gl
 
