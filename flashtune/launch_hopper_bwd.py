@@ -87,7 +87,9 @@ class HopperBwdPlan:
         self.kernel[self.grid](desc(q, bm), desc(k, bn), desc(v, bn), desc(dout, bm),
                                desc(dk, bn), desc(dv, bn), dq_acc, lse2, delta, self.scale,
                                q.shape[1], q.shape[2], k.shape[2], **self.consts)
-        return dq_acc.to(q.dtype), dk, dv  # dq_acc is (B, H, Nq, D) contiguous
+        dq = torch.empty_like(q)  # q's layout, as the generic bwd (dq_acc is contiguous)
+        dq.copy_(dq_acc)
+        return dq, dk, dv
 
 
 def preprocess(dout, q, k, v, o, lse, causal: bool, scale: float, generic: Variant):
