@@ -42,7 +42,9 @@ FAMILY = Family(
 # Defaults: NOT measured yet (first GPU run pending: bench/device_run.sh STEPS=hopperbwd). They
 # are FA3's tile shape for these head dims (128 keys per program, 64 query rows per step, two
 # warpgroups) with a two-stage ring, chosen for a spill-free sm_90 compile (`flashtune kernels
-# check`); nothing picks them unless forced or tuned (the family has no heuristic).
+# check`, triton 3.9: D=64 regs 190-220, 0 B spilled; D=128 regs 255, 0 B spilled without GQA,
+# 32 B non-causal / 100 B causal with GQA 4); nothing picks them unless forced or tuned (the
+# family has no heuristic).
 DEFAULTS = {
     64: dict(block_m=64, block_n=128, num_warps=8, num_stages=2),
     128: dict(block_m=64, block_n=128, num_warps=8, num_stages=2),
