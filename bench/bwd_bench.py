@@ -4,6 +4,8 @@ beside SDPA's math backend. The dQ-scheme study behind flashtune/defaults.py's B
 everything else is `flashtune bench --section dense,memory --mode bwd`.
 
     python3 bench/bwd_bench.py [--quick]     # --quick: D=128, N in 1k/4k
+    python3 bench/bwd_bench.py --hopper      # the hopper_bwd family's defaults (Gluon, sm_90)
+                                             # beside the generic bwd and SDPA, no memory table
 
 Output: $OUT/bwd_bench.json (a `flashtune bench` result: `flashtune bench --from` renders it)
 and the tables on stdout.
@@ -25,6 +27,8 @@ from flashtune.defaults import default_variant
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="D=128, N in 1k and 4k, one memory row")
+    ap.add_argument("--hopper", action="store_true",
+                    help="time the hopper_bwd family's defaults (forced) too; dense table only")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("bwd_bench.py needs a CUDA GPU")
@@ -33,13 +37,18 @@ def main(argv=None):
     for dq in ("atomic", "separate"):
         variants = {d: default_variant("bwd", d, "bfloat16", dq=dq) for d in dims}
         peers.append(Forced(f"flashtune-{dq}", variants, f"the built-in bwd default, dQ {dq}"))
-    peers += [Sdpa("flash"), Sdpa("cudnn"), Sdpa("math")]
+    if args.hopper:
+        variants = {d: default_variant("hopper_bwd", d, "bfloat16") for d in dims}
+        peers.append(Forced("flashtune-hopper_bwd", variants,
+                            "the hopper_bwd family's default (Gluon, sm_90), forced"))
+    peers += [Sdpa("flash"), Sdpa("cudnn")] + ([] if args.hopper else [Sdpa("math")])
+    sections = ("dense",) if args.hopper else ("dense", "memory")
     shapes = grid.Shapes(head_dims=dims, modes=("bwd",),
                          seqlens=(1024, 4096) if args.quick else grid.SEQLENS,
                          memory_seqlens=(4096,) if args.quick else (2048, 4096, 8192, 16384))
     out = Path(os.environ.get("OUT") or "bench_out")
     out.mkdir(parents=True, exist_ok=True)
-    doc = runner.run(shapes, ("dense", "memory"), peers, "cuda",
+    doc = runner.run(shapes, sections, peers, "cuda",
                      checkpoint=out / "bwd_bench.json",
                      command="python3 bench/bwd_bench.py " + " ".join(sys.argv[1:]))
     print(report.markdown(doc, title="bench/bwd_bench.py"))

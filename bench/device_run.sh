@@ -138,6 +138,12 @@ sys.exit(pytest.main(['-q', '-x', '--tb=long', 'tests/test_transformers_backend.
                 | tee "$OUT/hopper_tests.log" | tail -15
               timeout ${HOPPER_TIMEOUT:-330} python3 bench/hopper_check.py ${HOPPER_ARGS:---per-dim 2 --budget 300} 2>&1 \
                 | tee "$OUT/hopper_check.log" | tail -40 ;;
+    hopperbwd) # the Gluon Hopper backward (hopper_bwd, forced): its GPU tests, then the standard grid
+              # (bf16, D=64/128) beside the generic bwd (dispatched, atomic, separate) and SDPA flash/cuDNN
+              timeout ${HOPPERBWD_TESTS_TIMEOUT:-300} python3 -m pytest -q -x -m gpu tests/test_hopper_bwd.py 2>&1 \
+                | tee "$OUT/hopperbwd_tests.log" | tail -15
+              timeout ${HOPPERBWD_TIMEOUT:-300} python3 bench/bwd_bench.py --hopper ${HOPPERBWD_ARGS:-} 2>&1 \
+                | tee "$OUT/hopperbwd_bench.log" | tail -40 ;;
     hopper_noloader)  # hopper_fwd without a loader partition (loader_regs 0): its forced GPU tests, then
               # correctness + the standard grid (D=64,128) vs cuDNN beside each D's default
               timeout ${HOPPER_TESTS_TIMEOUT:-300} python3 -m pytest -q -m gpu tests/test_hopper.py -k "not lr" 2>&1 \

@@ -73,6 +73,11 @@ def select_bwd(q, k, causal: bool, deterministic: bool, masks: Masks = NONE) -> 
     """The dispatcher's bwd variant; deterministic=True swaps an atomic-dQ one for its separate
     twin (same dK/dV tiles, the dQ kernel's tiles from the built-in defaults)."""
     variant = dispatch.select_for_call("bwd", q, k, causal, masks)
+    if variant.family != "bwd":  # a family that serves bwd calls (hopper_bwd)
+        if not (deterministic or masks.any):
+            return variant
+        # its dQ is atomic and it has no mask code: the generic bwd family's default instead
+        variant = default_variant("bwd", q.shape[3], dtype_name(q.dtype))
     if deterministic:
         variant = separate_twin(variant, q.shape[3], q.dtype)
     if masks.any:
@@ -131,6 +136,13 @@ def run_backward(grad_out, q, k, v, o, lse, causal: bool, scale, deterministic: 
         variant = select_bwd(q, k, causal, deterministic, masks)
     elif deterministic and variant.dq != "separate":
         raise ValueError(f"deterministic=True needs a dq='separate' variant, got {variant.name}")
+    if variant.family != "bwd":  # a family that serves bwd calls (hopper_bwd), its own plan
+        if masks.any:
+            raise ValueError(f"{variant.name} has no mask code; masked backwards need a 'bwd' "
+                             "variant")
+        from .families import get
+        return get(variant.family).plan_for(q, k, v, causal, scale, variant).run(
+            grad_out, q, k, v, o, lse.contiguous())
     # masks only where there are some: a dense call is the call it always was
     return launch_bwd.backward(grad_out, q, k, v, o, lse.contiguous(), causal, scale, variant,
                                *((masks,) if masks.any else ()))

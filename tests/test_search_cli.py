@@ -99,7 +99,8 @@ def test_by_default_every_family_is_tuned_on_its_own_grid():
     assert r.exit_code == 0, r.output
     problems = [b["problem"] for b in json.loads(r.output)["buckets"]]
     fams = {p["family"] for p in problems}
-    assert fams == {"fwd", "bwd", "splitkv", "hopper_fwd"}  # hopper_fwd: sm_90 targets only
+    # hopper_fwd, hopper_bwd: sm_90 targets only
+    assert fams == {"fwd", "bwd", "splitkv", "hopper_fwd", "hopper_bwd"}
     for fam in ("fwd", "hopper_fwd"):
         dense = [p for p in problems if p["family"] == fam]
         assert sorted({p["seqlen_q"] for p in dense}) == [512, 1024, 2048, 4096, 8192, 16384]

@@ -18,7 +18,7 @@ from functools import lru_cache
 __all__ = ["Family", "get", "names", "all_families"]
 
 # the families, in the order the CLI lists them
-_MODULES = ("fwd", "bwd", "splitkv", "hopper_fwd")
+_MODULES = ("fwd", "bwd", "splitkv", "hopper_fwd", "hopper_bwd")
 
 
 def _resolve(ref: str):
@@ -48,7 +48,9 @@ class Family:
     # tunes (empty seqlens/batches: the family's own grid)
     grid: str = "flashtune.search_plan:standard_grid"
     # other families' problems this one can also compute (splitkv: dense forwards), with the
-    # launch plan for them ("module:Class", built like launch.FwdPlan) and, until tuned records
+    # launch plan for them ("module:Class", built like launch.FwdPlan from (q, k, v, causal, scale,
+    # variant); its run() takes the served call's tensors: fwd (q, k, v), bwd (dout, q, k, v, o,
+    # lse) -> what that family's launcher returns) and, until tuned records
     # decide, a measured heuristic ("module:fn": Problem -> bool, True = prefer this family)
     serves: tuple = ()
     serve_plan: str = ""

@@ -1,0 +1,120 @@
+"""hopper_bwd: the backward for Hopper (sm_90) in Gluon -- K/V loaded once by TMA per key block,
+Q and dO streamed through a shared-memory ring on mbarriers, S^T, dP^T, dV, dK and dQ on async
+wgmma, dQ added into a float32 buffer by atomics. Template attn_hopper_bwd.py.tmpl (version shims
+in flashtune/gluon_compat.py); launched by flashtune/launch_hopper_bwd.py (HopperBwdPlan);
+measured by flashtune/measure_hopper_bwd.py; space search_spaces/hopper_bwd.json.
+
+It serves backward calls (`serves=("bwd",)`) but has no heuristic: the dispatcher picks it only
+when forced (flashtune.force) or when tuned records of both families for the bucket say it is
+faster (dispatch._compete). Where it cannot run -- not sm_90, a Triton without Gluon, Triton's
+interpreter, a head dim other than 64/128, float32 -- the generic bwd family serves the call and
+`flashtune.explain` says why (`cannot_serve`); deterministic and masked calls go to the generic
+bwd too (ops.select_bwd: its dQ is atomic and it has no mask code)."""
+from __future__ import annotations
+
+from . import Family
+
+FAMILY = Family(
+    name="hopper_bwd",
+    doc="Hopper backward in Gluon: K/V once by TMA, Q/dO ring on mbarriers, async wgmma, "
+        "atomic dQ",
+    template="attn_hopper_bwd.py.tmpl",
+    kernels=("attn_bwd_hopper",),
+    fields=(),
+    defaults="flashtune.families.hopper_bwd:default",
+    measure="flashtune.measure_hopper_bwd:OPS",
+    compile_check="flashtune.families.hopper_bwd:compile_check",
+    feasibility="flashtune.families.hopper_bwd:resources",
+    flops_factor=2.5,
+    serves=("bwd",),
+    serve_plan="flashtune.launch_hopper_bwd:HopperBwdPlan",
+    support="flashtune.families.hopper_bwd:cannot_serve",
+    grid="flashtune.families.hopper_bwd:grid",
+    interpreter=False,
+    min_capability=90,
+    max_capability=90,
+    rules=(("num_warps", (4, 8), "one or two warpgroups"),
+           ("block_m", (64, 128), "query rows per step: dQ's wgmma takes 64 rows per warpgroup"),
+           ("block_n", (64, 128), "keys per program: 64 per warpgroup on the wgmma M axis"),
+           ("num_stages", (1, 2, 3, 4), "the Q/dO ring: 1..4 stages")),
+)
+
+# Defaults: NOT measured yet (first GPU run pending: bench/device_run.sh STEPS=hopperbwd). They
+# are FA3's tile shape for these head dims (128 keys per program, 64 query rows per step, two
+# warpgroups) with a two-stage ring, chosen for a spill-free sm_90 compile (`flashtune kernels
+# check`, triton 3.9: D=64 regs 190-220, 0 B spilled; D=128 regs 255, 0 B spilled without GQA,
+# 32 B non-causal / 100 B causal with GQA 4); nothing picks them unless forced or tuned (the
+# family has no heuristic).
+DEFAULTS = {
+    64: dict(block_m=64, block_n=128, num_warps=8, num_stages=2),
+    128: dict(block_m=64, block_n=128, num_warps=8, num_stages=2),
+}
+
+
+def default(head_dim: int, dtype: str, *, arch=None):
+    from ..codegen import Variant
+    return Variant("hopper_bwd", **DEFAULTS[64 if head_dim <= 64 else 128])
+
+
+def cannot_serve(p) -> str:
+    """Why the kernel cannot compute problem `p` ("" when it can): this Triton's Gluon, head dim,
+    dtype. The GPU arch and the interpreter are Family.cannot_run's."""
+    from ..gluon_compat import missing
+    from ..launch_hopper_bwd import unsupported
+    from ..problem import torch_dtype
+    return missing() or unsupported(p.head_dim, torch_dtype(p.dtype))
+
+
+def grid(family: str, dtype: str, head_dim: int, causal: bool, seqlens=(), batches=()) -> list:
+    """The standard grid, less what the kernel cannot compute (D=256, float32): a search would
+    otherwise time the generic bwd the launcher falls back to under this family's name."""
+    from ..search_plan import standard_grid
+    return [p for p in standard_grid(family, dtype, head_dim, causal, seqlens, batches)
+            if not cannot_serve(p)]
+
+
+def smem_bytes(variant, head_dim: int, elem: int = 2) -> int:
+    """K and V tiles, the Q/dO ring, dS^T (+ 1 KB for barriers and alignment)."""
+    return elem * (2 * variant.block_n * head_dim + 2 * variant.num_stages * variant.block_m
+                   * head_dim + variant.block_n * variant.block_m) + 1024
+
+
+def resources(variant, problem, target) -> tuple:
+    """(kernel, Resources) for the feasibility model: shared memory from the tiles; registers per
+    thread from the float32 accumulators live together (dK, dV, S^T, dP^T, dQ)."""
+    from ..feasibility import Resources, dtype_bytes
+    e = dtype_bytes(problem.dtype)
+    threads = 32 * variant.num_warps
+    d = problem.head_dim
+    words = 2 * variant.block_n * d + 2 * variant.block_n * variant.block_m + variant.block_m * d
+    return (("attn_bwd_hopper", Resources(smem_bytes(variant, d, e), -(-words // threads) + 32,
+                                          threads)),)
+
+
+def compile_check(variant, head_dim: int, dtype: str, causal: bool, tails: bool, cap: int,
+                  usage: bool) -> dict:
+    """The kernel compiled for `cap` without a GPU, with the launcher's constexprs (tails: GQA 4;
+    the masks are run-time branches, compiled in either way). float32 and head dims other than
+    64/128 have no kernel (the generic bwd serves them)."""
+    from ..launch_hopper_bwd import HEAD_DIMS
+    if dtype == "float32" or cap < 90 or head_dim not in HEAD_DIMS:
+        return {}
+    from triton.experimental.gluon import language as gl
+
+    from ..codegen import load
+    from ..codegen.aot import compile_for
+    gdt = {"bfloat16": gl.bfloat16, "float16": gl.float16}[dtype]
+    short = {"bfloat16": "bf16", "float16": "fp16"}[dtype]
+
+    def desc(rows):
+        lay = gl.NVMMASharedLayout.get_default_for([1, rows, head_dim], gdt)
+        return f"tensordesc<{short}[1,{rows},{head_dim}],{lay!r}>"
+    types = {"q_desc": desc(variant.block_m), "do_desc": desc(variant.block_m),
+             "k_desc": desc(variant.block_n), "v_desc": desc(variant.block_n),
+             "dk_desc": desc(variant.block_n), "dv_desc": desc(variant.block_n),
+             "DQ": "*fp32", "LSE2": "*fp32", "Delta": "*fp32"}
+    consts = dict(HEAD_DIM=head_dim, BLOCK_M=variant.block_m, BLOCK_N=variant.block_n,
+                  STAGES=variant.num_stages, GROUP=4 if tails else 1, IS_CAUSAL=causal,
+                  num_warps=variant.num_warps)
+    return {"bwd": compile_for(load(variant).attn_bwd_hopper, consts, dtype, variant.num_warps,
+                               1, capability=cap, usage=usage, types=types)}

@@ -1,0 +1,114 @@
+"""Launch the hopper_bwd family (Gluon, sm_90): Delta and LSE2 by the generic bwd family's
+preprocess kernel, TMA descriptors over 3-D views of the tensors, one program per (key block,
+batch * kv head), dQ accumulated in float32 and cast at the end. Which variant runs is decided by
+the caller; a call this kernel cannot address (head dim, dtype, GPU, strides TMA cannot describe,
+misaligned bases) runs the generic bwd family's default instead, as ops.run_backward expects of
+any plan."""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+
+from .codegen import Variant, load
+from .launch_hopper import _device_blocker, _view3, addressable
+
+HEAD_DIMS = (64, 128)   # D=256: dK and dV alone would fill every register (the generic bwd serves)
+DTYPES = (torch.float16, torch.bfloat16)
+
+
+def unsupported(head_dim: int, dtype: torch.dtype) -> str:
+    """Why the kernel cannot serve this head dim / dtype ("" when it can)."""
+    if head_dim not in HEAD_DIMS:
+        return f"head dim {head_dim} is not one of {HEAD_DIMS}"
+    if dtype not in DTYPES:
+        return f"dtype {dtype} is not float16/bfloat16 (wgmma operands)"
+    return ""
+
+
+def _generic_variant(head_dim: int, dtype: torch.dtype) -> Variant:
+    """The generic bwd family's default (what the dispatcher would pick without hopper_bwd and
+    without tuned records), pointer loads (the bwd template has no others)."""
+    from .defaults import default_variant
+    from .dispatch import pointer_twin
+    from .problem import dtype_name
+    bv = default_variant("bwd", head_dim, dtype_name(dtype))
+    return pointer_twin(bv) if bv.loads == "descriptor" else bv
+
+
+class HopperBwdPlan:
+    """One hopper_bwd launch fixed by the call's shapes, strides, dtype, causal and scale (built
+    like launch.FwdPlan: Family.plan_for); run(dout, q, k, v, o, lse) -> (dq, dk, dv) in the
+    dtype and layout of q, k, v, as launch_bwd.backward."""
+    __slots__ = ("variant", "kernel", "grid", "scale", "causal", "consts", "layouts", "why",
+                 "generic")
+    descriptor = False
+
+    def __init__(self, q, k, v, causal: bool, scale: float | None, variant: Variant):
+        if variant.family != "hopper_bwd":
+            raise ValueError(f"HopperBwdPlan needs a 'hopper_bwd' variant, got {variant.name}")
+        b, h, nq, d = q.shape
+        self.variant = variant
+        self.causal = bool(causal)
+        self.scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+        self.generic = _generic_variant(d, q.dtype)
+        self.why = unsupported(d, q.dtype) or _device_blocker(q.device)
+        if not self.why and not all(_view3(t) for t in (q, k, v)):
+            self.why = "strides TMA cannot describe as (B*H, N, D)"
+        if self.why:
+            return
+        from triton.experimental.gluon import language as gl
+        gdt = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
+        self.layouts = {r: gl.NVMMASharedLayout.get_default_for([1, r, d], gdt)
+                        for r in {variant.block_m, variant.block_n}}
+        self.kernel = load(variant).attn_bwd_hopper
+        hk, nk = k.shape[1], k.shape[2]
+        self.grid = (triton.cdiv(nk, variant.block_n), b * hk)
+        self.consts = dict(HEAD_DIM=d, BLOCK_M=variant.block_m, BLOCK_N=variant.block_n,
+                           STAGES=variant.num_stages, GROUP=h // hk, IS_CAUSAL=self.causal,
+                           num_warps=variant.num_warps)
+
+    def run(self, dout, q, k, v, o, lse):
+        from . import launch_bwd
+        dk = torch.empty_like(k)  # keeps the caller's layout, as the generic bwd
+        dv = torch.empty_like(v)
+        if self.why or not addressable(q, k, v, dout, dk, dv):  # base addresses: per call
+            return launch_bwd.backward(dout, q, k, v, o, lse, self.causal, self.scale,
+                                       self.generic)
+        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+        delta, lse2 = preprocess(dout, q, k, v, o, lse, self.causal, self.scale, self.generic)
+        dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        bm, bn, d = self.variant.block_m, self.variant.block_n, q.shape[3]
+
+        def desc(t, rows):
+            shape, strides = _view3(t)
+            return TensorDescriptor(t, shape, strides, [1, rows, d], self.layouts[rows])
+        self.kernel[self.grid](desc(q, bm), desc(k, bn), desc(v, bn), desc(dout, bm),
+                               desc(dk, bn), desc(dv, bn), dq_acc, lse2, delta, self.scale,
+                               q.shape[1], q.shape[2], k.shape[2], **self.consts)
+        dq = torch.empty_like(q)  # q's layout, as the generic bwd (dq_acc is contiguous)
+        dq.copy_(dq_acc)
+        return dq, dk, dv
+
+
+def preprocess(dout, q, k, v, o, lse, causal: bool, scale: float, generic: Variant):
+    """Delta = rowsum(dO * O) and LSE2 = LSE * log2(e) (+inf where LSE = -inf), float32
+    (B, H, Nq) contiguous: the generic bwd family's attn_bwd_preprocess (16-bit inputs, no
+    masks), launched as launch_bwd launches it."""
+    from .launch import strides3
+    from .launch_bwd import kernel_params
+    b, h, nq, d = q.shape
+    consts, warps, stages = kernel_params(generic, q.dtype, d, causal, h // k.shape[1], nq,
+                                          k.shape[2])["pre"]
+    delta = torch.empty((b, h, nq), dtype=torch.float32, device=q.device)
+    lse2 = torch.empty_like(delta)
+    load(generic).attn_bwd_preprocess[(triton.cdiv(nq, consts["PRE_M"]) * b * h,)](
+        o, dout, lse, delta, lse2, delta, q, k, v, scale, *strides3(o, dout, q, k, v),
+        h, nq, k.shape[2], **consts, num_warps=warps, num_stages=stages)
+    return delta, lse2
+
+
+def backward(dout, q, k, v, o, lse, causal: bool, scale: float | None, variant: Variant):
+    """Run a hopper_bwd variant: (dq, dk, dv) in the dtype and layout of q, k, v."""
+    return HopperBwdPlan(q, k, v, causal, scale, variant).run(dout, q, k, v, o, lse)

@@ -1,0 +1,225 @@
+"""hopper_bwd (Gluon, sm_90): GPU tests force the family and compare dQ, dK, dV against the
+float64 reference's gradients; CPU tests cover what runs without one -- the registry entry,
+rendering, variant names, that the dispatcher never picks it untuned, the generic fallbacks
+(off-Hopper, deterministic, masked) and the sm_90 compile of the defaults (no Gluon code runs
+in Triton's interpreter)."""
+import json
+
+import pytest
+import torch
+
+import flashtune
+from flashtune import dispatch, gluon_compat, ops
+from flashtune.codegen import Variant, render
+from flashtune.families import get
+from flashtune.masks import Masks
+from flashtune.problem import Problem
+
+from _check import qkv
+from test_backward import assert_grads_match
+
+FAM = get("hopper_bwd")
+# Gluon imported first here, under the interpreter setting the session started with: imported
+# later inside a test that sets TRITON_INTERPRET=0, its import asserts on Triton's already
+# interpreted standard library (gluon_compat.missing() caches the answer either way)
+gluon_compat.missing()
+ON_H100 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+hopper_gpu = pytest.mark.skipif(not ON_H100, reason="needs an sm_90 GPU")
+
+
+@pytest.fixture(autouse=True)
+def _reset():
+    yield
+    flashtune.force(None)
+    dispatch.configure()
+
+
+def _problem(d=128, dtype="bfloat16", causal=False, n=4096, family="bwd"):
+    return Problem(family, dtype, d, causal, 1, 4, 16, n, n)
+
+
+# -- CPU: registry, rendering, names, dispatch, fallbacks -----------------------------------------
+
+def test_registered_as_a_gluon_family_serving_backwards_without_a_heuristic():
+    assert FAM.serves == ("bwd",) and not FAM.interpreter and not FAM.heuristic
+    assert FAM.min_capability == FAM.max_capability == 90 and FAM.flops_factor == 2.5
+    assert not FAM.prefers(_problem())  # never chosen untuned
+    for d in (64, 128):
+        for dt in ("bfloat16", "float16"):
+            v = FAM.default(d, dt)
+            assert v.family == "hopper_bwd" and v.name in VARIANTS[d]
+
+
+def test_render_is_the_template_without_branches():
+    a = render(Variant.parse("hopper_bwd-m64-n128-w8-s2"))
+    b = render(Variant.parse("hopper_bwd-m64-n64-w4-s3"))
+    assert a.splitlines()[1:] == b.splitlines()[1:]  # tiles are constexprs: same source
+    assert "def attn_bwd_hopper(" in a and "from flashtune.gluon_compat import" in a
+    assert "#%" not in a
+
+
+def test_variant_names_round_trip_and_rules():
+    v = Variant.parse("hopper_bwd-m64-n128-w8-s3")
+    assert (v.block_m, v.block_n, v.num_warps, v.num_stages) == (64, 128, 8, 3)
+    assert Variant.parse(v.name) == v and Variant.from_dict(json.loads(v.to_json())) == v
+    with pytest.raises(ValueError, match="num_warps"):
+        Variant.parse("hopper_bwd-m64-n128-w2-s2")
+    with pytest.raises(ValueError, match="block_m"):
+        Variant.parse("hopper_bwd-m32-n128-w8-s2")
+    with pytest.raises(ValueError, match="dq"):  # another family's field
+        Variant.parse("hopper_bwd-m64-n128-w8-s2-dq=atomic")
+
+
+def test_search_space_admits_the_defaults():
+    import dataclasses
+
+    from flashtune import targets
+    from flashtune.search_space import Space
+    for d in (64, 128):
+        p = dataclasses.replace(_problem(d=d), family="hopper_bwd")
+        space = Space.build("hopper_bwd", targets.get("H100"), p)
+        assert space.check(FAM.default(d, "bfloat16")).ok
+        assert space.feasible  # and more than the default
+        assert all(v.family == "hopper_bwd" for v in space.feasible)
+
+
+def test_search_grid_leaves_out_what_the_kernel_cannot_compute():
+    # else a search would time the generic fallback under hopper_bwd's name
+    assert FAM.grid_of("bfloat16", 256, False) == [] and FAM.grid_of("float32", 128, True) == []
+    grid = FAM.grid_of("float16", 128, True)
+    assert grid and all(p.family == "hopper_bwd" and p.head_dim == 128 for p in grid)
+
+
+@pytest.mark.parametrize("arch,problem,why", [
+    ("sm_80", _problem(), "need sm_90"),
+    ("", _problem(), "no GPU"),
+    ("sm_90", _problem(d=256), "head dim 256"),
+    ("sm_90", _problem(d=96), "head dim 96"),
+    ("sm_90", _problem(dtype="float32"), "float32"),
+])
+def test_cannot_run_says_why(arch, problem, why, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert why in FAM.cannot_run(problem, arch)
+
+
+def test_dispatcher_keeps_the_generic_bwd_untuned_on_h100(monkeypatch, tmp_path):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # as on a GPU machine (no kernel runs here)
+    dispatch.configure(gpu="H100", db=f"sqlite:///{tmp_path}/none.db", tables_dir=tmp_path)
+    for d in (64, 128):
+        for causal in (False, True):
+            p = _problem(d=d, causal=causal)
+            assert flashtune.explain(p).variant.family == "bwd"
+            assert dispatch.select(p).family == "bwd"
+    # the forward is not its business
+    assert dispatch.select(_problem(family="fwd")).family != "hopper_bwd"
+
+
+def test_forced_serves_bwd_but_not_fwd():
+    with flashtune.force("hopper_bwd-m64-n128-w8-s2"):
+        assert dispatch.select(_problem()).family == "hopper_bwd"
+        assert dispatch.select(_problem(family="fwd")).family != "hopper_bwd"
+
+
+def test_deterministic_or_masked_calls_go_to_the_generic_bwd():
+    q, k, _ = qkv(1, 2, 2, 16, 16, 64, torch.float16, "cpu")
+    with flashtune.force("hopper_bwd-m64-n128-w8-s2"):
+        assert ops.select_bwd(q, k, False, False).family == "hopper_bwd"
+        det = ops.select_bwd(q, k, False, True)
+        assert det.family == "bwd" and det.dq == "separate"
+        masked = ops.select_bwd(q, k, False, False, Masks(window=(4, 0)))
+        assert masked.family == "bwd" and masked.window
+
+
+def test_plan_falls_back_to_the_generic_default_off_hopper(device):
+    """A forced hopper_bwd on a device that cannot run it (the CPU here, any non-sm_90 GPU)
+    computes the gradients with the generic bwd family's default."""
+    if ON_H100:
+        pytest.skip("the H100 runs the Gluon kernel itself")
+    q, k, v = qkv(1, 4, 2, 37, 45, 64, torch.float16, device)
+    with flashtune.force("hopper_bwd-m64-n128-w8-s2"):
+        assert_grads_match(q, k, v, causal=True)
+
+
+def test_feasibility_model_prunes_what_cannot_fit():
+    import dataclasses
+
+    from flashtune import targets
+    from flashtune.feasibility import check
+    h100 = targets.get("H100")
+    p = dataclasses.replace(_problem(d=128), family="hopper_bwd")
+    assert check(Variant.parse("hopper_bwd-m64-n128-w8-s2"), p, h100).ok
+    bad = check(Variant.parse("hopper_bwd-m128-n128-w8-s4"), p, h100)
+    assert not bad.ok and "shared memory" in bad.reason
+
+
+# -- the sm_90 compile of every default, with this Triton (3.9 in CI), no GPU ------------------
+
+@pytest.mark.slow
+@pytest.mark.parametrize("causal", ["--causal", "--no-causal"])
+def test_defaults_compile_for_sm90(causal):
+    from test_compile_sm90 import kernels_check
+    names = {FAM.default(d, "bfloat16").name for d in (64, 128)}
+    r = kernels_check("--gpu", "H100", "--dtype", "bf16,fp16", "--head-dim", "64,128", causal,
+                      "--format", "json", *sorted(names))
+    rows = json.loads(r.stdout) if r.stdout.startswith("[") else []
+    assert rows, r.stdout[-2000:] + r.stderr[-2000:]
+    mine = {(x["dtype"], x["head_dim"], x["variant"]): x for x in rows}
+    for dt in ("bfloat16", "float16"):
+        for d in (64, 128):
+            x = mine[(dt, d, FAM.default(d, dt).name)]  # each D's own default: fits, no spills
+            assert x["fits"] and not x["why"], x
+
+
+# -- GPU: the kernel against the float64 reference, the family forced -----------------------------
+
+SHAPES = [  # (B, H, Hk, Nq, Nk): odd lengths, one query, GQA, Nq > Nk (rows that see no key)
+    (1, 2, 2, 1, 1), (2, 3, 3, 37, 37), (1, 4, 2, 113, 203), (1, 4, 1, 1000, 1000),
+    (2, 2, 2, 300, 100), (1, 8, 2, 515, 2051), (1, 2, 2, 1, 130)]
+VARIANTS = {64: ["hopper_bwd-m64-n128-w8-s2", "hopper_bwd-m64-n64-w4-s3",
+                 "hopper_bwd-m64-n128-w4-s1"],
+            128: ["hopper_bwd-m64-n128-w8-s2", "hopper_bwd-m64-n64-w4-s2"]}
+
+
+@pytest.mark.gpu
+@hopper_gpu
+@pytest.mark.parametrize("d,name", [(d, n) for d, ns in VARIANTS.items() for n in ns])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_grads_match_reference(d, name, dtype, causal, shape):
+    b, h, hk, nq, nk = shape
+    q, k, v = qkv(b, h, hk, nq, nk, d, dtype, "cuda")
+    with flashtune.force(name):
+        assert_grads_match(q, k, v, causal=causal)
+
+
+@pytest.mark.gpu
+@hopper_gpu
+def test_runs_the_gluon_kernel_not_the_fallback(monkeypatch):
+    """On the H100 the plan launches attn_bwd_hopper (the generic bwd is not called)."""
+    from flashtune import launch_bwd
+    q, k, v = qkv(2, 4, 2, 300, 300, 128, torch.bfloat16, "cuda")
+    calls = []
+    monkeypatch.setattr(launch_bwd, "backward", lambda *a, **kw: calls.append(a))
+    with flashtune.force("hopper_bwd-m64-n128-w8-s2"):
+        assert_grads_match(q, k, v, causal=True)
+    assert not calls
+
+
+@pytest.mark.gpu
+@hopper_gpu
+def test_strided_layout_and_scale():
+    """(B, N, H, D) views go through the descriptors' merged strides; a custom scale."""
+    q, k, v = qkv(2, 4, 2, 300, 257, 64, torch.float16, "cuda", layout="bnhd")
+    with flashtune.force("hopper_bwd-m64-n128-w8-s2"):
+        assert_grads_match(q, k, v, causal=True, scale=0.3)
+
+
+@pytest.mark.gpu
+@hopper_gpu
+def test_misaligned_call_runs_the_generic_kernel():
+    base = torch.randn(2 * 4 * 64 * 128 + 8, dtype=torch.bfloat16, device="cuda")
+    q = base[1:1 + 2 * 4 * 64 * 128].view(2, 4, 64, 128)  # 2-byte offset: no TMA descriptor
+    k, v = torch.randn_like(q), torch.randn_like(q)
+    with flashtune.force("hopper_bwd-m64-n128-w8-s2"):
+        assert_grads_match(q, k, v)
