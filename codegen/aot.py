@@ -66,6 +66,16 @@ def _source_class(fn):
     return ASTSource
 
 
+def tma_tile_type(dtype: str, rows: int, head_dim: int) -> str:
+    """compile_for's type of a Gluon kernel's host-side TMA descriptor over (1, rows, head_dim)
+    tiles of a "bfloat16" / "float16" tensor, in the NVMMA shared layout the launchers build."""
+    from triton.experimental.gluon import language as gl
+    gdt = {"bfloat16": gl.bfloat16, "float16": gl.float16}[dtype]
+    short = {"bfloat16": "bf16", "float16": "fp16"}[dtype]
+    lay = gl.NVMMASharedLayout.get_default_for([1, rows, head_dim], gdt)
+    return f"tensordesc<{short}[1,{rows},{head_dim}],{lay!r}>"
+
+
 def compile_for(fn, constexprs: dict, dtype: str, num_warps: int, num_stages: int, *,
                 capability: int = 90, f32_ptrs: frozenset = frozenset(), usage: bool = False,
                 types: dict | None = None) -> dict:

@@ -31,10 +31,11 @@ def consumer_regs(variant: Variant) -> int:
     return min(256, share) // 8 * 8 if not variant.loader_regs else min(MAX_REGS, share // 8 * 8)
 
 
-def unsupported(head_dim: int, dtype: torch.dtype) -> str:
-    """Why the kernels cannot serve this head dim / dtype ("" when they can)."""
-    if head_dim not in HEAD_DIMS:
-        return f"head dim {head_dim} is not one of {HEAD_DIMS}"
+def unsupported(head_dim: int, dtype: torch.dtype, head_dims: tuple = HEAD_DIMS) -> str:
+    """Why the kernels cannot serve this head dim / dtype ("" when they can); head_dims: the ones
+    the family's kernels take (hopper_bwd's are fewer)."""
+    if head_dim not in head_dims:
+        return f"head dim {head_dim} is not one of {head_dims}"
     if dtype not in DTYPES:
         return f"dtype {dtype} is not float16/bfloat16 (wgmma operands)"
     return ""

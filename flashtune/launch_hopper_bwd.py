@@ -13,18 +13,14 @@ import triton
 
 from .codegen import Variant, load
 from .launch_hopper import _device_blocker, _view3, addressable
+from .launch_hopper import unsupported as _unsupported
 
 HEAD_DIMS = (64, 128)   # D=256: dK and dV alone would fill every register (the generic bwd serves)
-DTYPES = (torch.float16, torch.bfloat16)
 
 
 def unsupported(head_dim: int, dtype: torch.dtype) -> str:
     """Why the kernel cannot serve this head dim / dtype ("" when it can)."""
-    if head_dim not in HEAD_DIMS:
-        return f"head dim {head_dim} is not one of {HEAD_DIMS}"
-    if dtype not in DTYPES:
-        return f"dtype {dtype} is not float16/bfloat16 (wgmma operands)"
-    return ""
+    return _unsupported(head_dim, dtype, HEAD_DIMS)
 
 
 def _generic_variant(head_dim: int, dtype: torch.dtype) -> Variant:

@@ -99,16 +99,11 @@ def compile_check(variant, head_dim: int, dtype: str, causal: bool, tails: bool,
     from ..launch_hopper_bwd import HEAD_DIMS
     if dtype == "float32" or cap < 90 or head_dim not in HEAD_DIMS:
         return {}
-    from triton.experimental.gluon import language as gl
-
     from ..codegen import load
-    from ..codegen.aot import compile_for
-    gdt = {"bfloat16": gl.bfloat16, "float16": gl.float16}[dtype]
-    short = {"bfloat16": "bf16", "float16": "fp16"}[dtype]
+    from ..codegen.aot import compile_for, tma_tile_type
 
     def desc(rows):
-        lay = gl.NVMMASharedLayout.get_default_for([1, rows, head_dim], gdt)
-        return f"tensordesc<{short}[1,{rows},{head_dim}],{lay!r}>"
+        return tma_tile_type(dtype, rows, head_dim)
     types = {"q_desc": desc(variant.block_m), "do_desc": desc(variant.block_m),
              "k_desc": desc(variant.block_n), "v_desc": desc(variant.block_n),
              "dk_desc": desc(variant.block_n), "dv_desc": desc(variant.block_n),

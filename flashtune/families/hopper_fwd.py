@@ -116,17 +116,12 @@ def compile_check(variant, head_dim: int, dtype: str, causal: bool, tails: bool,
     the masks are run-time branches here, compiled in either way). float32 has no kernel."""
     if dtype == "float32" or cap < 90:
         return {}
-    from triton.experimental.gluon import language as gl
-
     from ..codegen import load
-    from ..codegen.aot import compile_for
+    from ..codegen.aot import compile_for, tma_tile_type
     from ..launch_hopper import consumer_regs
-    gdt = {"bfloat16": gl.bfloat16, "float16": gl.float16}[dtype]
-    short = {"bfloat16": "bf16", "float16": "fp16"}[dtype]
 
     def desc(rows):
-        lay = gl.NVMMASharedLayout.get_default_for([1, rows, head_dim], gdt)
-        return f"tensordesc<{short}[1,{rows},{head_dim}],{lay!r}>"
+        return tma_tile_type(dtype, rows, head_dim)
     types = {"q_desc": desc(variant.block_m), "o_desc": desc(variant.block_m),
              "k_desc": desc(variant.block_n), "v_desc": desc(variant.block_n), "n_tiles": "i32"}
     consts = dict(HEAD_DIM=head_dim, BLOCK_M=variant.block_m, BLOCK_N=variant.block_n,
