@@ -21,6 +21,7 @@ and >= 2,600 GB/s at B=1, Nk >= 32k; paged within 5% of contiguous.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -203,10 +204,8 @@ def main(argv=None):
                             bt = bt.view(b, nk // page)
 
                         def fn(kk=kk, vv=vv, bt=bt, variant=variant):
-                            if variant is None:
-                                return flashtune.attention_with_kvcache(
-                                    q, kk, vv, cache_seqlens=seqlens, block_table=bt)
-                            with flashtune.force(variant):
+                            with (flashtune.force(variant) if variant is not None
+                                  else contextlib.nullcontext()):
                                 return flashtune.attention_with_kvcache(
                                     q, kk, vv, cache_seqlens=seqlens, block_table=bt)
                         o = fn()

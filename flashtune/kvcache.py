@@ -240,12 +240,13 @@ def _validate(q, k_cache, v_cache, cache_seqlens, k, v, block_table, causal, sca
     bounds = (capacity, n_new, k_cache.shape[0], k_cache.shape[1], paged,
               None if host is None else cache_seqlens)
     tensors = (seqlens, block_table)
-    max_total = _checked.get(tensors, bounds) if seqlens is not None or paged else None
+    memo = seqlens is not None or paged  # an int without a table: checked on the host for free
+    max_total = _checked.get(tensors, bounds) if memo else None
     if max_total is None:
         # device->host copies of cache_seqlens and (paged) block_table, once per their versions
         max_total = _check_values(host if host is not None else seqlens.tolist(),
                                   block_table, capacity, n_new, where, k_cache)
-        if seqlens is not None or paged:
+        if memo:
             _checked.put(tensors, bounds, max_total)
     if seqlens is None:  # uniform lengths: (the int, None, the keys after the append)
         return cache_seqlens, None, max_total
