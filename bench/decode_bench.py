@@ -4,7 +4,7 @@ SDPA's flash and cuDNN backends on the same data in the same run.
     python bench/decode_bench.py --out decode.jsonl [--batches 1,8,32,64]
         [--seqlens 2048,4096,...,131072] [--heads 32/8,8/1] [--dim 128] [--pages 64,256]
         [--variant splitkv-m64-n64-w4-s3] [--num-splits 0,8,32] [--max-gib 20] [--quick]
-        [--defaults] [--no-dense]
+        [--defaults] [--no-dense] [--graph] [--layers 16]
 
 "flashtune" rows run as dispatched (the tuned DB or shipped table, else the built-in default;
 FLASHTUNE_DB picks the DB), or forced to --variant; --defaults adds "flashtune-defaults" rows
@@ -12,7 +12,12 @@ forced to the built-in default, the tuned table's baseline.
 
 One query token per sequence (Nq = 1), every sequence of the batch with Nk cached keys, bf16.
 GB/s = (bytes of K and V the problem reads, B * Nk * Hk * D * 2 tensors * 2 bytes) / median time
-(triton.testing.do_bench, L2 flushed). The paged cache is the contiguous cache's own memory cut
+(triton.testing.do_bench, L2 flushed). --layers L times a decode step of L layers, each with its
+own cache (the same shapes, distinct memory, every byte read from DRAM after the flush), and
+divides by L: with --graph that is how a server replays a step, and the per-replay cost of
+launching the graph (measured ~10 us on the H100, 15% of a 32k-key batch-1 layer) is shared by
+the layers as it is in a model, instead of charged to one call. Every implementation is timed
+the same way in the same run. The paged cache is the contiguous cache's own memory cut
 into pages and addressed through a shuffled block table (same bytes, scattered order: the output
 differs from the contiguous one, the traffic does not). A peer that fails (unsupported shape,
 out of memory) is written as a row with its error and skipped. Targets (the issue): >= cuDNN
@@ -44,6 +49,17 @@ def _sync():
 def _empty_cache():
     if DEVICE == "cuda":
         torch.cuda.empty_cache()
+
+
+def layered(make, layers: int):
+    """One decode step over `layers` layers: make(i) is layer i's call (its own cache)."""
+    calls = [make(i) for i in range(layers)]
+    if layers == 1:
+        return calls[0]
+
+    def step():
+        return [c() for c in calls]
+    return step
 
 
 def _ints(text):
@@ -139,6 +155,9 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="B in 1,32; Nk in 4k,32k,128k")
     ap.add_argument("--graph", action="store_true",
                     help="time CUDA-graph replays of each step (the GPU's time, no launch cost)")
+    ap.add_argument("--layers", type=int, default=1,
+                    help="time a step of this many layers, each with its own cache, per layer "
+                         "(fewer where the caches would pass --max-gib)")
     ap.add_argument("--device", default="cuda",
                     help="cpu: smoke-test this script (TRITON_INTERPRET=1, tiny sizes)")
     args = ap.parse_args(argv)
@@ -162,7 +181,7 @@ def main(argv=None):
     write({"kind": "env", "graph": GRAPH, "device": props.name, "sm_count": props.multi_processor_count,
            "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
            "python": platform.python_version(),
-           "variant": base.name if base else "dispatched",
+           "variant": base.name if base else "dispatched", "layers": args.layers,
            "db": os.environ.get("FLASHTUNE_DB", "")})
     print(f"{'B':>3} {'Hq/Hk':>6} {'Nk':>7} {'impl':<28} {'ms':>9} {'GB/s':>8}")
     for heads in args.heads.split(","):
@@ -174,10 +193,13 @@ def main(argv=None):
                 if kv_bytes > args.max_gib * 2**30:
                     write({"kind": "skip", **cfg, "why": f"cache over --max-gib {args.max_gib}"})
                     continue
+                nl = max(1, min(args.layers, int(args.max_gib * 2**30 // kv_bytes)))
+                cfg["layers"] = nl
                 try:
                     q = torch.randn(b, 1, hq, d, dtype=dtype, device=DEVICE)
-                    kc = torch.randn(b, nk, hk, d, dtype=dtype, device=DEVICE)
-                    vc = torch.randn_like(kc)
+                    kcs = [torch.randn(b, nk, hk, d, dtype=dtype, device=DEVICE) for _ in range(nl)]
+                    vcs = [torch.randn_like(kc) for kc in kcs]
+                    kc, vc = kcs[0], vcs[0]
                 except torch.OutOfMemoryError as e:
                     write({"kind": "skip", **cfg, "why": f"OOM allocating: {str(e)[:100]}"})
                     _empty_cache()
@@ -197,27 +219,34 @@ def main(argv=None):
                 for name, variant, page in runs:
                     try:
                         if page is None:
-                            kk, vv, bt = kc, vc, None
+                            caches, bt = list(zip(kcs, vcs)), None
                         else:
-                            kk, vv = kc.view(-1, page, hk, d), vc.view(-1, page, hk, d)
-                            bt = torch.randperm(kk.shape[0], device=DEVICE).to(torch.int32)
-                            bt = bt.view(b, nk // page)
+                            caches = [(k_.view(-1, page, hk, d), v_.view(-1, page, hk, d))
+                                      for k_, v_ in zip(kcs, vcs)]
+                            bt = torch.randperm(caches[0][0].shape[0], device=DEVICE)
+                            bt = bt.to(torch.int32).view(b, nk // page)  # one table, every layer
 
-                        def fn(kk=kk, vv=vv, bt=bt, variant=variant):
-                            with (flashtune.force(variant) if variant is not None
-                                  else contextlib.nullcontext()):
-                                return flashtune.attention_with_kvcache(
-                                    q, kk, vv, cache_seqlens=seqlens, block_table=bt)
-                        o = fn()
+                        def make(i, bt=bt, variant=variant, caches=caches):
+                            kk, vv = caches[i]
+
+                            def fn():
+                                with (flashtune.force(variant) if variant is not None
+                                      else contextlib.nullcontext()):
+                                    return flashtune.attention_with_kvcache(
+                                        q, kk, vv, cache_seqlens=seqlens, block_table=bt)
+                            return fn
+                        o = make(0)()
                         if page is None and ref is None:
                             ref = o
-                        ms = bench_ms(fn)
+                        ms = bench_ms(layered(make, nl)) / nl
                         # the kernels alone (no validation sync, no variant choice): what the
                         # API's host-side checks cost is ms - ms_kernels
+                        kk, vv = caches[0]
                         used = (_paged(variant, page) if variant is not None else
                                 kvcache._variant(q, kk, vv, page is not None, False, nk))
                         plan = SplitKVPlan(q, kk, False, None, used)
-                        ms_k = bench_ms(lambda: plan.run(q, kk, vv, seqlens, bt, nk))
+                        ms_k = bench_ms(layered(
+                            lambda i: (lambda: plan.run(q, *caches[i], seqlens, bt, nk)), nl)) / nl
                         row = {"kind": "result", **cfg, "impl": name, "page": page, "ms": ms,
                                "gbps": kv_bytes / ms / 1e6, "ms_kernels": ms_k,
                                "gbps_kernels": kv_bytes / ms_k / 1e6, "variant": used.name,
@@ -229,9 +258,10 @@ def main(argv=None):
                 for peer in ("flash", "cudnn"):
                     name = f"sdpa-{peer}"
                     try:
-                        fn, gqa = sdpa_peer(peer, q, kc, vc)
-                        o = fn().transpose(1, 2)
-                        ms = bench_ms(fn)
+                        fns = [sdpa_peer(peer, q, k_, v_) for k_, v_ in zip(kcs, vcs)]
+                        gqa = fns[0][1]
+                        o = fns[0][0]().transpose(1, 2)
+                        ms = bench_ms(layered(lambda i: fns[i][0], nl)) / nl
                         row = {"kind": "result", **cfg, "impl": name, "ms": ms,
                                "gbps": kv_bytes / ms / 1e6, "gqa": gqa}
                         if ref is not None:
@@ -244,18 +274,22 @@ def main(argv=None):
                 # flashtune.attention on the same data in SDPA's layout: as dispatched (decode
                 # shapes go to split-KV by the dispatcher's heuristic) and forced to the split-Q
                 # fwd default, the measurement behind that heuristic
-                qt, kt, vt = q.transpose(1, 2), kc.transpose(1, 2), vc.transpose(1, 2)
+                qt = q.transpose(1, 2)
+                kvt = [(k_.transpose(1, 2), v_.transpose(1, 2)) for k_, v_ in zip(kcs, vcs)]
+                kt, vt = kvt[0]
                 splitq = flashtune.defaults.default_variant("fwd", d, "bfloat16")
                 for name, forced in (() if args.no_dense else
                                      (("flashtune-dense", None), ("flashtune-dense-splitq", splitq))):
                     try:
-                        def fn(forced=forced):
-                            if forced is None:
-                                return flashtune.attention(qt, kt, vt)
-                            with flashtune.force(forced):
-                                return flashtune.attention(qt, kt, vt)
-                        fn()
-                        ms = bench_ms(fn)
+                        def make(i, forced=forced):
+                            def fn():
+                                if forced is None:
+                                    return flashtune.attention(qt, *kvt[i])
+                                with flashtune.force(forced):
+                                    return flashtune.attention(qt, *kvt[i])
+                            return fn
+                        make(0)()
+                        ms = bench_ms(layered(make, nl)) / nl
                         row = {"kind": "result", **cfg, "impl": name, "ms": ms,
                                "gbps": kv_bytes / ms / 1e6,
                                "variant": (forced or flashtune.explain(qt, kt, vt).variant).name}
@@ -276,7 +310,7 @@ def main(argv=None):
                                 if "gbps_kernels" in row else "") if "gbps" in row
                              else f"  failed: {row['error'][:60]}")
                     print(f"{b:>3} {heads:>6} {nk:>7} {name:<28} {shown}", flush=True)
-                del q, kc, vc, ref
+                del q, kc, vc, kcs, vcs, kvt, kt, vt, ref
                 _empty_cache()
     out.close()
     return 0
