@@ -72,8 +72,10 @@ for step in ${STEPS:-fwdtests}; do
     newtests) timeout ${NEWTESTS_TIMEOUT:-360} python3 -m pytest -q --maxfail=8 tests/test_splitkv.py tests/test_varlen.py \
                 tests/test_bf16_cpu.py tests/test_return_lse.py tests/test_force.py tests/test_forward_gpu.py \
                 2>&1 | tee "$OUT/newtests.log" | tail -25 ;;
-    decode)   timeout ${DECODE_TIMEOUT:-420} python3 bench/decode_bench.py --out "$OUT/decode.jsonl" ${DECODE_ARGS:-} \
-                2>&1 | tee "$OUT/decode.log" | tail -60 ;;
+    decode)   # DECODE_NAME: decode_NAME.jsonl/.log, so two runs of one call do not collide
+              n=decode${DECODE_NAME:+_$DECODE_NAME}
+              timeout ${DECODE_TIMEOUT:-420} python3 bench/decode_bench.py --out "$OUT/$n.jsonl" ${DECODE_ARGS:-} \
+                2>&1 | tee "$OUT/$n.log" | tail -${DECODE_TAIL:-60} ;;
     varlen)   timeout ${VARLEN_TIMEOUT:-240} python3 bench/varlen_bench.py --out "$OUT/varlen.jsonl" ${VARLEN_ARGS:-} \
                 2>&1 | tee "$OUT/varlen.log" | tail -30 ;;
     hf)       timeout ${HF_TIMEOUT:-240} python3 -m pytest -q tests/test_transformers_backend.py 2>&1 | tail -5
