@@ -65,7 +65,7 @@ def _code(src: str) -> str:
                      if line.strip() and not line.lstrip().startswith("#"))
 
 
-# -- CPU: rendering ---------------------------------------------------------------------------------
+# -- CPU: rendering --------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("name", sorted(set(SCHEDULES.values())))
 def test_variant_without_masks_renders_no_mask_code(name):
@@ -319,7 +319,8 @@ _D = {"pingpong": 64, "persistent": 128, "one_consumer": 128, "noloader_pingpong
 # every other case per schedule (each case on two schedules or more, the lead-skipping windows on
 # loader and no-loader ping-pong), shapes and dtypes rotating so each schedule meets every shape
 # and both dtypes: 27 compiles, which fit one device call beside the timing
-GPU_GRID = [(s, c, SHAPES[(i + j) % len(SHAPES)], (torch.bfloat16, torch.float16)[(i + j // 2) % 2])
+GPU_GRID = [(s, c, SHAPES[(i + j) % len(SHAPES)],
+             (torch.bfloat16, torch.float16)[(i + j // 2) % 2])
             for i, s in enumerate(SCHEDULES) for j, c in enumerate(CASES)
             if (s != "d256" and (i + j) % 2 == 0)
             or (s == "d256" and c in ("window_causal", "softcap_window"))]

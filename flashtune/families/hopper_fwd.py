@@ -6,9 +6,10 @@ measured by flashtune/measure_hopper.py; space search_spaces/hopper_fwd.json.
 
 It serves forward calls (`serves=("fwd",)`), dense, causal, with a sliding window and/or softcap
 (`serve_masks`: its window/softcap renders; block masks stay with the generic family), and
-competes with the generic fwd family per bucket (dispatch._compete). Where it cannot run -- not sm_90, a Triton without Gluon, Triton's
-interpreter, a head dim other than 64/128/256, float32 -- the dispatcher keeps the generic family
-and `flashtune.explain` says why (`cannot_serve`)."""
+competes with the generic fwd family per bucket (dispatch._compete). Where it cannot run -- not
+sm_90, a Triton without Gluon, Triton's interpreter, a head dim other than 64/128/256, float32,
+a block mask -- the dispatcher keeps the generic family and `flashtune.explain` says why
+(`cannot_serve`, Family.mask_fields)."""
 from __future__ import annotations
 
 from . import Family
