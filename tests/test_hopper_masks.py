@@ -355,9 +355,9 @@ def test_matches_reference(schedule, case, shape, dtype):
 
 @pytest.mark.gpu
 @hopper_gpu
-def test_dispatched_masked_call_uses_a_tuned_hopper_choice(monkeypatch):
-    """Without force: where the bucket's choice is hopper_fwd (the heuristic patched to say so),
-    a windowed call runs its masked twin on the GPU."""
+def test_dispatched_masked_call_runs_the_hopper_twin(monkeypatch):
+    """Without force: where the bucket's choice is hopper_fwd (the heuristic patched to say so,
+    as a tuned record would), a windowed call runs its masked twin on the GPU."""
     from flashtune.accuracy import compare
     from flashtune.families import hopper_fwd
     from flashtune.reference import reference, same_dtype_math

@@ -55,6 +55,11 @@ FAMILY = Family(
 # threads: the consumers plus the loader's warp group), which setmaxnreg does not lift for register
 # allocation, so 128-key steps spill at D >= 128 (the S of block j+1, the P of block j and the O
 # accumulator are live together).
+# The window/softcap renders (window=true, softcap=true, both) compile for sm_90 without spills for
+# every default above and for the no-loader m64-n128-s3 ping-pong / m128-n128-w8-s2 at D=64/128,
+# causal or not, bf16 and fp16 (`flashtune kernels check`, triton 3.9, 2026-11-24: the loader
+# schedules at the 168-register cap, no-loader ping-pong at 255, m128-n128-w8-s2 at 199-252);
+# only the no-loader D=256 m64-n64-s2 spills (8 B, softcap causal).
 DEFAULTS = {
     64: dict(block_m=64, block_n=64, num_warps=4, num_stages=4, pingpong=True),
     128: dict(block_m=64, block_n=64, num_warps=4, num_stages=3, pingpong=True, persistent=True),
