@@ -370,3 +370,16 @@ def test_dispatched_masked_call_runs_the_hopper_twin(monkeypatch):
     o = flashtune.attention(q, k, v, **kw)
     rep = compare(o, reference(q, k, v, **kw), same_dtype_math(q, k, v, **kw))
     assert rep.ok, str(rep)
+
+
+def test_cli_explain_takes_a_mask_spec(tmp_path):
+    from click.testing import CliRunner
+
+    from flashtune.cli import main
+    args = ["dispatch", "explain", "--dtype", "bf16", "--causal", "--seqlen-q", "4096",
+            "--gpu", "A100", "--tables", str(tmp_path), "--db", f"sqlite:///{tmp_path}/x.db"]
+    res = CliRunner().invoke(main, args + ["--mask", "window=1024+softcap"])
+    assert res.exit_code == 0, res.output
+    assert "window=true-softcap=true" in res.output and "mask=window1024+softcap" in res.output
+    bad = CliRunner().invoke(main, args + ["--mask", "window=-3"])
+    assert bad.exit_code != 0 and "--mask" in bad.output
