@@ -152,6 +152,13 @@ sys.exit(pytest.main(['-q', '-x', '--tb=long', 'tests/test_transformers_backend.
                 | tee "$OUT/hopper_noloader_tests.log" | tail -15
               timeout ${HOPPER_TIMEOUT:-420} python3 bench/hopper_check.py --set no_loader ${HOPPER_ARGS:---budget 390} 2>&1 \
                 | tee "$OUT/hopper_noloader_check.log" | tail -40 ;;
+    hoppermasks) # hopper_fwd's window/softcap renders (issue 11): its forced GPU tests against the float64
+              # reference (every schedule), then the causal sliding window at N=4k/16k, W=256..4096 (D=128,
+              # bf16, B=1, H=16): hopper_fwd forced vs the generic fwd as dispatched vs compiled Flex
+              timeout ${HOPPERMASKS_TESTS_TIMEOUT:-150} python3 -m pytest -q -m gpu tests/test_hopper_masks.py 2>&1 \
+                | tee "$OUT/hoppermasks_tests.log" | tail -15
+              timeout ${HOPPERMASKS_TIMEOUT:-150} python3 bench/hopper_mask_bench.py --out "$OUT/hopper_masks.jsonl" \
+                ${HOPPERMASKS_ARGS:-} 2>&1 | tee "$OUT/hoppermasks_bench.log" | tail -40 ;;
     *) echo "unknown step $step" ;;
   esac
 done

@@ -268,13 +268,15 @@ def dispatch_group():
               help="query length")
 @click.option("--seqlen-k", type=click.IntRange(1), default=None,
               help="key length (default: --seqlen-q)")
+@click.option("--mask", "mask_spec", default="none", show_default=True,
+              help="masks beyond causal: window=<keys>, softcap, density=<0..1>, joined by '+'")
 @click.option("--gpu", default=None, help="the GPU to look up (default: FLASHTUNE_GPU, else detected)")
 @click.option("--tables", type=click.Path(file_okay=False), default=None,
               help="a folder of tables instead of the shipped ones")
 @_db_option
 @_format_option
-def explain(family, dtype, head_dim, causal, batch, heads, kv_heads, seqlen_q, seqlen_k, gpu,
-            tables, db_url, fmt):
+def explain(family, dtype, head_dim, causal, batch, heads, kv_heads, seqlen_q, seqlen_k,
+            mask_spec, gpu, tables, db_url, fmt):
     """Why a problem runs the variant it runs.
 
     Prints the problem's bucket, the record and the level of the lookup order that serve it,
@@ -284,8 +286,13 @@ def explain(family, dtype, head_dim, causal, batch, heads, kv_heads, seqlen_q, s
     kv = kv_heads or heads
     if heads % kv:
         raise click.BadParameter(f"--heads {heads} is not a multiple of --kv-heads {kv}")
+    from .masks import parse_spec
+    try:
+        mask_fields = parse_spec(mask_spec)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--mask") from None
     p = Problem(family, dtype, head_dim, causal, heads // kv, batch, heads, seqlen_q,
-                seqlen_k or seqlen_q)
+                seqlen_k or seqlen_q, **mask_fields)
     if gpu or tables or db_url:
         dispatch.configure(gpu=gpu, db=db_url, tables_dir=tables)
     try:

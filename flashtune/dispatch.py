@@ -181,16 +181,19 @@ def pointer_twin(variant: Variant) -> Variant:
     return dataclasses.replace(variant, loads="pointer")
 
 
-def mask_twin(variant: Variant, masks, head_dim: int, dtype) -> Variant:
+def mask_twin(variant: Variant, masks, head_dim: int, dtype, family: str | None = None
+              ) -> Variant:
     """`variant` rendered with the mask code `masks` needs (window, softcap, block_sparse), its
-    tiles fitted to a block mask's block size (BLOCK_M | BS_Q, BLOCK_N | BS_KV). A family that
-    cannot take the masks (splitkv serving a dense forward: no block mask) gives way to the
-    built-in fwd default."""
+    tiles fitted to a block mask's block size (BLOCK_M | BS_Q, BLOCK_N | BS_KV), for a call of
+    `family` (None: the variant's own). A variant whose family cannot render the masks for that
+    call (Family.mask_fields: splitkv serving a dense forward takes none, hopper_fwd no block
+    mask) gives way to the built-in default of the call's family."""
     from .families import get
     want = masks.structure
-    fam = get(variant.family)
-    if any(on and name not in fam.fields for name, on in want.items()):
-        variant = default_variant("fwd", head_dim, dtype_name(dtype))
+    family = family or variant.family
+    takes = get(variant.family).mask_fields(family)
+    if any(on and name not in takes for name, on in want.items()):
+        variant = default_variant(family, head_dim, dtype_name(dtype))
     bm = masks.block_mask
     tiles = {}
     if bm is not None:
@@ -310,20 +313,48 @@ def _fmt_problem(p: Problem) -> str:
             f"B={p.batch} H={p.heads} Nq={p.seqlen_q} Nk={p.seqlen_k}{masks}")
 
 
-def explain(problem, k=None, v=None, *, causal: bool = False, family: str = "fwd") -> Explanation:
+def explain(problem, k=None, v=None, *, causal: bool = False, family: str = "fwd",
+            window=None, softcap=None, block_mask=None) -> Explanation:
     """Why `problem` runs the variant it runs. Takes a Problem, or the tensors of a call:
-    explain(q, k, v, causal=True) (also flashtune.explain)."""
+    explain(q, k, v, causal=True, window=(256, 0)) (also flashtune.explain). For a masked call
+    (the masks given, or a Problem's mask fields, then with the search's representative masks)
+    `variant` is the one that runs: the chosen variant with the masks rendered in
+    (mask_twin), and a note says which it was chosen as."""
+    from .masks import NONE, Masks, check_softcap, check_window, representative
     if not isinstance(problem, Problem):
-        problem = Problem.of_call(family, problem, k, causal)
+        masks = Masks(check_window(window, causal), check_softcap(softcap), block_mask)
+        problem = Problem.of_call(family, problem, k, causal, masks)
+    else:
+        masks = representative(problem, "cpu") if problem.mask_kinds else NONE
     forced, origin = _forced_variant()
     if forced is not None and _serves(forced, problem.family):
         from .families import get
         why_not = get(forced.family).cannot_run(problem, _levels().arch)
         notes = (f"{forced.family} cannot run here ({why_not}): its plan runs the generic "
                  "fwd default instead",) if why_not and forced.family != problem.family else ()
-        return Explanation(problem, Bucket.of(problem), forced, "forced", origin, _levels().gpu,
-                           notes=notes)
-    return dataclasses.replace(_compete(problem), problem=problem)
+        ex = Explanation(problem, Bucket.of(problem), forced, "forced", origin, _levels().gpu,
+                         notes=notes)
+    else:
+        ex = dataclasses.replace(_compete(problem), problem=problem)
+    return _masks_rendered(ex, masks)
+
+
+def _masks_rendered(ex: Explanation, masks) -> Explanation:
+    """`ex` naming the variant a masked call runs: the chosen one's mask twin."""
+    if not masks.any:
+        return ex
+    from .problem import torch_dtype
+    p = ex.problem
+    ran = mask_twin(ex.variant, masks, p.head_dim, torch_dtype(p.dtype), p.family)
+    if ran.family == ex.variant.family:
+        note = f"runs {ran.name}: {ex.variant.name} with the call's masks rendered in"
+    else:
+        from .families import get
+        takes = get(ex.variant.family).mask_fields(p.family)
+        lacks = [m for m, on in masks.structure.items() if on and m not in takes]
+        note = (f"runs {ran.name}: {ex.variant.family} renders no {' or '.join(lacks)} mask "
+                f"for {p.family} calls, so the {p.family} default with the masks")
+    return dataclasses.replace(ex, variant=ran, notes=ex.notes + (note,))
 
 
 # -- the slow path: read the levels once, choose per bucket ---------------------------------------

@@ -11,6 +11,8 @@ import torch
 import triton
 
 from .codegen import Variant, load
+from .launch import check_mask_variant, mask_args
+from .masks import NONE, Masks
 
 HEAD_DIMS = (64, 128, 256)
 DTYPES = (torch.float16, torch.bfloat16)
@@ -76,30 +78,39 @@ def _sm_count(device: torch.device) -> int:
 
 
 class HopperFwdPlan:
-    """One hopper_fwd launch fixed by the call's shapes, strides, dtype, causal and scale;
+    """One hopper_fwd launch fixed by the call's shapes, strides, dtype, causal, scale and masks
+    (window / softcap: the variant must render exactly those, dispatch.mask_twin);
     run(q, k, v) -> (O like q, LSE (B, H, Nq) float32), as launch.FwdPlan. `descriptor` is False:
     this plan checks the base addresses itself (ops.run_forward would otherwise swap the variant
     for a pointer twin, which this family has not)."""
     __slots__ = ("variant", "kernel", "grid", "scale", "n_tiles", "consts", "layouts", "fallback",
-                 "why")
+                 "why", "masks", "mask_args")
     descriptor = False
 
-    def __init__(self, q, k, v, causal: bool, scale: float | None, variant: Variant):
+    def __init__(self, q, k, v, causal: bool, scale: float | None, variant: Variant,
+                 masks: Masks = NONE):
         b, h, nq, d = q.shape
+        if masks.block_mask is not None:
+            raise ValueError(f"{variant.name}: hopper_fwd takes no block_mask (its kernels render "
+                             "window and softcap only; the generic fwd family serves block masks)")
+        check_mask_variant(variant, masks)
         if not variant.loader_regs and variant.num_stages < 2:
             # the consumer that loads refills a stage only after handing it back: one stage
             # would wait on itself (a hang, not an error), so refuse it before any launch
             raise ValueError(f"{variant.name}: hopper_fwd without a loader partition "
                              "(loader_regs=0) needs num_stages >= 2")
         self.variant = variant
+        self.masks = masks
         self.why = unsupported(d, q.dtype) or _device_blocker(q.device)
         o_meta = torch.empty_like(q, device="meta")
         if not self.why and not all(_view3(t) for t in (q, k, v, o_meta)):
             self.why = "strides TMA cannot describe as (B*H, N, D)"
         self.fallback = None
         if self.why:
-            self.fallback = _generic_plan(q, k, v, causal, scale)
+            self.fallback = _generic_plan(q, k, v, causal, scale, masks)
             return
+        # the window's bounds (causal: its right edge 0) and the softcap, after sm_scale
+        self.mask_args = mask_args(masks, causal, "q", b, h)
         from triton.experimental.gluon import language as gl
         gdt = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
         self.layouts = {r: gl.NVMMASharedLayout.get_default_for([1, r, d], gdt)
@@ -121,7 +132,8 @@ class HopperFwdPlan:
             return self.fallback.run(q, k, v)
         o = torch.empty_like(q)  # keeps q's layout, as the generic plan's
         if not addressable(q, k, v, o):  # this call's base addresses only: no memo
-            return _generic_plan(q, k, v, self.consts["IS_CAUSAL"], self.scale).run(q, k, v)
+            return _generic_plan(q, k, v, self.consts["IS_CAUSAL"], self.scale,
+                                 self.masks).run(q, k, v)
         from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
         b, h, nq, d = q.shape
         lse = torch.empty((b, h, nq), dtype=torch.float32, device=q.device)
@@ -131,23 +143,28 @@ class HopperFwdPlan:
             shape, strides = _view3(t)
             return TensorDescriptor(t, shape, strides, [1, rows, d], self.layouts[rows])
         self.kernel[self.grid](desc(q, bm), desc(k, bn), desc(v, bn), desc(o, bm), lse,
-                               self.scale, h, nq, k.shape[2], self.n_tiles, **self.consts)
+                               self.scale, *self.mask_args, h, nq, k.shape[2], self.n_tiles,
+                               **self.consts)
         return o, lse
 
 
-def _generic_plan(q, k, v, causal: bool, scale):
+def _generic_plan(q, k, v, causal: bool, scale, masks: Masks = NONE):
     """The generic fwd family's default for this call (what the dispatcher would have chosen
-    without hopper_fwd), pointer loads where TMA cannot address the tensors."""
+    without hopper_fwd) with the call's masks rendered in, pointer loads where TMA cannot
+    address the tensors."""
     from . import launch
     from .defaults import default_variant
-    from .dispatch import pointer_twin
+    from .dispatch import mask_twin, pointer_twin
     from .problem import dtype_name
     fv = default_variant("fwd", q.shape[3], dtype_name(q.dtype))
+    if masks.any:
+        fv = mask_twin(fv, masks, q.shape[3], q.dtype)
     if fv.loads == "descriptor" and not launch.descriptor_ok(q, k, v):
         fv = pointer_twin(fv)
-    return launch.FwdPlan(q, k, v, causal, scale, fv)
+    return launch.FwdPlan(q, k, v, causal, scale, fv, masks)
 
 
-def forward(q, k, v, causal: bool, scale: float | None, variant: Variant):
-    """Run a hopper_fwd variant: O (q's dtype and layout) and LSE (float32, (B, H, Nq))."""
-    return HopperFwdPlan(q, k, v, causal, scale, variant).run(q, k, v)
+def forward(q, k, v, causal: bool, scale: float | None, variant: Variant, masks: Masks = NONE):
+    """Run a hopper_fwd variant: O (q's dtype and layout) and LSE (float32, (B, H, Nq)); masks:
+    the call's window / softcap (validated, flashtune/masks.py), rendered in `variant`."""
+    return HopperFwdPlan(q, k, v, causal, scale, variant, masks).run(q, k, v)

@@ -1,8 +1,9 @@
 """How the search measures the hopper_fwd family: the fwd family's inputs, gate and reference
-(the same problem, computed by another kernel), launched through launch_hopper."""
+(the same problem, masks included, computed by another kernel), launched through launch_hopper."""
 from __future__ import annotations
 
 from . import launch_hopper
+from .masks import representative
 from .measure_fwd import FwdOps
 from .problem import Problem
 
@@ -20,8 +21,9 @@ class HopperFwdOps(FwdOps):
         return int(r["fwd"]["smem"]) if r else 0
 
     def run(self, variant, p: Problem, inputs):
-        q, k, v = inputs
-        return launch_hopper.forward(q, k, v, p.causal, None, variant)[0]
+        q, k, v = inputs  # a masked problem: its representative window / softcap, as FwdOps
+        return launch_hopper.forward(q, k, v, p.causal, None, variant,
+                                     representative(p, q.device.type))[0]
 
 
 OPS = HopperFwdOps()

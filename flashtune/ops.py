@@ -51,13 +51,11 @@ def run_forward(q, k, v, causal: bool, scale, variant=None, masks: Masks = NONE)
 
 
 def _plan(q, k, v, causal, scale, variant: Variant, masks: Masks = NONE):
-    if masks.any:
-        if variant.family != "fwd":  # a family serving dense forwards takes no masks there
-            variant = default_variant("fwd", q.shape[3], dtype_name(q.dtype))
-        variant = dispatch.mask_twin(variant, masks, q.shape[3], q.dtype)
-    if variant.family != "fwd":  # a family that serves dense forwards (splitkv), its own plan
+    if masks.any:  # the masks rendered in (a family serving forwards that cannot: fwd's default)
+        variant = dispatch.mask_twin(variant, masks, q.shape[3], q.dtype, "fwd")
+    if variant.family != "fwd":  # a family that serves forwards (splitkv, hopper_fwd), its plan
         from .families import get
-        return get(variant.family).plan_for(q, k, v, causal, scale, variant)
+        return get(variant.family).plan_for(q, k, v, causal, scale, variant, masks)
     if variant.loads == "descriptor" and not launch.descriptor_ok(q, k, v):
         variant = dispatch.pointer_twin(variant)
     return launch.FwdPlan(q, k, v, causal, scale, variant, masks)

@@ -54,6 +54,11 @@ class Family:
     # decide, a measured heuristic ("module:fn": Problem -> bool, True = prefer this family)
     serves: tuple = ()
     serve_plan: str = ""
+    # the masks beyond causal (Masks.structure names: window, softcap, block_sparse) its kernels
+    # take for those served calls: serve_plan then takes the call's Masks last, and
+    # dispatch.mask_twin renders them in; a served call with others runs the served family's
+    # default (its own calls take those among `fields`)
+    serve_masks: tuple = ()
     heuristic: str = ""
     interpreter: bool = True        # runs in Triton's interpreter (CPU tests)
     min_capability: int = 80        # sm_XX the template needs
@@ -90,8 +95,8 @@ class Family:
 
     def cannot_run(self, problem, arch: str | None) -> str:
         """Why this family cannot serve `problem` on `arch` ("sm_90"; "" or None: no GPU known)
-        in this process ("" when it can). The dispatcher skips a rival family that cannot run,
-        and explain() quotes the reason."""
+        in this process ("" when it can), or cannot render its masks (mask_fields). The
+        dispatcher skips a rival family that cannot run, and explain() quotes the reason."""
         from .. import env
         if not self.interpreter and env.interpreting():
             return "Triton's interpreter is on (TRITON_INTERPRET=1), which cannot run its kernels"
@@ -104,15 +109,25 @@ class Family:
                 need = (f"sm_{self.min_capability}" if top == self.min_capability else
                         f"sm_{self.min_capability}+")
                 return f"the GPU is {arch}; its kernels need {need}"
+        lacks = [m for m in problem.mask_kinds if m not in self.mask_fields(problem.family)]
+        if lacks:
+            return f"its kernels take no {' or '.join(lacks)} mask for {problem.family} calls"
         return _resolve(self.support)(problem) if self.support else ""
+
+    def mask_fields(self, family: str) -> tuple:
+        """The masks its variants can render for a call of `family` (its own or a served one)."""
+        return self.fields if family == self.name else self.serve_masks
 
     def adapt_to(self, variant, measured_on, asked):
         """(variant, note) to run for bucket `asked` from a record measured on another bucket."""
         return _resolve(self.adapt)(variant, measured_on, asked) if self.adapt else (variant, "")
 
-    def plan_for(self, q, k, v, causal, scale, variant):
-        """A launch plan of `variant` for a call of a family this one serves."""
-        return _resolve(self.serve_plan)(q, k, v, causal, scale, variant)
+    def plan_for(self, q, k, v, causal, scale, variant, masks=None):
+        """A launch plan of `variant` for a call of a family this one serves; masks (a Masks
+        with some, of serve_masks' kinds) only where the call has them: a dense call's plan is
+        built as it always was."""
+        extra = (masks,) if masks is not None and masks.any else ()
+        return _resolve(self.serve_plan)(q, k, v, causal, scale, variant, *extra)
 
     def default(self, head_dim: int, dtype: str, **kw):
         return _resolve(self.defaults)(head_dim, dtype, **kw)

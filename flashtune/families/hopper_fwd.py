@@ -4,10 +4,12 @@ optional ping-pong consumers and a persistent grid. Template attn_hopper_fwd.py.
 shims in flashtune/gluon_compat.py); launched by flashtune/launch_hopper.py (HopperFwdPlan);
 measured by flashtune/measure_hopper.py; space search_spaces/hopper_fwd.json.
 
-It serves dense forward calls (`serves=("fwd",)`) and competes with the generic fwd family per
-bucket (dispatch._compete). Where it cannot run -- not sm_90, a Triton without Gluon, Triton's
-interpreter, a head dim other than 64/128/256, float32 -- the dispatcher keeps the generic family
-and `flashtune.explain` says why (`cannot_serve`)."""
+It serves forward calls (`serves=("fwd",)`), dense, causal, with a sliding window and/or softcap
+(`serve_masks`: its window/softcap renders; block masks stay with the generic family), and
+competes with the generic fwd family per bucket (dispatch._compete). Where it cannot run -- not
+sm_90, a Triton without Gluon, Triton's interpreter, a head dim other than 64/128/256, float32,
+a block mask -- the dispatcher keeps the generic family and `flashtune.explain` says why
+(`cannot_serve`, Family.mask_fields)."""
 from __future__ import annotations
 
 from . import Family
@@ -17,13 +19,14 @@ FAMILY = Family(
     doc="Hopper forward in Gluon: TMA ring + mbarriers, async wgmma, loader warp, ping-pong",
     template="attn_hopper_fwd.py.tmpl",
     kernels=("attn_fwd_hopper",),
-    fields=("pingpong", "persistent", "loader_regs"),
+    fields=("pingpong", "persistent", "loader_regs", "window", "softcap"),
     defaults="flashtune.families.hopper_fwd:default",
     measure="flashtune.measure_hopper:OPS",
     compile_check="flashtune.families.hopper_fwd:compile_check",
     feasibility="flashtune.families.hopper_fwd:resources",
     serves=("fwd",),
     serve_plan="flashtune.launch_hopper:HopperFwdPlan",
+    serve_masks=("window", "softcap"),
     heuristic="flashtune.families.hopper_fwd:prefer_for_dense",
     support="flashtune.families.hopper_fwd:cannot_serve",
     interpreter=False,
@@ -52,6 +55,11 @@ FAMILY = Family(
 # threads: the consumers plus the loader's warp group), which setmaxnreg does not lift for register
 # allocation, so 128-key steps spill at D >= 128 (the S of block j+1, the P of block j and the O
 # accumulator are live together).
+# The window/softcap renders (window=true, softcap=true, both) compile for sm_90 without spills for
+# every default above and for the no-loader m64-n128-s3 ping-pong / m128-n128-w8-s2 at D=64/128,
+# causal or not, bf16 and fp16 (`flashtune kernels check`, triton 3.9, 2026-11-24: the loader
+# schedules at the 168-register cap, no-loader ping-pong at 255, m128-n128-w8-s2 at 199-252);
+# only the no-loader D=256 m64-n64-s2 spills (8 B, softcap causal).
 DEFAULTS = {
     64: dict(block_m=64, block_n=64, num_warps=4, num_stages=4, pingpong=True),
     128: dict(block_m=64, block_n=64, num_warps=4, num_stages=3, pingpong=True, persistent=True),
@@ -82,8 +90,8 @@ def prefer_for_dense(p) -> bool:
     at causal D=128 (0.92x: short causal tiles, where the per-tile prologue, the ping-pong's turns
     and the O epilogue cost more than they hide: 188-502 vs 197-508). Only the measured range:
     N >= 512 queries and keys (shorter calls, decoding, stay with fwd/splitkv)."""
-    if p.seqlen_q < 512 or p.seqlen_k < 512 or cannot_serve(p):
-        return False
+    if p.seqlen_q < 512 or p.seqlen_k < 512 or p.mask_kinds or cannot_serve(p):
+        return False  # masked calls: not measured yet (STEPS=hoppermasks), tuned records decide
     return p.head_dim == 256 or (p.head_dim == 128 and not p.causal)
 
 
@@ -113,7 +121,8 @@ def resources(variant, problem, target) -> tuple:
 def compile_check(variant, head_dim: int, dtype: str, causal: bool, tails: bool, cap: int,
                   usage: bool) -> dict:
     """The kernel compiled for `cap` without a GPU, with the launcher's constexprs (tails: GQA 4;
-    the masks are run-time branches here, compiled in either way). float32 has no kernel."""
+    the causal/tail masks are run-time branches here, compiled in either way; a window/softcap
+    variant's bounds and cap are run-time arguments too). float32 has no kernel."""
     if dtype == "float32" or cap < 90:
         return {}
     from ..codegen import load
