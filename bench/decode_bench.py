@@ -66,17 +66,6 @@ def _ints(text):
     return [int(x) for x in text.split(",") if x]
 
 
-def _paged(variant, page):
-    """The variant the API runs for this cache (kvcache._variant's rules, on a cache whose
-    layout suits TMA: paged follows the call, BLOCK_N divides the page)."""
-    d = variant.to_dict()
-    if page is not None:
-        d["paged"] = True
-        if page % d["block_n"]:
-            d["block_n"] = min(d["block_n"], page & -page)
-    return variant.__class__.from_dict(d)
-
-
 DEVICE = "cuda"
 
 
@@ -242,7 +231,7 @@ def main(argv=None):
                         # the kernels alone (no validation sync, no variant choice): what the
                         # API's host-side checks cost is ms - ms_kernels
                         kk, vv = caches[0]
-                        used = (_paged(variant, page) if variant is not None else
+                        used = (kvcache.fit_pages(variant, page) if variant is not None else
                                 kvcache._variant(q, kk, vv, page is not None, False, nk))
                         plan = SplitKVPlan(q, kk, False, None, used)
                         ms_k = bench_ms(layered(

@@ -109,16 +109,24 @@ def _variant(q, k_cache, v_cache, paged: bool, causal: bool, max_total: int,
     variant = dispatch.select(problem)
     if masks.any or variant.masks:
         variant = dataclasses.replace(variant, **masks.structure)
-    if variant.paged != paged:
-        variant = dataclasses.replace(variant, paged=paged)
-    if paged:
-        page = k_cache.shape[1]
-        step = page & -page  # largest power of two dividing the page (>= 16 by validation)
-        if page % variant.block_n:
-            # a key block must lie in one page
-            variant = dataclasses.replace(variant, block_n=min(variant.block_n, step))
+    variant = fit_pages(variant, k_cache.shape[1] if paged else None)
     if variant.loads == "descriptor" and not descriptor_ok(k_cache, v_cache, paged):
         variant = dataclasses.replace(variant, loads="pointer")
+    return variant
+
+
+def fit_pages(variant, page: int | None):
+    """variant for a paged cache of `page`-key pages (None: contiguous): Variant.paged follows
+    the cache, and a key block lies in one page."""
+    if variant.paged != (page is not None):
+        variant = dataclasses.replace(variant, paged=page is not None)
+    if page is not None and page % variant.block_n:
+        # a k times shorter step pipelines k times deeper, keeping the bytes in flight and the
+        # shared memory the record was tuned with (the H100's n128-s1 records ran as n64-s1 at
+        # 0.90x of contiguous, B=32, GQA). page & -page: the largest power of two dividing it
+        n = min(variant.block_n, page & -page)
+        variant = dataclasses.replace(
+            variant, block_n=n, num_stages=min(8, variant.num_stages * (variant.block_n // n)))
     return variant
 
 

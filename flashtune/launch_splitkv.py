@@ -21,7 +21,7 @@ DEFAULTS = {
     256: Variant("splitkv", block_m=64, block_n=32, num_warps=4, num_stages=2),
 }
 
-MIN_BLOCKS_PER_SPLIT = 4   # a split streams at least this many BLOCK_N blocks (when it can)
+MIN_BLOCKS_PER_SPLIT = 1   # a split streams at least this many BLOCK_N blocks (see auto_num_splits)
 MAX_SPLITS = 256
 CPU_SMS = 4                # the interpreter has no SMs: auto picks as if there were 4
 COMBINE_TILE = 4096        # float32 elements of O one combine program loads (splits x D slice)
@@ -65,7 +65,11 @@ def auto_num_splits(programs: int, max_seqlen: int, block_n: int, sms: int) -> i
     Measured on the H100 (bench/decode_sweep.py, docs/data/decode_sweep_h100_2026-11-23.jsonl):
     one wave was best or within 2% of the best split count at every shape swept; two waves lost
     1-10% (B=1 GQA 32/8: 16 splits 2106 GB/s, 33 splits 2081; B=32: 1 split 3101, 2 splits 3059).
-    E.g. H100 (132 SMs), B=1, Hk=8 -> 16 splits; MQA B=1 -> 128 (2048 keys each at 256k keys);
+    Short caches fill the wave down to one block per split: a split's blocks are a chain of
+    memory round trips there (MQA B=1, 16-layer graph, docs/data/decode_h100_2026-11-23_run4_
+    splits_layers16.jsonl: 4k keys 64 splits 285 GB/s, 16 splits (4 blocks each) 216, cuDNN
+    245; 8k 128 splits 515, 32 splits 399, cuDNN 405).
+    E.g. H100 (132 SMs), B=1, Hk=8 -> 16 splits; MQA B=1 -> 132 (or one per block below 8k keys);
     B=8, Hk=8 -> 2; B >= 32, Hk=8 -> 1 split (no combine)."""
     blocks = triton.cdiv(max(max_seqlen, 1), block_n)
     want = max(1, round(sms / max(programs, 1)))

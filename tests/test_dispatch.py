@@ -397,20 +397,34 @@ def test_launch_plans_follow_the_tuned_db(tables, tmp_path, monkeypatch):
     assert ran() == V_USER
 
 
-def test_splitkv_record_from_another_bucket_drops_its_split_count(tables):
-    # a split count tuned at 2k keys is wrong at 16k (0.56x cuDNN on the H100): a record serving
-    # a neighbour bucket runs its tile with the launch's one-wave split rule; its own bucket
-    # keeps the count it was tuned with
-    tuned = "splitkv-m16-n64-w2-s1-sp32"
-    ship(tables, H200, make_record(variant=tuned, family="splitkv", dtype="bfloat16", d=128,
-                                   causal=False, gqa=True, sq=8, sk=2048, bh=1))
+def test_splitkv_record_from_another_bucket_keeps_its_parallelism(tables, monkeypatch):
+    # a record serving a neighbour bucket keeps its tile and the programs it was tuned with
+    # (num_splits x batch x kv heads), but never fewer splits than the one-wave rule: on the
+    # H100 a 2k-key record's 32 splits ran at 0.56x cuDNN at 16k keys (the rule gives 132 there),
+    # and a record's 8 splits cut to the rule's 2 ran its one-stage tile at 0.60x
+    from flashtune import launch_splitkv
+    monkeypatch.setattr(launch_splitkv, "CPU_SMS", 132)  # an H100's SMs, GPU or not
+    records = {"splitkv-m16-n64-w2-s1-sp32": (8, 2048, 1),
+               "splitkv-m16-n64-w2-s1-sp8": (4, 32768, 64)}
+    ship(tables, H200, *(make_record(variant=name, family="splitkv", dtype="bfloat16", d=128,
+                                     causal=False, gqa=True, sq=sq, sk=sk, bh=bh)
+                         for name, (sq, sk, bh) in records.items()))
     dispatch.clear_cache()
 
-    def decode(nk):
-        return Problem("splitkv", "bfloat16", 128, False, 8, 1, 8, 1, nk)
-    own = dispatch.explain(decode(2048))
-    assert own.distance == 0 and own.variant.name == tuned
-    far = dispatch.explain(decode(16384))
-    assert far.distance > 0 and far.record.variant.name == tuned
+    def decode(hq, hk, b, nk):
+        return dispatch.explain(Problem("splitkv", "bfloat16", 128, False, hq // hk, b, hq, 1, nk))
+    own = decode(8, 1, 1, 2048)
+    assert own.distance == 0 and own.variant.name == "splitkv-m16-n64-w2-s1-sp32"
+    far = decode(8, 1, 1, 16384)  # MQA B=1: the wave rule's 132 beat the record's 32
+    assert far.distance > 0 and far.record.variant.name == "splitkv-m16-n64-w2-s1-sp32"
     assert far.variant.num_splits == 0 and far.variant.block_n == 64
-    assert any("num_splits 32 -> 0" in n for n in far.notes)
+    assert any("num_splits 32 -> 0 (auto)" in n for n in far.notes)
+    near = decode(32, 8, 8, 16384)  # B=8 GQA: the record's 8 splits x 64 programs stay
+    assert near.record.variant.name == "splitkv-m16-n64-w2-s1-sp8"
+    assert near.variant.num_splits == 8 and near.distance > 0
+    wider = decode(32, 8, 32, 32768)  # 4x the batch: the same 512 programs, 2 splits each
+    assert wider.record.variant.name == "splitkv-m16-n64-w2-s1-sp8"
+    assert wider.variant.num_splits == 2
+    assert any("num_splits 8 -> 2" in n for n in wider.notes)
+    widest = decode(32, 8, 64, 32768)  # 8x: one split, as the rule gives
+    assert widest.variant.num_splits == 0

@@ -231,8 +231,10 @@ def test_num_splits_rule():
     assert auto_num_splits(8, 32768, 64, 132) == 16
     assert auto_num_splits(64, 32768, 64, 132) == 2
     assert auto_num_splits(256, 32768, 64, 132) == 1   # enough programs already
-    assert auto_num_splits(8, 256, 64, 132) == 1       # 4 blocks: one split
-    assert auto_num_splits(1, 32768, 64, 132) == 128   # 512 blocks: 4 per split
+    assert auto_num_splits(8, 256, 64, 132) == 4       # 4 blocks: one block per split
+    assert auto_num_splits(8, 64, 64, 132) == 1        # one block: one split
+    assert auto_num_splits(1, 4096, 64, 132) == 64     # MQA B=1: a wave of one-block splits
+    assert auto_num_splits(1, 32768, 64, 132) == 132   # 512 blocks: one wave
     assert auto_num_splits(1, 1 << 20, 64, 132) == 132
     assert auto_num_splits(1, 1 << 20, 64, 1000) == MAX_SPLITS  # capped
     assert auto_num_splits(8, 0, 64, 132) == 1
@@ -388,3 +390,13 @@ def test_kernels_clamp_values_changed_behind_the_checks_back(paged, device):
         bt.data.fill_(1 << 20)
     out = flashtune.attention_with_kvcache(q, kc, vc, cache_seqlens=sl, block_table=bt)
     assert out.shape == ok.shape and torch.isfinite(out).all()
+
+
+def test_paged_fit_keeps_bytes_in_flight():
+    # a key block lies in one page; a shorter step pipelines deeper by the same factor
+    from flashtune.kvcache import fit_pages
+    v = Variant.parse("splitkv-m16-n128-w4-s1")
+    assert fit_pages(v, 64).name == "splitkv-m16-n64-w4-s2-paged=true"
+    assert fit_pages(v, 48).name == "splitkv-m16-n16-w4-s8-paged=true"  # 8x deeper, capped at 8
+    assert fit_pages(v, 256).name == "splitkv-m16-n128-w4-s1-paged=true"
+    assert fit_pages(fit_pages(v, 256), None) == v

@@ -45,16 +45,34 @@ def seeds(head_dim: int, dtype: str, *, arch=None) -> list:
 
 
 def adapt(variant, measured_on, asked):
-    """A record serving another bucket keeps its tile but not a fixed split count: the best count
-    follows the keys and programs of the call (measured on the H100: a record's 32 splits tuned
-    at 2k keys ran at 0.56x cuDNN at 16k), so it becomes 0, the launch's one-wave rule."""
-    if variant.num_splits and (measured_on.seqlen_k, measured_on.batch_heads) != (
+    """A record serving another bucket keeps its tile and the parallelism it was tuned with, not
+    its literal split count: the same programs in all (num_splits x the record's batch x kv
+    heads) spread over the asked batch, and never fewer splits than the launch's one-wave rule
+    gives there (then 0: that rule, exact at launch). Measured on the H100: a 2k-key record's 32
+    splits ran at 0.56x cuDNN at 16k keys (the wave rule gives 132), and a record's 8 splits
+    dropped to the rule's 2 ran its one-stage tile at 0.60x (B=8, GQA, 16k keys)."""
+    if not variant.num_splits or (measured_on.seqlen_k, measured_on.batch_heads) == (
             asked.seqlen_k, asked.batch_heads):
-        import dataclasses
-        return (dataclasses.replace(variant, num_splits=0),
-                f"num_splits {variant.num_splits} -> 0 (auto): tuned for another key count "
-                "or batch")
-    return variant, ""
+        return variant, ""
+    import dataclasses
+
+    from ..launch_splitkv import auto_num_splits, row_block, sm_count
+    scaled = max(1, round(variant.num_splits * measured_on.batch_heads / asked.batch_heads))
+    tiles = -(-asked.seqlen_q // row_block(variant, asked.seqlen_q, 1))
+    device = _device()
+    wave = auto_num_splits(asked.batch_heads * tiles, asked.seqlen_k, variant.block_n,
+                           sm_count(device))
+    splits = scaled if scaled > wave else 0
+    if splits == variant.num_splits:
+        return variant, ""
+    return (dataclasses.replace(variant, num_splits=splits),
+            f"num_splits {variant.num_splits} -> {splits or '0 (auto)'}: tuned for another key "
+            f"count or batch ({variant.num_splits} x {measured_on.batch_heads} programs there)")
+
+
+def _device():
+    import torch
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
 
 def prefer_for_dense(p) -> bool:
