@@ -159,6 +159,10 @@ sys.exit(pytest.main(['-q', '-x', '--tb=long', 'tests/test_transformers_backend.
                 | tee "$OUT/hoppermasks_tests.log" | tail -15
               timeout ${HOPPERMASKS_TIMEOUT:-150} python3 bench/hopper_mask_bench.py --out "$OUT/hopper_masks.jsonl" \
                 ${HOPPERMASKS_ARGS:-} 2>&1 | tee "$OUT/hoppermasks_bench.log" | tail -40 ;;
+    sparseprof) # issue 11: where a masked fwd+bwd spends its time (torch.profiler kernel table: no mask,
+              # block masks 100% and 10%, window 1024, Flex on the 100% mask; N=4k, D=128, bf16)
+              timeout ${SPARSEPROF_TIMEOUT:-180} python3 bench/sparse_profile.py --out "$OUT/sparse_profile.jsonl" \
+                ${SPARSEPROF_ARGS:-} 2>&1 | tee "$OUT/sparse_profile.log" | tail -80 ;;
     *) echo "unknown step $step" ;;
   esac
 done
