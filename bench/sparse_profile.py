@@ -20,19 +20,12 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 
 import flashtune  # noqa: E402
-
-
-def step_fn(fn, q, k, v):
-    do = torch.randn_like(q)
-
-    def run():
-        out = fn(q, k, v)
-        torch.autograd.grad(out, (q, k, v), do)
-    return run
+from mask_bench import fwd_bwd  # noqa: E402
 
 
 def profile(run, steps: int, cuda: bool) -> dict:
@@ -106,7 +99,7 @@ def main(argv=None) -> int:
     for name, fn in cases.items():
         try:
             row = {"case": name, "N": n, "H": h, "D": d,
-                   **profile(step_fn(fn, q, k, v), args.steps, cuda)}
+                   **profile(fwd_bwd(fn, q, k, v), args.steps, cuda)}
         except Exception as e:  # noqa: BLE001
             row = {"case": name, "error": f"{type(e).__name__}: {str(e)[:200]}"}
         if "error" in row:
