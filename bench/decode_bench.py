@@ -1,7 +1,7 @@
 """Decode benchmark: flashtune.attention_with_kvcache (split-KV), contiguous and paged, beside
 SDPA's flash and cuDNN backends on the same data in the same run.
 
-    python bench/decode_bench.py --out decode.jsonl [--batches 1,8,32,64]
+    python bench/decode_bench.py --out decode.jsonl [--batches 1,8,32,64] [--sequential-pages]
         [--seqlens 2048,4096,...,131072] [--heads 32/8,8/1] [--dim 128] [--pages 64,256]
         [--variant splitkv-m64-n64-w4-s3] [--num-splits 0,8,32] [--max-gib 20] [--quick]
         [--defaults] [--no-dense] [--graph] [--layers 16]
@@ -132,6 +132,9 @@ def main(argv=None):
     ap.add_argument("--heads", default="32/8,8/1", help="Hq/Hk pairs")
     ap.add_argument("--dim", type=int, default=128)
     ap.add_argument("--pages", type=_ints, default=[64, 256], help="page sizes of the paged runs")
+    ap.add_argument("--sequential-pages", action="store_true",
+                    help="also time each paged cache with its pages in order (-seq rows): the "
+                         "cost of the shuffled table's scattered reads apart from the paging")
     ap.add_argument("--variant", default=None,
                     help="force this splitkv variant (default: as dispatched)")
     ap.add_argument("--no-dense", action="store_true",
@@ -203,6 +206,8 @@ def main(argv=None):
                 for page in args.pages:
                     if nk % page == 0:
                         runs.append((f"flashtune-paged{page}", base, page))
+                        if args.sequential_pages:
+                            runs.append((f"flashtune-paged{page}-seq", base, page))
                 ref = None
                 results = {}
                 for name, variant, page in runs:
@@ -212,7 +217,9 @@ def main(argv=None):
                         else:
                             caches = [(k_.view(-1, page, hk, d), v_.view(-1, page, hk, d))
                                       for k_, v_ in zip(kcs, vcs)]
-                            bt = torch.randperm(caches[0][0].shape[0], device=DEVICE)
+                            npages = caches[0][0].shape[0]
+                            bt = (torch.arange(npages, device=DEVICE) if name.endswith("-seq")
+                                  else torch.randperm(npages, device=DEVICE))
                             bt = bt.to(torch.int32).view(b, nk // page)  # one table, every layer
 
                         def make(i, bt=bt, variant=variant, caches=caches):
