@@ -109,6 +109,9 @@ def render(doc: dict, out: Path, plots: bool = True) -> list[Path]:
 @click.option("--graph/--no-graph", default=True, show_default=True,
               help="time decoding steps as CUDA-graph replays (every peer alike: the GPU's "
                    "time without Python's launch cost)")
+@click.option("--decode-layers", type=click.IntRange(1, 64), default=16, show_default=True,
+              help="a decode cell times a step of this many layers, each with its own cache "
+                   "(20 GiB of caches at most), per layer: how a server replays a step")
 @click.option("--flex-dynamic/--flex-static", default=False, show_default=True,
               help="compile FlexAttention once with dynamic shapes instead of once per shape "
                    "(faster runs; static is what a model compiled for one shape gets)")
@@ -118,7 +121,7 @@ def render(doc: dict, out: Path, plots: bool = True) -> list[Path]:
               show_default=True, help="a bar with ETA on a terminal, a line per case otherwise")
 @click.pass_context
 def bench(ctx, quick, out_dir, from_json, resume_json, sections, peers, modes, head_dims, seqlens,
-          device, budget_ms, graph, flex_dynamic, plots, progress):
+          device, budget_ms, graph, decode_layers, flex_dynamic, plots, progress):
     """Benchmark flashtune beside SDPA and FlexAttention.
 
     Times flashtune (as dispatched, and with its built-in defaults) beside SDPA's flash, cuDNN
@@ -174,7 +177,8 @@ def bench(ctx, quick, out_dir, from_json, resume_json, sections, peers, modes, h
         doc = runner.run(shapes, sections or grid.SECTIONS, chosen, device, quick=quick,
                          budget_ms=budget_ms or (25.0 if quick else 60.0), graph=graph,
                          progress=progress, checkpoint=out_dir / "bench.json",
-                         command=_command_line(ctx), resume=resume)
+                         command=_command_line(ctx), resume=resume,
+                         decode_layers=decode_layers if device == "cuda" else 1)
     except runner.ResumeMismatch as e:
         raise click.BadParameter(str(e), param_hint="--resume") from None
     written = render(doc, out_dir, plots)

@@ -317,3 +317,23 @@ def test_resume_keeps_finished_cells_and_reruns_failed_ones():
     other = {**first, "env": {**first["env"], "device": "NVIDIA H100"}}
     with pytest.raises(runner.ResumeMismatch, match="cannot resume"):
         runner.run(shapes, ("dense",), [Counting()], "cpu", progress="none", resume=other)
+
+
+def test_decode_cells_time_a_step_of_layers_per_layer():
+    # each layer its own cache (same shapes, distinct memory), the time per layer; the output
+    # compared between peers is layer 1's, so the peers are still checked on the same data
+    from flashtune.bench import grid, runner
+    from flashtune.bench.peers import by_names
+    shapes = grid.Shapes.tiny()
+    names = ["flashtune", "flashtune-defaults", "flashtune-paged256"]
+    doc = runner.run(shapes, ("decode",), by_names(names), "cpu", progress="none",
+                     decode_layers=3)
+    assert doc["env"]["decode_layers"] == 3
+    rows = [r for r in doc["rows"] if "throughput" in r]
+    assert {r["peer"] for r in rows} == set(names)
+    assert all(r["layers"] == 3 and r["ms"] > 0 for r in rows)
+    assert all(r["max_abs_diff"] < 2e-2 for r in rows if r["peer"] != "flashtune")
+    # a cap on the caches' bytes gives fewer layers
+    few = runner.run(shapes, ("decode",), by_names(["flashtune-defaults"]), "cpu",
+                     progress="none", decode_layers=3, decode_max_gib=1e-9)
+    assert few["rows"] and all("layers" not in r and r["ms"] > 0 for r in few["rows"])

@@ -202,6 +202,10 @@ def header(doc: dict) -> str:
                  "pairs they keep), 2.5x for the backward, 3.5x forward+backward; decoding GB/s "
                  "= bytes of K and V read once. Medians, L2 flushed before each run; `vs X` = "
                  "flashtune / X.")
+    layers = doc["env"].get("decode_layers", 1)
+    if layers > 1:
+        lines.append(f"- Decoding: each cell times a step of {layers} layers (each its own cache, "
+                     "fewer where the caches pass 20 GiB), per layer, for every peer alike")
     return "\n".join(lines)
 
 

@@ -70,7 +70,9 @@ def _error(e: BaseException) -> str:
 
 
 def run_case(case: Case, peer: Peer, inp: Inputs, device: str, budget_ms: float,
-             graph: bool, ref=None) -> tuple[dict, object]:
+             graph: bool, ref=None, more: tuple = ()) -> tuple[dict, object]:
+    """more: further layers' inputs (decode): the timed step runs the case on inp and on each
+    of them (same shapes, distinct memory), and the row's time is per layer."""
     row = {**case.to_dict(), "peer": peer.name}
     out = None
     why = peer.why_not(case, device)
@@ -93,8 +95,16 @@ def run_case(case: Case, peer: Peer, inp: Inputs, device: str, budget_ms: float,
                 row["peak_mib"] = peak_mib(step, device)
             else:
                 call, out = _timed(case, fn, inp)
+                if more:
+                    calls = [call] + [_timed(case, peer.prepare(case, m), m)[0] for m in more]
+
+                    def call():
+                        return [c() for c in calls]
                 ms, note = measure(call, device, budget_ms=budget_ms,
                                    graph=graph and case.section == "decode")
+                if more:
+                    ms /= len(calls)
+                    row["layers"] = len(calls)
                 row.update(ms=ms, throughput=case.work() / (ms * 1e-3) / _SCALE[case.unit],
                            timing=note)
                 diff = None if ref is None else _max_diff(out, ref)
@@ -133,16 +143,35 @@ class ResumeMismatch(ValueError):
     """--resume got another device's result."""
 
 
+def _layers(case: Case, inp: Inputs, device: str, layers: int, max_bytes: float) -> tuple:
+    """The inputs of layers 2..L of a decode step (seeds 1..L-1), as many as fit max_bytes of
+    caches in all and the device's memory; () for other sections."""
+    if case.section != "decode" or layers <= 1:
+        return ()
+    each = sum(t.numel() * t.element_size() for t in inp.tensors[1:])
+    more = []
+    for i in range(1, min(layers, max(1, int(max_bytes // max(each, 1))))):
+        try:
+            more.append(make_inputs(case, device, seed=i))
+        except torch.cuda.OutOfMemoryError:
+            break
+    return tuple(more)
+
+
 def run(shapes: grid.Shapes, sections, peers: list[Peer], device: str, *, quick: bool = False,
         budget_ms: float = 60.0, graph: bool = True, progress: str = "auto",
         stream=None, checkpoint=None, command: str | None = None,
-        resume: dict | None = None) -> dict:
+        resume: dict | None = None, decode_layers: int = 1,
+        decode_max_gib: float = 20.0) -> dict:
     """The whole benchmark; returns the result document (report.py renders it). checkpoint: a
     path the document so far is written to after every case ("partial": true), so that a run
     cut short (a time limit) still leaves its rows for `flashtune bench --from`. resume: an
     earlier result of this device whose finished cells (a number, or a reason to skip) are
-    kept instead of measured again; its failed cells run again."""
+    kept instead of measured again; its failed cells run again. decode_layers: a decode cell
+    times a step of that many layers, each with its own cache (at most decode_max_gib of caches
+    in all), per layer -- how a server replays a step, the graph's launch shared by its layers."""
     env = environment(device)
+    env["decode_layers"] = decode_layers
     if command:
         env["command"] = command
     kept = {}
@@ -184,15 +213,16 @@ def run(shapes: grid.Shapes, sections, peers: list[Peer], device: str, *, quick:
                 torch.cuda.empty_cache()
             continue
         mine, ref = [], None
+        more = _layers(case, inp, device, decode_layers, decode_max_gib * 2**30)
         for peer in case_peers:
-            row, out = run_case(case, peer, inp, device, budget_ms, graph, ref)
+            row, out = run_case(case, peer, inp, device, budget_ms, graph, ref, more)
             if peer.name == OURS and out is not None:
                 ref = out  # what the other peers' results are compared to
             mine.append(row)
             bar.step(f"{case.label} {peer.name}")
         rows += mine
         bar.line(_summary(case, done + mine))
-        del inp, ref
+        del inp, ref, more
         if checkpoint is not None:
             write_json({**doc, "partial": True}, checkpoint)
     bar.close()
