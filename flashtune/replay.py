@@ -4,7 +4,7 @@ search, resume and fault handling run on a machine without a GPU.
 A recording is JSON lines: one {"kind": "meta", "gpu": "H100", "gpu_name": ..., ...}, then
 {"kind": "trial", "bucket": {Bucket fields}, "variant": name, "ms": float | null, "stage",
 "reason", "max_err"} per measured variant ("bucket" lines with the problem and space size may
-sit between). Tests add "fault": "hang" | "crash" | "poison" to act a failure out in the worker
+sit between); an optional "spread" is what `retime` reports as its relative spread (else 0). Tests add "fault": "hang" | "crash" | "poison" to act a failure out in the worker
 process the way a real kernel would (hang until killed, die by a signal, break the context).
 """
 from __future__ import annotations
@@ -108,7 +108,7 @@ class ReplayBackend(Backend):
         for v in variants:
             d = self._line(v, problem)
             ok = d is not None and d.get("ms") is not None and not d.get("fault")
-            out.append((float(d["ms"]), 0.0) if ok else None)
+            out.append((float(d["ms"]), float(d.get("spread") or 0.0)) if ok else None)
         return out
 
     def environment(self) -> dict:

@@ -158,8 +158,9 @@ def plan_of(cfg: SearchConfig, target) -> list[PlannedBucket]:
                 cfg.batches, cfg.masks)
 
 
-def _default_variant(pb: PlannedBucket) -> Variant | None:
-    """The built-in default the dispatcher would run (the final pick re-times it)."""
+def default_for(pb: PlannedBucket) -> Variant | None:
+    """The built-in default the dispatcher would run for a planned bucket (the final pick
+    re-times it; bench/tuning_value.py measures the tuned table against it)."""
     from .defaults import default_variant
     try:
         return _with_masks(pb, default_variant(pb.bucket.family, pb.problem.head_dim,
@@ -471,7 +472,7 @@ class _Run:
                     return _from_final(final) + (False,)
                 time.sleep(0.25)
         rec, res = _finish(bs, pipeline, self.pipeline.info, pb, label, name, cfg, status, t_b,
-                           _default_variant(pb))
+                           default_for(pb))
         res = dataclasses.replace(res, by=self.by, busy=bs.counts["busy"])
         if status != "interrupted":  # not re-timed: pick again on resume
             bs.study.set_user_attr("final", {"measured": res.measured, "result": _plain(res),
