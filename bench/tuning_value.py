@@ -32,10 +32,11 @@ Noise: the tuned record is "slower than the default" in a bucket when its time e
 default's by more than the larger of the two re-timings' spreads (max / min of the round medians,
 minus 1) and --noise (1%, the search's own "within noise").
 
-Budget: --budget seconds in all, shared evenly over the families (what one leaves goes to the
-next); a bucket is started only while its family has time left. A bucket cut mid-way keeps its
-rows in --out but is skipped in the summary ("cut by --budget": its configs were not re-timed
-together). Lines are written as they are measured, so a killed run keeps what it measured.
+Budget: --budget seconds in all, shared over the families by their number of configs to time
+(what one leaves goes to the next); a bucket is started only while its family has time left. A
+bucket cut mid-way keeps its rows in --out but is skipped in the summary ("cut by --budget": its
+configs were not re-timed together). Lines are written as they are measured, so a killed run
+keeps what it measured.
 
 Output (--out, default $OUT/tuning_value.jsonl, JSON lines): one "meta" line (GPU, table, the
 timing worker's environment); one "row" per measured (bucket, config): variant, roles, ok, ms
@@ -58,6 +59,7 @@ import os
 import sys
 import time
 from concurrent.futures import FIRST_COMPLETED, wait
+from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -92,11 +94,12 @@ def measure_bucket(pipe, pb, configs: dict, target, rounds: int, deadline: float
     pending = set(futs)
     while pending:
         left = deadline - time.monotonic()
-        if left <= 0:
-            break
-        done, pending = wait(pending, timeout=min(left, 1.0), return_when=FIRST_COMPLETED)
+        done, pending = wait(pending, timeout=max(0.0, min(left, 1.0)),
+                             return_when=FIRST_COMPLETED)
         for fu in done:
             outcomes[futs[fu]] = fu.result()
+        if left <= 0:
+            break
     for fu in pending:
         fu.cancel()
     complete = not pending
@@ -122,8 +125,21 @@ def measure_bucket(pipe, pb, configs: dict, target, rounds: int, deadline: float
     return rows, complete
 
 
-def run_family(name, table, target, pipe, args, deadline, emit, replay: bool) -> dict:
-    """Measure one family's buckets; returns its summary (see summarize)."""
+@dataclass
+class FamilyPlan:
+    """One family's buckets to measure (each with its configs) and those skipped, with why."""
+    name: str
+    work: list = field(default_factory=list)       # (PlannedBucket, configs)
+    skipped: dict = field(default_factory=dict)    # label -> why
+    records_off_grid: int = 0
+
+    @property
+    def configs(self) -> int:
+        return sum(len(c) for _, c in self.work)
+
+
+def plan_family(name, table, target, args, replay: bool) -> FamilyPlan:
+    """The buckets `flashtune search` tunes for `name` that the table has a record for."""
     from flashtune.families import get
     from flashtune.search import default_for
     from flashtune.search_plan import plan
@@ -137,19 +153,33 @@ def run_family(name, table, target, pipe, args, deadline, emit, replay: bool) ->
     head_dims = tuple(args.head_dim) or tuple(sorted({r.bucket.head_dim for r in recs}))
     dtypes = tuple(sorted({r.bucket.dtype for r in recs}))
     planned = plan(target, (name,), dtypes, head_dims, (False, True), tuple(args.seqlen))
-    measured, skipped = {}, {}
+    fp = FamilyPlan(name)
     for pb in planned:
-        label = _label(pb.bucket)
         rec = by_bucket.get(pb.bucket.key)
-        why = ("no record in the table" if rec is None else
-               "" if replay else family.cannot_run(pb.problem, target.arch))
-        if why:
-            skipped[label] = why if rec is None else f"cannot run here: {why}"
+        if rec is None:
+            fp.skipped[_label(pb.bucket)] = "no record in the table"
             continue
+        why = "" if replay else family.cannot_run(pb.problem, target.arch)
+        if why:
+            fp.skipped[_label(pb.bucket)] = f"cannot run here: {why}"
+            continue
+        fp.work.append((pb, bucket_configs(rec.variant, default_for(pb), winners)))
+    on_grid = {pb.bucket.key for pb in planned}
+    fp.records_off_grid = sum(r.bucket.key not in on_grid for r in recs)
+    return fp
+
+
+def run_family(fp: FamilyPlan, target, pipe, args, deadline, emit) -> dict:
+    """Measure one family's planned buckets until `deadline`; returns its summary."""
+    from flashtune.families import get
+
+    family = get(fp.name)
+    measured, skipped = {}, dict(fp.skipped)
+    for pb, configs in fp.work:
+        label = _label(pb.bucket)
         if time.monotonic() >= deadline:
             skipped[label] = "cut by --budget"
             continue
-        configs = bucket_configs(rec.variant, default_for(pb), winners)
         rows, complete = measure_bucket(pipe, pb, configs, target, args.rounds, deadline, family)
         for r in rows:
             emit(r)
@@ -157,9 +187,14 @@ def run_family(name, table, target, pipe, args, deadline, emit, replay: bool) ->
             measured[label] = rows
         else:
             skipped[label] = "cut by --budget"
-    on_grid = {pb.bucket.key for pb in planned}
-    s = summarize(name, measured, skipped, args.noise, family.unit)
-    s["records_off_grid"] = sum(r.bucket.key not in on_grid for r in recs)
+        t = _role(rows, "tuned")
+        d = _role(rows, "default")
+        vs = (f"tuned/default {d['ms'] / t['ms']:.3f}x" if t and d and t["ok"] and d["ok"]
+              else "tuned or default failed")
+        print(f"  {label:<44} {sum(r['ok'] for r in rows)}/{len(configs)} ran, {vs}"
+              f"{'' if complete else ' (cut by --budget)'}", flush=True)
+    s = summarize(fp.name, measured, skipped, args.noise, family.unit)
+    s["records_off_grid"] = fp.records_off_grid
     return s
 
 
@@ -351,6 +386,7 @@ def main(argv=None) -> int:
     if not fams:
         ap.error(f"--table {path} has no records")
 
+    plans = [plan_family(n, table, target, a, bool(a.replay)) for n in fams]
     out = Path(a.out) if a.out else Path(os.environ.get("OUT") or ".") / "tuning_value.jsonl"
     out.parent.mkdir(parents=True, exist_ok=True)
     if a.replay:
@@ -365,6 +401,8 @@ def main(argv=None) -> int:
         pipe.start()
         meta = {"kind": "meta", "gpu": target.short, **pipe.info, "table": str(path),
                 "table_gpu": table.gpu, "table_arch": table.arch, "families": fams,
+                "planned": {p.name: {"buckets": len(p.work), "configs": p.configs}
+                            for p in plans},
                 "rounds": a.rounds, "noise": a.noise, "budget_s": a.budget,
                 "bench_ms": a.bench_ms, "replay": a.replay,
                 "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
@@ -373,18 +411,21 @@ def main(argv=None) -> int:
                 f.write(json.dumps(d, sort_keys=True, default=str) + "\n")
                 f.flush()
             emit(meta)
-            for i, name in enumerate(fams):
-                now = time.monotonic()
-                share = now + max(0.0, deadline - now) / (len(fams) - i)
-                s = run_family(name, table, target, pipe, a, share, emit, bool(a.replay))
+            print(f"tuning value of {path.name} ({table.gpu_name or table.gpu}) on "
+                  f"{pipe.info.get('gpu_name') or target.name}"
+                  f"{' (replayed: ' + Path(a.replay).name + ')' if a.replay else ''}", flush=True)
+            for i, fp in enumerate(plans):
+                # the time left, shared by the configs left to time
+                now, left = time.monotonic(), sum(p.configs for p in plans[i:])
+                share = now + max(0.0, deadline - now) * (fp.configs / left if left else 1.0)
+                print(f"{fp.name}: {len(fp.work)} buckets, {fp.configs} configs to time, "
+                      f"{share - now:.0f} s", flush=True)
+                s = run_family(fp, target, pipe, a, share, emit)
                 emit(s)
                 summaries.append(s)
     finally:
         pipe.close(kill=True)
-    gpu = pipe.info.get("gpu_name") if getattr(pipe, "info", None) else target.name
-    print(f"tuning value of {path.name} ({table.gpu_name or table.gpu}) on {gpu}"
-          f"{' (replayed: ' + Path(a.replay).name + ')' if a.replay else ''}, "
-          f"{time.monotonic() - t0:.0f} s -> {out}")
+    print(f"{time.monotonic() - t0:.0f} s -> {out}")
     print_table(summaries)
     return 0
 

@@ -4,6 +4,7 @@ by hand from the recording; bad arguments fail with a message naming them."""
 import importlib.util
 import json
 import math
+import sys
 from pathlib import Path
 
 import pytest
@@ -38,6 +39,7 @@ def _script():
     spec = importlib.util.spec_from_file_location("_tuning_value",
                                                   ROOT / "bench" / "tuning_value.py")
     mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # its dataclasses look their module up
     spec.loader.exec_module(mod)
     return mod
 
@@ -49,7 +51,7 @@ def _record(bucket, name):
                   1e-3, prov)
 
 
-def _setup(tmp_path):
+def _setup(tmp_path, **meta):
     """A table of five fwd D=64 records (one, D's, off the measured grid) and a recording of
     every config in the four buckets with records."""
     planned = {pb.problem.seqlen_q: pb for pb in plan(H100, ("fwd",), ("bfloat16",), (64,),
@@ -64,7 +66,7 @@ def _setup(tmp_path):
                  Outcome(True, t[0], max_err=1e-3))
             rows.append((planned[n].bucket, name, o, {"spread": t[1]} if t else {}))
     rec = tmp_path / "rec.jsonl"
-    write_recording(rec, {"gpu": "H100", "gpu_name": "NVIDIA H100 80GB HBM3"},
+    write_recording(rec, {"gpu": "H100", "gpu_name": "NVIDIA H100 80GB HBM3", **meta},
                     [planned[n].problem for n in CASES], rows)
     labels = {n: bucket_label(planned[n].bucket) for n in CASES}
     return str(table), str(rec), labels
@@ -134,6 +136,21 @@ def test_buckets_without_records_are_skipped(tmp_path):
     # the grid: 512 and 8192, causal and not; only 512 non-causal has a record
     assert s["measured"] == 1 and s["skipped"] == 3
     assert set(s["skipped_buckets"].values()) == {"no record in the table"}
+
+
+def test_budget_cut_keeps_what_it_measured(tmp_path):
+    table, rec, labels = _setup(tmp_path, delay_s=0.2)  # each measurement takes 0.2 s
+    out = tmp_path / "tv.jsonl"
+    seqlens = [a for n in CASES for a in ("--seqlen", str(n))]
+    assert _script().main(["--replay", rec, "--table", table, "--out", str(out),
+                           "--budget", "0.3", "--family", "fwd", *seqlens]) == 0
+    lines = [json.loads(x) for x in out.read_text().splitlines()]
+    (s,) = [x for x in lines if x["kind"] == "summary"]
+    # inline (replayed) measuring finishes the bucket it started; the others are cut
+    assert {x["bucket"] for x in lines if x["kind"] == "row"} == {labels[512]}
+    assert s["measured"] == 1 and s["tuned_vs_default"]["geomean"] == pytest.approx(1.2)
+    cut = [b for b, why in s["skipped_buckets"].items() if why == "cut by --budget"]
+    assert sorted(cut) == sorted(labels[n] for n in (1024, 2048, 4096))
 
 
 @pytest.mark.parametrize("args, message", [
