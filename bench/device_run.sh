@@ -163,6 +163,13 @@ sys.exit(pytest.main(['-q', '-x', '--tb=long', 'tests/test_transformers_backend.
               # block masks 100% and 10%, window 1024, Flex on the 100% mask; N=4k, D=128, bf16)
               timeout ${SPARSEPROF_TIMEOUT:-180} python3 bench/sparse_profile.py --out "$OUT/sparse_profile.jsonl" \
                 ${SPARSEPROF_ARGS:-} 2>&1 | tee "$OUT/sparse_profile.log" | tail -80 ;;
+    tuningvalue) # issue 12: the tuned table vs the built-in defaults and the single best config, per
+              # bucket interleaved (bench/tuning_value.py). Default: the shipped table of this GPU, all
+              # its families. The H100 table used on an H200 (run on nvidia-h200):
+              #   TV_ARGS="--table tuned_db/tables/nvidia-h100-80gb-hbm3.json"
+              # Narrow a call with TV_ARGS="--family fwd" (or --head-dim 128, --seqlen 4096).
+              timeout ${TV_TIMEOUT:-520} python3 bench/tuning_value.py --budget ${TV_BUDGET:-400} \
+                --out "$OUT/tuning_value.jsonl" ${TV_ARGS:-} 2>&1 | tee "$OUT/tuning_value.log" | tail -${TV_TAIL:-30} ;;
     *) echo "unknown step $step" ;;
   esac
 done
