@@ -64,8 +64,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-ROLES = ("tuned", "default", "candidate")
-
 
 # -- measuring ------------------------------------------------------------------------------------
 def bucket_configs(tuned, default, winners) -> dict:
@@ -343,6 +341,9 @@ def main(argv=None) -> int:
         ap.error(f"--rounds {a.rounds}: expected at least 1")
     if a.budget <= 0:
         ap.error(f"--budget {a.budget}: expected seconds > 0")
+    for opt, vals in (("--head-dim", a.head_dim), ("--seqlen", a.seqlen)):
+        if any(v < 1 for v in vals):
+            ap.error(f"{opt} {min(vals)}: expected a positive integer")
     if a.noise < 0:
         ap.error(f"--noise {a.noise}: expected a fraction >= 0")
     if a.replay and not Path(a.replay).is_file():

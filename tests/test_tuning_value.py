@@ -158,6 +158,7 @@ def test_budget_cut_keeps_what_it_measured(tmp_path):
     (["--table", "/nonexistent/t.json"], "--table /nonexistent/t.json: no such file"),
     (["--family", "bwd"], "--family bwd: the table"),
     (["--rounds", "0"], "--rounds 0"),
+    (["--seqlen", "-4"], "--seqlen -4: expected a positive integer"),
 ])
 def test_bad_arguments(tmp_path, capsys, args, message):
     table, rec, _ = _setup(tmp_path)
