@@ -50,7 +50,7 @@ def test_registered_as_a_gluon_family_serving_backwards_without_a_heuristic():
             assert v.family == "hopper_bwd" and v.name in VARIANTS[d]
 
 
-def test_render_is_the_template_without_branches():
+def test_dense_tiles_render_one_source():
     a = render(Variant.parse("hopper_bwd-m64-n128-w8-s2"))
     b = render(Variant.parse("hopper_bwd-m64-n64-w4-s3"))
     assert a.splitlines()[1:] == b.splitlines()[1:]  # tiles are constexprs: same source
