@@ -159,6 +159,14 @@ sys.exit(pytest.main(['-q', '-x', '--tb=long', 'tests/test_transformers_backend.
                 | tee "$OUT/hoppermasks_tests.log" | tail -15
               timeout ${HOPPERMASKS_TIMEOUT:-150} python3 bench/hopper_mask_bench.py --out "$OUT/hopper_masks.jsonl" \
                 ${HOPPERMASKS_ARGS:-} 2>&1 | tee "$OUT/hoppermasks_bench.log" | tail -40 ;;
+    hopperbwdmasks) # hopper_bwd's window/softcap renders (issue 11): its forced GPU tests against the float64
+              # reference, then the causal sliding-window backward at N=4k/16k, W=256..4096 (D=128, bf16, B=1,
+              # H=16): hopper_bwd forced vs the generic bwd as dispatched vs compiled Flex
+              timeout ${HOPPERBWDMASKS_TESTS_TIMEOUT:-150} python3 -m pytest -q -m gpu tests/test_hopper_bwd_masks.py 2>&1 \
+                | tee "$OUT/hopperbwdmasks_tests.log" | tail -15
+              timeout ${HOPPERBWDMASKS_TIMEOUT:-150} python3 bench/hopper_mask_bench.py --bwd \
+                --out "$OUT/hopper_bwd_masks.jsonl" ${HOPPERBWDMASKS_ARGS:-} 2>&1 \
+                | tee "$OUT/hopperbwdmasks_bench.log" | tail -40 ;;
     sparseprof) # issue 11: where a masked fwd+bwd spends its time (torch.profiler kernel table: no mask,
               # block masks 100% and 10%, window 1024, Flex on the 100% mask; N=4k, D=128, bf16)
               timeout ${SPARSEPROF_TIMEOUT:-180} python3 bench/sparse_profile.py --out "$OUT/sparse_profile.jsonl" \

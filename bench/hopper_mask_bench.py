@@ -7,6 +7,9 @@ the same window).
     python3 bench/hopper_mask_bench.py                # N=4k,16k x W=256..4096, causal, D=128,
                                                       # bf16, B=1, H=16 (STEPS=hoppermasks)
     python3 bench/hopper_mask_bench.py --softcap 50   # the same with Gemma 2's softcap
+    python3 bench/hopper_mask_bench.py --bwd          # the backward: hopper_bwd forced vs the
+                                                      # generic bwd as dispatched vs Flex
+                                                      # (STEPS=hopperbwdmasks)
     TRITON_INTERPRET=1 python3 bench/hopper_mask_bench.py --smoke   # CPU: imports, rows, table
 
 window=(W, 0) with causal=True: each query sees itself and the W keys before it (flash_attn's
@@ -15,6 +18,13 @@ $OUT/hopper_masks.jsonl (--out): ms (median of do_bench, L2 flushed), TFLOP/s = 
 seen) / t, the variant that ran, and max |O - O_fwd| against the generic family's output (each
 impl's sanity; the tests hold every kernel to the float64 reference). A table and the geomean
 ratios (hopper / fwd, hopper / flex) per N close the run.
+
+--bwd times the backward alone: each impl's forward is run once with gradients (hopper_bwd forced
+around it, so its backward runs the masked hopper_bwd twin: ops carries the forced variant over;
+the generic bwd as dispatched for the masked call; Flex compiled), then
+torch.autograd.grad(out, (q, k, v), dO, retain_graph=True) is timed. TFLOP/s = 2.5 x the
+forward's; maxdiff_vs_bwd is max |dQ, dK, dV - the generic bwd's|. Rows go to
+$OUT/hopper_bwd_masks.jsonl; the geomeans compare hopper_bwd with "bwd" and "flex".
 """
 from __future__ import annotations
 
@@ -36,6 +46,10 @@ from flashtune.masks import window_keys  # noqa: E402
 # steps (spill-free at D=128 with a window and softcap: `flashtune kernels check`)
 HOPPER = {"hopper": "hopper_fwd-m64-n64-w4-s3-pingpong=true-persistent=true-lr24",
           "hopper_noloader": "hopper_fwd-m64-n128-w4-s2-pingpong=true-persistent=true"}
+# --bwd: hopper_bwd's D=128 default (two warpgroups, 128 keys per program) and one warpgroup
+# with 64 keys (fewer spills with a window or softcap at D=128: `flashtune kernels check`)
+HOPPER_BWD = {"hopper_bwd": "hopper_bwd-m64-n128-w8-s2",
+              "hopper_bwd_w4": "hopper_bwd-m64-n64-w4-s2"}
 
 
 def bench_ms(fn) -> float:
@@ -83,6 +97,8 @@ def main(argv=None) -> int:
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--softcap", type=float, default=None, help="also cap the scores (Gemma 2: 50)")
     ap.add_argument("--no-flex", action="store_true")
+    ap.add_argument("--bwd", action="store_true",
+                    help="time the backward: hopper_bwd forced vs the generic bwd vs Flex")
     ap.add_argument("--smoke", action="store_true",
                     help="CPU smoke run (TRITON_INTERPRET=1): N=192, D=64, H=2, W=64")
     ap.add_argument("--out", default=None, help="JSON lines (default $OUT/hopper_masks.jsonl)")
@@ -91,13 +107,15 @@ def main(argv=None) -> int:
     if args.smoke:
         args.n, args.windows, args.heads, args.head_dim, args.no_flex = "192", "64", 2, 64, True
     dt = torch.bfloat16 if dev == "cuda" else torch.float32
-    out_path = args.out or os.path.join(os.environ.get("OUT", "bench_out"), "hopper_masks.jsonl")
+    out_path = args.out or os.path.join(os.environ.get("OUT", "bench_out"),
+                                        "hopper_bwd_masks.jsonl" if args.bwd else
+                                        "hopper_masks.jsonl")
     Path(out_path).parent.mkdir(parents=True, exist_ok=True)
     f = open(out_path, "w")
     env = dict(kind="env", torch=torch.__version__,
                device=torch.cuda.get_device_name() if dev == "cuda" else "cpu",
                B=args.batch, H=args.heads, D=args.head_dim, dtype=str(dt)[6:],
-               softcap=args.softcap)
+               softcap=args.softcap, bwd=args.bwd)
     try:
         import triton
         env["triton"] = triton.__version__
@@ -117,6 +135,9 @@ def main(argv=None) -> int:
                 print(f"flex unavailable: {e!r}", flush=True)
         for w in (int(x) for x in args.windows.split(",") if int(x) < n):
             kw = dict(causal=True, window=(w, 0), softcap=args.softcap)
+            if args.bwd:
+                rows += _bwd_rows(f, q, k, v, n, w, kw, flex, dev, args)
+                continue
             pairs = window_keys(n, n, True, (w, 0)) * n
             impls = {"fwd": (None, lambda q, k, v, kw=kw: flashtune.attention(q, k, v, **kw))}
             for name, variant in HOPPER.items():
@@ -155,11 +176,61 @@ def main(argv=None) -> int:
                 f.flush()
                 print(json.dumps(row), flush=True)
     f.close()
-    _table(rows)
+    _table(rows, HOPPER_BWD if args.bwd else HOPPER, ("bwd", "flex") if args.bwd else
+           ("fwd", "flex"))
     return 0
 
 
-def _table(rows) -> None:
+def _bwd_rows(f, q, k, v, n, w, kw, flex, dev, args) -> list:
+    """The backward of each impl at one (N, W): a forward with gradients, then the timed
+    autograd.grad (retain_graph: the same graph again each call)."""
+    b, h, d = args.batch, args.heads, args.head_dim
+    pairs = window_keys(n, n, True, (w, 0)) * n
+    do = torch.randn_like(q)
+    impls = {"bwd": (None, lambda q, k, v: flashtune.attention(q, k, v, **kw))}
+    for name, variant in HOPPER_BWD.items():
+        def fwd(q, k, v, variant=variant):
+            with flashtune.force(variant):  # a bwd-only family: the forward is dispatched
+                return flashtune.attention(q, k, v, **kw)
+        impls[name] = (variant, fwd)
+    if flex is not None:
+        try:
+            impls["flex"] = ("flex_attention (compiled)", flex.call(n, w, dev, args.softcap))
+        except Exception as e:  # noqa: BLE001
+            print(f"flex N={n} W={w}: {e!r}", flush=True)
+    rows, base = [], None
+    for impl, (variant, fwd) in impls.items():
+        row = dict(kind="window_bwd", N=n, W=w, impl=impl, causal=True, softcap=args.softcap)
+        try:
+            xs = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+            out = fwd(*xs)
+
+            def grad(out=out, xs=xs):
+                return torch.autograd.grad(out, xs, do, retain_graph=True)
+            got = grad()
+            if impl == "bwd":
+                base = got
+                variant = flashtune.explain(q, k, v, family="bwd", **kw).variant.name
+            elif variant in HOPPER_BWD.values():
+                with flashtune.force(variant):
+                    variant = flashtune.explain(q, k, v, family="bwd", **kw).variant.name
+            row["variant"] = variant
+            if base is not None:
+                row["maxdiff_vs_bwd"] = max(float((a.float() - c.float()).abs().max())
+                                            for a, c in zip(got, base))
+            ms = bench_ms(grad)
+        except Exception as e:  # noqa: BLE001 -- a failing impl is a row with why
+            row["error"] = repr(e)[:300]
+        else:
+            row.update(ms=ms, tflops=2.5 * 4.0 * b * h * d * pairs / ms / 1e9)
+        rows.append(row)
+        f.write(json.dumps(row) + "\n")
+        f.flush()
+        print(json.dumps(row), flush=True)
+    return rows
+
+
+def _table(rows, mine_impls=HOPPER, peers=("fwd", "flex")) -> None:
     print(f"\n{'N':>6} {'W':>5} {'impl':16} {'ms':>8} {'TFLOP/s':>8}  variant")
     for r in rows:
         what = (f"{r['ms']:8.3f} {r['tflops']:8.1f}" if "ms" in r else
@@ -167,8 +238,8 @@ def _table(rows) -> None:
         print(f"{r['N']:6} {r['W']:5} {r['impl']:16} {what}  {r.get('variant', '')}")
     by = {(r["N"], r["W"], r["impl"]): r["ms"] for r in rows if "ms" in r}
     for n in sorted({r["N"] for r in rows}):
-        for mine in HOPPER:
-            for peer in ("fwd", "flex"):
+        for mine in mine_impls:
+            for peer in peers:
                 xs = [by[(n, w, peer)] / by[(n, w, mine)] for (nn, w, i) in by
                       if nn == n and i == mine and (n, w, peer) in by]
                 if xs:

@@ -330,8 +330,10 @@ def explain(problem, k=None, v=None, *, causal: bool = False, family: str = "fwd
     if forced is not None and _serves(forced, problem.family):
         from .families import get
         why_not = get(forced.family).cannot_run(problem, _levels().arch)
-        notes = (f"{forced.family} cannot run here ({why_not}): its plan runs the generic "
-                 "fwd default instead",) if why_not and forced.family != problem.family else ()
+        notes = ()
+        if why_not and forced.family != problem.family:
+            notes = (f"{forced.family} cannot run here ({why_not}): its plan runs the generic "
+                     f"{problem.family} default instead",)
         ex = Explanation(problem, Bucket.of(problem), forced, "forced", origin, _levels().gpu,
                          notes=notes)
     else:

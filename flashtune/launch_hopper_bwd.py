@@ -1,9 +1,10 @@
 """Launch the hopper_bwd family (Gluon, sm_90): Delta and LSE2 by the generic bwd family's
 preprocess kernel, TMA descriptors over 3-D views of the tensors, one program per (key block,
-batch * kv head), dQ accumulated in float32 and cast at the end. Which variant runs is decided by
-the caller; a call this kernel cannot address (head dim, dtype, GPU, strides TMA cannot describe,
-misaligned bases) runs the generic bwd family's default instead, as ops.run_backward expects of
-any plan."""
+batch * kv head), dQ accumulated in float32 and cast at the end; a sliding window and softcap as
+the variant's masked render takes them (launch.mask_args). Which variant runs is decided by the
+caller; a call this kernel cannot address (head dim, dtype, GPU, strides TMA cannot describe,
+misaligned bases) runs the generic bwd family's default instead, masks included, as
+ops.run_backward expects of any plan."""
 from __future__ import annotations
 
 import math
@@ -12,8 +13,10 @@ import torch
 import triton
 
 from .codegen import Variant, load
+from .launch import check_mask_variant, mask_args
 from .launch_hopper import _device_blocker, _view3, addressable
 from .launch_hopper import unsupported as _unsupported
+from .masks import NONE, Masks
 
 HEAD_DIMS = (64, 128)   # D=256: dK and dV alone would fill every register (the generic bwd serves)
 
@@ -23,37 +26,49 @@ def unsupported(head_dim: int, dtype: torch.dtype) -> str:
     return _unsupported(head_dim, dtype, HEAD_DIMS)
 
 
-def _generic_variant(head_dim: int, dtype: torch.dtype) -> Variant:
+def _generic_variant(head_dim: int, dtype: torch.dtype, masks: Masks = NONE) -> Variant:
     """The generic bwd family's default (what the dispatcher would pick without hopper_bwd and
-    without tuned records), pointer loads (the bwd template has no others)."""
+    without tuned records) with `masks` rendered in, pointer loads (the bwd template has no
+    others)."""
     from .defaults import default_variant
-    from .dispatch import pointer_twin
+    from .dispatch import mask_twin, pointer_twin
     from .problem import dtype_name
     bv = default_variant("bwd", head_dim, dtype_name(dtype))
+    if masks.any:
+        bv = mask_twin(bv, masks, head_dim, dtype)
     return pointer_twin(bv) if bv.loads == "descriptor" else bv
 
 
 class HopperBwdPlan:
-    """One hopper_bwd launch fixed by the call's shapes, strides, dtype, causal and scale (built
-    like launch.FwdPlan: Family.plan_for); run(dout, q, k, v, o, lse) -> (dq, dk, dv) in the
-    dtype and layout of q, k, v, as launch_bwd.backward."""
+    """One hopper_bwd launch fixed by the call's shapes, strides, dtype, causal, scale and masks
+    (window / softcap: the variant must render exactly those, dispatch.mask_twin; built like
+    launch.FwdPlan: Family.plan_for); run(dout, q, k, v, o, lse) -> (dq, dk, dv) in the dtype and
+    layout of q, k, v, as launch_bwd.backward."""
     __slots__ = ("variant", "kernel", "grid", "scale", "causal", "consts", "layouts", "why",
-                 "generic")
+                 "generic", "masks", "mask_args")
     descriptor = False
 
-    def __init__(self, q, k, v, causal: bool, scale: float | None, variant: Variant):
+    def __init__(self, q, k, v, causal: bool, scale: float | None, variant: Variant,
+                 masks: Masks = NONE):
         if variant.family != "hopper_bwd":
             raise ValueError(f"HopperBwdPlan needs a 'hopper_bwd' variant, got {variant.name}")
+        if masks.block_mask is not None:
+            raise ValueError(f"{variant.name}: hopper_bwd takes no block_mask (its kernel renders "
+                             "window and softcap only; the generic bwd family serves block masks)")
+        check_mask_variant(variant, masks)
         b, h, nq, d = q.shape
         self.variant = variant
         self.causal = bool(causal)
+        self.masks = masks
         self.scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-        self.generic = _generic_variant(d, q.dtype)
+        self.generic = _generic_variant(d, q.dtype)  # its preprocess (no masks in 16 bits)
         self.why = unsupported(d, q.dtype) or _device_blocker(q.device)
         if not self.why and not all(_view3(t) for t in (q, k, v)):
             self.why = "strides TMA cannot describe as (B*H, N, D)"
         if self.why:
             return
+        # the window's bounds (causal: its right edge 0) and the softcap, after sm_scale
+        self.mask_args = mask_args(masks, causal, "kv", b, h)
         from triton.experimental.gluon import language as gl
         gdt = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
         self.layouts = {r: gl.NVMMASharedLayout.get_default_for([1, r, d], gdt)
@@ -71,7 +86,8 @@ class HopperBwdPlan:
         dv = torch.empty_like(v)
         if self.why or not addressable(q, k, v, dout, dk, dv):  # base addresses: per call
             return launch_bwd.backward(dout, q, k, v, o, lse, self.causal, self.scale,
-                                       self.generic)
+                                       _generic_variant(q.shape[3], q.dtype, self.masks),
+                                       *((self.masks,) if self.masks.any else ()))
         from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
         delta, lse2 = preprocess(dout, q, k, v, o, lse, self.causal, self.scale, self.generic)
         dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
@@ -82,7 +98,8 @@ class HopperBwdPlan:
             return TensorDescriptor(t, shape, strides, [1, rows, d], self.layouts[rows])
         self.kernel[self.grid](desc(q, bm), desc(k, bn), desc(v, bn), desc(dout, bm),
                                desc(dk, bn), desc(dv, bn), dq_acc, lse2, delta, self.scale,
-                               q.shape[1], q.shape[2], k.shape[2], **self.consts)
+                               *self.mask_args, q.shape[1], q.shape[2], k.shape[2],
+                               **self.consts)
         dq = torch.empty_like(q)  # q's layout, as the generic bwd (dq_acc is contiguous)
         dq.copy_(dq_acc)
         return dq, dk, dv
@@ -105,6 +122,8 @@ def preprocess(dout, q, k, v, o, lse, causal: bool, scale: float, generic: Varia
     return delta, lse2
 
 
-def backward(dout, q, k, v, o, lse, causal: bool, scale: float | None, variant: Variant):
-    """Run a hopper_bwd variant: (dq, dk, dv) in the dtype and layout of q, k, v."""
-    return HopperBwdPlan(q, k, v, causal, scale, variant).run(dout, q, k, v, o, lse)
+def backward(dout, q, k, v, o, lse, causal: bool, scale: float | None, variant: Variant,
+             masks: Masks = NONE):
+    """Run a hopper_bwd variant: (dq, dk, dv) in the dtype and layout of q, k, v; masks: the
+    call's window / softcap (validated, flashtune/masks.py), rendered in `variant`."""
+    return HopperBwdPlan(q, k, v, causal, scale, variant, masks).run(dout, q, k, v, o, lse)

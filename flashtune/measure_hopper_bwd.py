@@ -1,8 +1,10 @@
 """How the search measures the hopper_bwd family: the bwd family's inputs, gate and reference
-(the same problem, computed by another kernel), launched through launch_hopper_bwd."""
+(the same problem, masks included, computed by another kernel), launched through
+launch_hopper_bwd."""
 from __future__ import annotations
 
 from . import launch_hopper_bwd
+from .masks import representative
 from .measure_bwd import BwdOps
 from .problem import Problem
 
@@ -19,8 +21,9 @@ class HopperBwdOps(BwdOps):
         return int(r["bwd"]["smem"]) if r else 0
 
     def run(self, variant, p: Problem, inputs):
-        q, k, v, o, lse, do = inputs
-        return launch_hopper_bwd.backward(do, q, k, v, o, lse, p.causal, None, variant)
+        q, k, v, o, lse, do = inputs  # a masked problem: its representative window / softcap
+        return launch_hopper_bwd.backward(do, q, k, v, o, lse, p.causal, None, variant,
+                                          representative(p, q.device.type))
 
 
 OPS = HopperBwdOps()

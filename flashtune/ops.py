@@ -72,10 +72,12 @@ def select_bwd(q, k, causal: bool, deterministic: bool, masks: Masks = NONE) -> 
     twin (same dK/dV tiles, the dQ kernel's tiles from the built-in defaults)."""
     variant = dispatch.select_for_call("bwd", q, k, causal, masks)
     if variant.family != "bwd":  # a family that serves bwd calls (hopper_bwd)
-        if not (deterministic or masks.any):
+        if deterministic:  # its dQ is atomic: the generic bwd family's default instead
+            variant = default_variant("bwd", q.shape[3], dtype_name(q.dtype))
+        elif masks.any:  # its masked twin (Family.serve_masks), else the bwd default's
+            variant = dispatch.mask_twin(variant, masks, q.shape[3], q.dtype, "bwd")
+        if variant.family != "bwd":
             return variant
-        # its dQ is atomic and it has no mask code: the generic bwd family's default instead
-        variant = default_variant("bwd", q.shape[3], dtype_name(q.dtype))
     if deterministic:
         variant = separate_twin(variant, q.shape[3], q.dtype)
     if masks.any:
@@ -135,11 +137,8 @@ def run_backward(grad_out, q, k, v, o, lse, causal: bool, scale, deterministic: 
     elif deterministic and variant.dq != "separate":
         raise ValueError(f"deterministic=True needs a dq='separate' variant, got {variant.name}")
     if variant.family != "bwd":  # a family that serves bwd calls (hopper_bwd), its own plan
-        if masks.any:
-            raise ValueError(f"{variant.name} has no mask code; masked backwards need a 'bwd' "
-                             "variant")
-        from .families import get
-        return get(variant.family).plan_for(q, k, v, causal, scale, variant).run(
+        from .families import get  # masks reach its plan only where the call has some
+        return get(variant.family).plan_for(q, k, v, causal, scale, variant, masks).run(
             grad_out, q, k, v, o, lse.contiguous())
     # masks only where there are some: a dense call is the call it always was
     return launch_bwd.backward(grad_out, q, k, v, o, lse.contiguous(), causal, scale, variant,

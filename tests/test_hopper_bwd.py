@@ -1,7 +1,7 @@
 """hopper_bwd (Gluon, sm_90): GPU tests force the family and compare dQ, dK, dV against the
 float64 reference's gradients; CPU tests cover what runs without one -- the registry entry,
 rendering, variant names, that the dispatcher never picks it untuned, the generic fallbacks
-(off-Hopper, deterministic, masked) and the sm_90 compile of the defaults (no Gluon code runs
+(off-Hopper, deterministic) and the sm_90 compile of the defaults (no Gluon code runs
 in Triton's interpreter)."""
 import json
 
@@ -50,7 +50,7 @@ def test_registered_as_a_gluon_family_serving_backwards_without_a_heuristic():
             assert v.family == "hopper_bwd" and v.name in VARIANTS[d]
 
 
-def test_render_is_the_template_without_branches():
+def test_dense_tiles_render_one_source():
     a = render(Variant.parse("hopper_bwd-m64-n128-w8-s2"))
     b = render(Variant.parse("hopper_bwd-m64-n64-w4-s3"))
     assert a.splitlines()[1:] == b.splitlines()[1:]  # tiles are constexprs: same source
@@ -120,14 +120,15 @@ def test_forced_serves_bwd_but_not_fwd():
         assert dispatch.select(_problem(family="fwd")).family != "hopper_bwd"
 
 
-def test_deterministic_or_masked_calls_go_to_the_generic_bwd():
+def test_deterministic_calls_go_to_the_generic_bwd_windowed_ones_to_the_masked_twin():
     q, k, _ = qkv(1, 2, 2, 16, 16, 64, torch.float16, "cpu")
     with flashtune.force("hopper_bwd-m64-n128-w8-s2"):
         assert ops.select_bwd(q, k, False, False).family == "hopper_bwd"
         det = ops.select_bwd(q, k, False, True)
         assert det.family == "bwd" and det.dq == "separate"
+        # window / softcap: its own render (tests/test_hopper_bwd_masks.py)
         masked = ops.select_bwd(q, k, False, False, Masks(window=(4, 0)))
-        assert masked.family == "bwd" and masked.window
+        assert masked.family == "hopper_bwd" and masked.window
 
 
 def test_plan_falls_back_to_the_generic_default_off_hopper(device):

@@ -4,12 +4,13 @@ wgmma, dQ added into a float32 buffer by atomics. Template attn_hopper_bwd.py.tm
 in flashtune/gluon_compat.py); launched by flashtune/launch_hopper_bwd.py (HopperBwdPlan);
 measured by flashtune/measure_hopper_bwd.py; space search_spaces/hopper_bwd.json.
 
-It serves backward calls (`serves=("bwd",)`) but has no heuristic: the dispatcher picks it only
-when forced (flashtune.force) or when tuned records of both families for the bucket say it is
-faster (dispatch._compete). Where it cannot run -- not sm_90, a Triton without Gluon, Triton's
-interpreter, a head dim other than 64/128, float32 -- the generic bwd family serves the call and
-`flashtune.explain` says why (`cannot_serve`); deterministic and masked calls go to the generic
-bwd too (ops.select_bwd: its dQ is atomic and it has no mask code)."""
+It serves backward calls (`serves=("bwd",)`), dense, causal, with a sliding window and/or softcap
+(`serve_masks`: its window/softcap renders; block masks stay with the generic family), but has no
+heuristic: the dispatcher picks it only when forced (flashtune.force) or when tuned records of
+both families for the bucket say it is faster (dispatch._compete). Where it cannot run -- not
+sm_90, a Triton without Gluon, Triton's interpreter, a head dim other than 64/128, float32 -- the
+generic bwd family serves the call and `flashtune.explain` says why (`cannot_serve`);
+deterministic calls go to the generic bwd too (ops.select_bwd: its dQ is atomic)."""
 from __future__ import annotations
 
 from . import Family
@@ -20,7 +21,7 @@ FAMILY = Family(
         "atomic dQ",
     template="attn_hopper_bwd.py.tmpl",
     kernels=("attn_bwd_hopper",),
-    fields=(),
+    fields=("window", "softcap"),
     defaults="flashtune.families.hopper_bwd:default",
     measure="flashtune.measure_hopper_bwd:OPS",
     compile_check="flashtune.families.hopper_bwd:compile_check",
@@ -28,6 +29,7 @@ FAMILY = Family(
     flops_factor=2.5,
     serves=("bwd",),
     serve_plan="flashtune.launch_hopper_bwd:HopperBwdPlan",
+    serve_masks=("window", "softcap"),
     support="flashtune.families.hopper_bwd:cannot_serve",
     grid="flashtune.families.hopper_bwd:grid",
     interpreter=False,
@@ -94,7 +96,8 @@ def resources(variant, problem, target) -> tuple:
 def compile_check(variant, head_dim: int, dtype: str, causal: bool, tails: bool, cap: int,
                   usage: bool) -> dict:
     """The kernel compiled for `cap` without a GPU, with the launcher's constexprs (tails: GQA 4;
-    the masks are run-time branches, compiled in either way). float32 and head dims other than
+    the causal/tail masks are run-time branches, compiled in either way; a window/softcap
+    variant's bounds and cap are run-time arguments too). float32 and head dims other than
     64/128 have no kernel (the generic bwd serves them)."""
     from ..launch_hopper_bwd import HEAD_DIMS
     if dtype == "float32" or cap < 90 or head_dim not in HEAD_DIMS:
