@@ -99,8 +99,11 @@ def separate_twin(variant: Variant, head_dim: int, dtype: torch.dtype) -> Varian
 
 def call_forced(forced, fn, *args):
     """fn(*args) with `forced` (a variant force()d around the forward, or None) pinned again:
-    dispatch.force() is thread-local, but autograd runs CUDA backwards on its own thread."""
-    if forced is not None and forced is not dispatch.forced_variant():
+    dispatch.force() is thread-local, but autograd runs CUDA backwards on its own thread. A
+    variant forced where the backward runs (force() around it on the CPU's thread, or
+    FLASHTUNE_FORCE_VARIANT) wins: a forward's forced fwd variant otherwise hid a bwd variant
+    forced around the backward, which then ran as dispatched."""
+    if forced is not None and dispatch.forced_variant() is None:
         with dispatch.force(forced):
             return fn(*args)
     return fn(*args)

@@ -48,6 +48,26 @@ def test_pinned_variant_runs(device, monkeypatch):
     assert used and all(u.name == NAME for u in used)
 
 
+def test_a_bwd_variant_forced_around_the_backward_runs(device, monkeypatch):
+    # the fwd variant forced around the forward is carried to the backward (autograd's CUDA
+    # thread does not see force()), but a variant forced where the backward runs wins
+    from flashtune import launch_bwd
+    bwd = "bwd-m16-n32-w4-s1-dq=atomic"
+    ran = []
+    real = launch_bwd.backward
+    monkeypatch.setattr(launch_bwd, "backward", lambda *a, **kw: ran.append(a[8]) or real(*a, **kw))
+    q, k, v = (t.requires_grad_() for t in qkv(1, 2, 1, 40, 50, 32, torch.float16, device))
+    with flashtune.force(NAME):
+        out = flashtune.attention(q, k, v, causal=True)
+    with flashtune.force(bwd):
+        torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
+    assert [r.name for r in ran] == [bwd]
+    with flashtune.force(NAME):  # nothing forced around the backward: dispatched (not NAME)
+        out = flashtune.attention(q, k, v, causal=True)
+    torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
+    assert ran[-1].family == "bwd" and ran[-1].name != bwd
+
+
 @pytest.mark.parametrize("bad,exc,words", [
     ("garbage", ValueError, ["garbage"]),
     ("fwd-m128-n64-w8", ValueError, ["lacks", "num_stages"]),

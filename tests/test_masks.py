@@ -2,7 +2,9 @@
 gradients against the float64 reference, alone and with causal, GQA, odd lengths and Nq != Nk;
 the window arithmetic the kernels share with flashtune/masks.py; that a variant without masks
 renders no mask code (dense kernels unchanged); Bucket keys; bad input."""
+import contextlib
 import dataclasses
+import os
 
 import pytest
 import torch
@@ -22,6 +24,22 @@ BWD = {"atomic": "bwd-m16-n32-w4-s1-dq=atomic",
        "separate": "bwd-m16-n32-w4-s1-dq=separate-mq32-nq16-wq4-sq1"}
 
 
+@contextlib.contextmanager
+def forced_on_every_thread(name):
+    """force() is thread-local and autograd runs CUDA backwards on a thread of its own: the
+    environment variable reaches that one too (ops.call_forced lets it win over the variant the
+    forward was forced to)."""
+    old = os.environ.get("FLASHTUNE_FORCE_VARIANT")
+    os.environ["FLASHTUNE_FORCE_VARIANT"] = name
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["FLASHTUNE_FORCE_VARIANT"]
+        else:
+            os.environ["FLASHTUNE_FORCE_VARIANT"] = old
+
+
 def check(q, k, v, *, grads=True, bwd="atomic", block_mask=None, **kw):
     """flashtune's O (and dQ, dK, dV) against the float64 reference with the same masks."""
     dm = None if block_mask is None else block_mask.to_dense_mask()
@@ -33,7 +51,7 @@ def check(q, k, v, *, grads=True, bwd="atomic", block_mask=None, **kw):
     if not grads:
         return
     do = torch.randn_like(out)
-    with flashtune.force(BWD[bwd]):
+    with flashtune.force(BWD[bwd]), forced_on_every_thread(BWD[bwd]):
         got = torch.autograd.grad(out, xs, do)
 
     def ref_grads(dtype, fn):
