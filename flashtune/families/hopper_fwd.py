@@ -4,12 +4,13 @@ optional ping-pong consumers and a persistent grid. Template attn_hopper_fwd.py.
 shims in flashtune/gluon_compat.py); launched by flashtune/launch_hopper.py (HopperFwdPlan);
 measured by flashtune/measure_hopper.py; space search_spaces/hopper_fwd.json.
 
-It serves forward calls (`serves=("fwd",)`), dense, causal, with a sliding window and/or softcap
-(`serve_masks`: its window/softcap renders; block masks stay with the generic family), and
-competes with the generic fwd family per bucket (dispatch._compete). Where it cannot run -- not
-sm_90, a Triton without Gluon, Triton's interpreter, a head dim other than 64/128/256, float32,
-a block mask -- the dispatcher keeps the generic family and `flashtune.explain` says why
-(`cannot_serve`, Family.mask_fields)."""
+It serves forward calls (`serves=("fwd",)`), dense, causal, with a sliding window, softcap and/or
+a block mask (`serve_masks`: its window/softcap/block_sparse renders), and competes with the
+generic fwd family per bucket (dispatch._compete). Where it cannot run -- not sm_90, a Triton
+without Gluon, Triton's interpreter, a head dim other than 64/128/256, float32 -- the dispatcher
+keeps the generic family and `flashtune.explain` says why (`cannot_serve`, Family.mask_fields);
+where its tiles cannot fit a block mask's block size (`fit_block_mask`), dispatch.mask_twin
+runs the generic fwd default with the masks, and explain says why."""
 from __future__ import annotations
 
 from . import Family
@@ -19,14 +20,15 @@ FAMILY = Family(
     doc="Hopper forward in Gluon: TMA ring + mbarriers, async wgmma, loader warp, ping-pong",
     template="attn_hopper_fwd.py.tmpl",
     kernels=("attn_fwd_hopper",),
-    fields=("pingpong", "persistent", "loader_regs", "window", "softcap"),
+    fields=("pingpong", "persistent", "loader_regs", "window", "softcap", "block_sparse"),
     defaults="flashtune.families.hopper_fwd:default",
     measure="flashtune.measure_hopper:OPS",
     compile_check="flashtune.families.hopper_fwd:compile_check",
     feasibility="flashtune.families.hopper_fwd:resources",
     serves=("fwd",),
     serve_plan="flashtune.launch_hopper:HopperFwdPlan",
-    serve_masks=("window", "softcap"),
+    serve_masks=("window", "softcap", "block_sparse"),
+    fit_block_mask="flashtune.families.hopper_fwd:fit_block_mask",
     heuristic="flashtune.families.hopper_fwd:prefer_for_dense",
     support="flashtune.families.hopper_fwd:cannot_serve",
     interpreter=False,
@@ -82,6 +84,23 @@ def cannot_serve(p) -> str:
     return missing() or unsupported(p.head_dim, torch_dtype(p.dtype))
 
 
+def fit_block_mask(variant, block_mask) -> tuple:
+    """(tile changes, "") fitting `variant` to a block mask's block size, or ({}, why) when its
+    tiles cannot: a tile's query rows (both ping-pong consumers' BLOCK_M) walk one query block's
+    lists, so they must lie in one (TILE_M | BS_Q, powers of two: TILE_M <= BS_Q); the key step
+    divides BS_KV, and is at least 32 (the family's smallest wgmma N)."""
+    bq, bk = block_mask.block_size
+    consumers = 2 if variant.pingpong else 1
+    rows = variant.block_m * consumers
+    if rows > bq:
+        who = f"two ping-pong consumers of {variant.block_m}" if consumers == 2 else "one consumer"
+        return {}, (f"a tile's {rows} query rows ({who}) span more than one of the block mask's "
+                    f"{bq}-row query blocks")
+    if bk < 32:
+        return {}, f"its key step is at least 32 keys, the block mask's key blocks are {bk}"
+    return {"block_n": min(variant.block_n, bk)}, ""
+
+
 def prefer_for_dense(p) -> bool:
     """Until tuned records decide: hopper_fwd where it beat the generic fwd family on the H100's
     standard grid (run 3 of DEFAULTS' data: both timed in one run, plans built once): D=256
@@ -122,11 +141,14 @@ def compile_check(variant, head_dim: int, dtype: str, causal: bool, tails: bool,
                   usage: bool) -> dict:
     """The kernel compiled for `cap` without a GPU, with the launcher's constexprs (tails: GQA 4;
     the causal/tail masks are run-time branches here, compiled in either way; a window/softcap
-    variant's bounds and cap are run-time arguments too). float32 has no kernel."""
+    variant's bounds and cap are run-time arguments too; a block_sparse one takes
+    launch.example_masks' block sizes, at least a tile's rows, with an element mask). float32 has
+    no kernel."""
     if dtype == "float32" or cap < 90:
         return {}
     from ..codegen import load
     from ..codegen.aot import compile_for, tma_tile_type
+    from ..launch import example_masks
     from ..launch_hopper import consumer_regs
 
     def desc(rows):
@@ -137,5 +159,8 @@ def compile_check(variant, head_dim: int, dtype: str, causal: bool, tails: bool,
                   STAGES=variant.num_stages, GROUP=4 if tails else 1, IS_CAUSAL=causal,
                   LOADER_REGS=variant.loader_regs, CONSUMER_REGS=consumer_regs(variant),
                   num_warps=variant.num_warps)
+    consts.update(example_masks(variant, causal))
+    if variant.block_sparse:
+        consts["BS_Q"] = max(consts["BS_Q"], variant.block_m * (2 if variant.pingpong else 1))
     return {"fwd": compile_for(load(variant).attn_fwd_hopper, consts, dtype, variant.num_warps,
                                1, capability=cap, usage=usage, types=types)}
