@@ -88,7 +88,11 @@ def fit_block_mask(variant, block_mask) -> tuple:
     """(tile changes, "") fitting `variant` to a block mask's block size, or ({}, why) when its
     tiles cannot: a tile's query rows (both ping-pong consumers' BLOCK_M) walk one query block's
     lists, so they must lie in one (TILE_M | BS_Q, powers of two: TILE_M <= BS_Q); the key step
-    divides BS_KV, and is at least 32 (the family's smallest wgmma N)."""
+    divides BS_KV, and is at least 32 (the family's smallest wgmma N). With an element mask a
+    step loads a [BLOCK_M, BLOCK_N] tile of it (a pointer per element): at most 32 elements per
+    consumer thread, BLOCK_N <= 1024 * warps / BLOCK_M (sm_90, D=128 bf16, `kernels check`,
+    triton 3.9, 2026-11-23: the no-loader m64-n128 ping-pong and m128-n128-w8 block_sparse
+    renders spill 24 / 32 B with it, none without; every 64-key step is spill-free)."""
     bq, bk = block_mask.block_size
     consumers = 2 if variant.pingpong else 1
     rows = variant.block_m * consumers
@@ -98,7 +102,10 @@ def fit_block_mask(variant, block_mask) -> tuple:
                     f"{bq}-row query blocks")
     if bk < 32:
         return {}, f"its key step is at least 32 keys, the block mask's key blocks are {bk}"
-    return {"block_n": min(variant.block_n, bk)}, ""
+    block_n = min(variant.block_n, bk)
+    if block_mask.mask is not None:
+        block_n = max(32, min(block_n, 1024 * variant.num_warps // variant.block_m))
+    return {"block_n": block_n}, ""
 
 
 def prefer_for_dense(p) -> bool:
