@@ -84,8 +84,8 @@ def test_block_sparse_renders_match_their_signatures(name, masks):
     for w in SPARSE_WORDS:
         assert w in src, (v.name, w)
     # the walk is the lists', never the window's block range, in the loader and the consumers
-    assert "for j in range(kb0, n):" not in src and src.count("_sparse_lists(") == 3 - (
-        "lr" not in name)  # def + consumer (+ loader)
+    assert "for j in range(kb0, n):" not in src
+    assert src.count("_sparse_lists(") == 3  # def, loader, consumer
     assert len(render(v).splitlines()) == len(render(Variant.parse(name)).splitlines())
 
 
@@ -161,7 +161,7 @@ def _random_mask(nq, nk, bs, density, heads=1, elem=False, empty_row=None, seed=
     nqb, nkb = -(-nq // bs[0]), -(-nk // bs[1])
     blocks = torch.rand(1, heads, nqb, nkb, generator=g) < density
     if empty_row is not None:
-        blocks[..., empty_row, :] = False
+        blocks[..., min(empty_row, nqb - 1), :] = False
     m = None
     if elem:  # True, but random bits in about a third of the blocks: full, partial (and dropped)
         m = torch.ones(1, heads, nq, nk, dtype=torch.bool)
@@ -258,9 +258,11 @@ def test_dispatcher_serves_a_block_sparse_call_with_the_hopper_twin(monkeypatch,
     from flashtune.families import hopper_fwd
     monkeypatch.setenv("TRITON_INTERPRET", "0")  # as on a GPU machine (no kernel runs here)
     monkeypatch.setattr(hopper_fwd, "prefer_for_dense", lambda p: True)  # as a tuned record
+    # Gluon does not import where Triton's interpreter was on at import (this CPU run)
+    monkeypatch.setattr(hopper_fwd, "cannot_serve", lambda p: "")
     dispatch.configure(gpu="H100", db=f"sqlite:///{tmp_path}/none.db", tables_dir=tmp_path)
     ex = flashtune.explain(_problem(block_density=0.1, window=1024))
-    assert ex.variant.family == "hopper_fwd" and ex.variant.masks == ("window", "block_sparse")
+    assert ex.variant.family == "hopper_fwd" and ex.variant.masks == ("window", "block_sparse"), str(ex)
     assert any("with the call's masks rendered in" in n for n in ex.notes)
     assert not any("hopper_fwd skipped" in n for n in ex.notes)
 
