@@ -62,6 +62,11 @@ FAMILY = Family(
 # causal or not, bf16 and fp16 (`flashtune kernels check`, triton 3.9, 2026-11-24: the loader
 # schedules at the 168-register cap, no-loader ping-pong at 255, m128-n128-w8-s2 at 199-252);
 # only the no-loader D=256 m64-n64-s2 spills (8 B, softcap causal).
+# The block_sparse renders (128-blocks, element mask on and off) compile spill-free at the
+# 168-register cap for the D=64/128 defaults, causal or not, bf16 and fp16, with window + softcap
+# too, and for m128-n64-w8-s3 / m64-n32 at D=128; the no-loader 128-key steps spill 24 B (ping-pong
+# m64-n128) / 32 B (m128-n128-w8) with an element mask, none without, which fit_block_mask's
+# step limit avoids (`kernels check`, triton 3.9, 2026-11-23).
 DEFAULTS = {
     64: dict(block_m=64, block_n=64, num_warps=4, num_stages=4, pingpong=True),
     128: dict(block_m=64, block_n=64, num_warps=4, num_stages=3, pingpong=True, persistent=True),
