@@ -167,6 +167,15 @@ sys.exit(pytest.main(['-q', '-x', '--tb=long', 'tests/test_transformers_backend.
               timeout ${HOPPERBWDMASKS_TIMEOUT:-150} python3 bench/hopper_mask_bench.py --bwd \
                 --out "$OUT/hopper_bwd_masks.jsonl" ${HOPPERBWDMASKS_ARGS:-} 2>&1 \
                 | tee "$OUT/hopperbwdmasks_bench.log" | tail -40 ;;
+    hopperblocksparse) # hopper_fwd's block_sparse render (issue 11): its forced GPU tests against the
+              # float64 reference (every schedule, 20 compiles), then random 128-blocks at N=4k/16k x
+              # density 10/30/60/100 % (D=128, bf16, B=1, H=16): hopper_fwd forced vs the generic fwd
+              # as dispatched vs compiled Flex, one JSON line per row
+              timeout ${HOPPERBLOCKSPARSE_TESTS_TIMEOUT:-150} python3 -m pytest -q -m gpu \
+                tests/test_hopper_block_sparse.py 2>&1 | tee "$OUT/hopperblocksparse_tests.log" | tail -15
+              timeout ${HOPPERBLOCKSPARSE_TIMEOUT:-120} python3 bench/hopper_sparse_bench.py \
+                --out "$OUT/hopper_sparse.jsonl" ${HOPPERBLOCKSPARSE_ARGS:-} 2>&1 \
+                | tee "$OUT/hopperblocksparse_bench.log" | tail -30 ;;
     sparseprof) # issue 11: where a masked fwd+bwd spends its time (torch.profiler kernel table: no mask,
               # block masks 100% and 10%, window 1024, Flex on the 100% mask; N=4k, D=128, bf16)
               timeout ${SPARSEPROF_TIMEOUT:-180} python3 bench/sparse_profile.py --out "$OUT/sparse_profile.jsonl" \

@@ -186,17 +186,33 @@ def mask_twin(variant: Variant, masks, head_dim: int, dtype, family: str | None 
     """`variant` rendered with the mask code `masks` needs (window, softcap, block_sparse), its
     tiles fitted to a block mask's block size (BLOCK_M | BS_Q, BLOCK_N | BS_KV), for a call of
     `family` (None: the variant's own). A variant whose family cannot render the masks for that
-    call (Family.mask_fields: splitkv serving a dense forward takes none, hopper_fwd no block
-    mask) gives way to the built-in default of the call's family."""
-    from .families import get
-    want = masks.structure
+    call (Family.mask_fields: splitkv serving a dense forward takes none) or fit its tiles to the
+    block mask (Family.fit_block_mask: hopper_fwd's ping-pong tile over 64-row query blocks)
+    gives way to the built-in default of the call's family."""
     family = family or variant.family
-    takes = get(variant.family).mask_fields(family)
-    if any(on and name not in takes for name, on in want.items()):
-        variant = default_variant(family, head_dim, dtype_name(dtype))
+    twin, _ = mask_fit(variant, masks, family)
+    if twin is None:
+        twin, _ = mask_fit(default_variant(family, head_dim, dtype_name(dtype)), masks, family)
+    return twin
+
+
+def mask_fit(variant: Variant, masks, family: str) -> tuple:
+    """(`variant` with the masks rendered in and its tiles fitted, "") or (None, why its family
+    cannot, for a call of `family`): mask_twin's rule, and explain()'s reason."""
+    from .families import get
+    fam = get(variant.family)
+    want = masks.structure
+    takes = fam.mask_fields(family)
+    lacks = [name for name, on in want.items() if on and name not in takes]
+    if lacks:
+        return None, f"{variant.family} renders no {' or '.join(lacks)} mask for {family} calls"
     bm = masks.block_mask
     tiles = {}
-    if bm is not None:
+    if bm is not None and fam.fit_block_mask:
+        tiles, why = fam.fit_tiles(variant, bm)
+        if why:
+            return None, f"{variant.family} cannot fit its tiles to the block mask: {why}"
+    elif bm is not None:
         bq, bk = bm.block_size
         tiles = dict(block_m=min(variant.block_m, bq), block_n=min(variant.block_n, bk))
         if variant.block_m2:
@@ -214,7 +230,7 @@ def mask_twin(variant: Variant, masks, head_dim: int, dtype, family: str | None 
                                             variant.num_warps2)
             else:
                 tiles["block_n"] = fit(tiles["block_n"], tiles["block_m"], variant.num_warps)
-    return _twin(variant, tuple(sorted({**want, **tiles}.items())))
+    return _twin(variant, tuple(sorted({**want, **tiles}.items()))), ""
 
 
 @lru_cache(maxsize=1024)
@@ -348,14 +364,11 @@ def _masks_rendered(ex: Explanation, masks) -> Explanation:
     from .problem import torch_dtype
     p = ex.problem
     ran = mask_twin(ex.variant, masks, p.head_dim, torch_dtype(p.dtype), p.family)
-    if ran.family == ex.variant.family:
+    _, why = mask_fit(ex.variant, masks, p.family)
+    if not why:
         note = f"runs {ran.name}: {ex.variant.name} with the call's masks rendered in"
     else:
-        from .families import get
-        takes = get(ex.variant.family).mask_fields(p.family)
-        lacks = [m for m, on in masks.structure.items() if on and m not in takes]
-        note = (f"runs {ran.name}: {ex.variant.family} renders no {' or '.join(lacks)} mask "
-                f"for {p.family} calls, so the {p.family} default with the masks")
+        note = f"runs {ran.name}: {why}, so the {p.family} default with the masks"
     return dataclasses.replace(ex, variant=ran, notes=ex.notes + (note,))
 
 

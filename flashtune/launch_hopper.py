@@ -11,7 +11,7 @@ import torch
 import triton
 
 from .codegen import Variant, load
-from .launch import check_mask_variant, mask_args
+from .launch import check_mask_variant, mask_args, mask_params
 from .masks import NONE, Masks
 
 HEAD_DIMS = (64, 128, 256)
@@ -79,7 +79,8 @@ def _sm_count(device: torch.device) -> int:
 
 class HopperFwdPlan:
     """One hopper_fwd launch fixed by the call's shapes, strides, dtype, causal, scale and masks
-    (window / softcap: the variant must render exactly those, dispatch.mask_twin);
+    (window / softcap / block mask: the variant must render exactly those, its tiles fitted to
+    the block mask, dispatch.mask_twin);
     run(q, k, v) -> (O like q, LSE (B, H, Nq) float32), as launch.FwdPlan. `descriptor` is False:
     this plan checks the base addresses itself (ops.run_forward would otherwise swap the variant
     for a pointer twin, which this family has not)."""
@@ -90,10 +91,13 @@ class HopperFwdPlan:
     def __init__(self, q, k, v, causal: bool, scale: float | None, variant: Variant,
                  masks: Masks = NONE):
         b, h, nq, d = q.shape
-        if masks.block_mask is not None:
-            raise ValueError(f"{variant.name}: hopper_fwd takes no block_mask (its kernels render "
-                             "window and softcap only; the generic fwd family serves block masks)")
         check_mask_variant(variant, masks)
+        if masks.block_mask is not None:
+            from .families.hopper_fwd import fit_block_mask
+            _, why = fit_block_mask(variant, masks.block_mask)
+            if why:  # a tile walking two query blocks' lists would compute the wrong keys
+                raise ValueError(f"{variant.name}: {why} (dispatch.mask_twin gives such a call "
+                                 "the generic fwd default)")
         if not variant.loader_regs and variant.num_stages < 2:
             # the consumer that loads refills a stage only after handing it back: one stage
             # would wait on itself (a hang, not an error), so refuse it before any launch
@@ -109,7 +113,8 @@ class HopperFwdPlan:
         if self.why:
             self.fallback = _generic_plan(q, k, v, causal, scale, masks)
             return
-        # the window's bounds (causal: its right edge 0) and the softcap, after sm_scale
+        # the window's bounds (causal: its right edge 0), the softcap, the block mask's lists and
+        # element mask, after sm_scale
         self.mask_args = mask_args(masks, causal, "q", b, h)
         from triton.experimental.gluon import language as gl
         gdt = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
@@ -125,7 +130,7 @@ class HopperFwdPlan:
         self.consts = dict(HEAD_DIM=d, BLOCK_M=variant.block_m, BLOCK_N=variant.block_n,
                            STAGES=variant.num_stages, GROUP=h // k.shape[1], IS_CAUSAL=causal,
                            LOADER_REGS=variant.loader_regs, CONSUMER_REGS=consumer_regs(variant),
-                           num_warps=variant.num_warps)
+                           num_warps=variant.num_warps, **mask_params(masks))
 
     def run(self, q, k, v):
         if self.fallback is not None:
@@ -166,5 +171,6 @@ def _generic_plan(q, k, v, causal: bool, scale, masks: Masks = NONE):
 
 def forward(q, k, v, causal: bool, scale: float | None, variant: Variant, masks: Masks = NONE):
     """Run a hopper_fwd variant: O (q's dtype and layout) and LSE (float32, (B, H, Nq)); masks:
-    the call's window / softcap (validated, flashtune/masks.py), rendered in `variant`."""
+    the call's window / softcap / block mask (validated, flashtune/masks.py), rendered in
+    `variant`."""
     return HopperFwdPlan(q, k, v, causal, scale, variant, masks).run(q, k, v)

@@ -21,7 +21,7 @@ class HopperFwdOps(FwdOps):
         return int(r["fwd"]["smem"]) if r else 0
 
     def run(self, variant, p: Problem, inputs):
-        q, k, v = inputs  # a masked problem: its representative window / softcap, as FwdOps
+        q, k, v = inputs  # a masked problem: its representative window / softcap / block mask
         return launch_hopper.forward(q, k, v, p.causal, None, variant,
                                      representative(p, q.device.type))[0]
 

@@ -184,12 +184,13 @@ def test_block_schedule_covers_each_row_exactly(bm, bn, consumers, nq, nk, windo
 
 # -- CPU: variants, plans, dispatch ---------------------------------------------------------------
 
-def test_window_and_softcap_are_fields_block_masks_are_not():
-    assert {"window", "softcap"} <= set(FAM.fields) and "block_sparse" not in FAM.fields
+def test_window_and_softcap_are_fields():
+    # (block_sparse too: tests/test_hopper_block_sparse.py)
+    assert {"window", "softcap"} <= set(FAM.fields)
     v = Variant.parse("hopper_fwd-m64-n64-w4-s3-pingpong=true-lr24-window=true-softcap=true")
     assert v.masks == ("window", "softcap") and Variant.parse(v.name) == v
-    with pytest.raises(ValueError, match="block_sparse"):
-        Variant.parse("hopper_fwd-m64-n64-w4-s3-pingpong=true-lr24-block_sparse=true")
+    with pytest.raises(ValueError, match="varlen"):
+        Variant.parse("hopper_fwd-m64-n64-w4-s3-pingpong=true-lr24-varlen=true")
 
 
 def test_plan_refuses_a_variant_that_does_not_render_the_calls_masks():
@@ -205,7 +206,7 @@ def test_plan_refuses_a_variant_that_does_not_render_the_calls_masks():
     with pytest.raises(ValueError, match="carries masks"):
         HopperFwdPlan(q, k, v, False, None, win, Masks((4, 4), 30.0))
     bm = BlockMask.from_dense(torch.ones(1, 1, dtype=torch.bool), (64, 64), block_size=64)
-    with pytest.raises(ValueError, match="block_mask"):
+    with pytest.raises(ValueError, match="carries masks"):  # a block mask needs block_sparse
         HopperFwdPlan(q, k, v, False, None, win, Masks((4, 4), None, bm))
     one_stage = Variant.parse("hopper_fwd-m64-n64-w4-s1-window=true")
     with pytest.raises(ValueError, match="needs num_stages >= 2"):
@@ -219,7 +220,7 @@ def test_mask_twin_follows_the_family_registry():
     assert twin == dataclasses.replace(hv, window=True, softcap=True)
     bm = BlockMask.from_dense(torch.ones(1, 1, dtype=torch.bool), (128, 128), block_size=128)
     sparse = dispatch.mask_twin(hv, Masks(None, None, bm), 128, torch.bfloat16, "fwd")
-    assert sparse.family == "fwd" and sparse.block_sparse  # hopper renders no block mask
+    assert sparse == dataclasses.replace(hv, block_sparse=True)  # its tiles fit 128-blocks
     sk = Variant.parse("splitkv-m64-n64-w4-s3")  # serving a dense forward: no masks there
     assert dispatch.mask_twin(sk, Masks((8, 8)), 128, torch.bfloat16, "fwd").family == "fwd"
 
@@ -237,16 +238,15 @@ def test_dispatcher_serves_a_masked_call_with_the_hopper_twin(monkeypatch, tmp_p
     from flashtune.families import hopper_fwd
     monkeypatch.setenv("TRITON_INTERPRET", "0")  # as on a GPU machine (no kernel runs here)
     monkeypatch.setattr(hopper_fwd, "prefer_for_dense", lambda p: True)
+    # Gluon does not import where Triton's interpreter was on at import (a CPU test run)
+    monkeypatch.setattr(hopper_fwd, "cannot_serve", lambda p: "")
     dispatch.configure(gpu="H100", db=f"sqlite:///{tmp_path}/none.db", tables_dir=tmp_path)
     ex = flashtune.explain(_masked(window=1024, softcap=True))
     assert ex.variant.family == "hopper_fwd" and ex.variant.masks == ("window", "softcap")
     assert any("with the call's masks rendered in" in n for n in ex.notes)
-    # a block mask: hopper_fwd cannot render it, the generic family serves, and explain says so
+    # a block mask: hopper_fwd renders it too (tests/test_hopper_block_sparse.py); splitkv not
     ex = flashtune.explain(_masked(window=1024, block_density=0.1))
-    assert ex.variant.family == "fwd" and ex.variant.block_sparse
-    notes = "\n".join(ex.notes)
-    assert "hopper_fwd skipped: its kernels take no block_sparse mask" in notes
-    assert "splitkv skipped: its kernels take no window or block_sparse mask" in notes
+    assert ex.variant.family == "hopper_fwd" and ex.variant.masks == ("window", "block_sparse")
 
 
 def test_explain_of_a_forced_variant_on_a_masked_call_names_the_twin():

@@ -59,6 +59,11 @@ class Family:
     # dispatch.mask_twin renders them in; a served call with others runs the served family's
     # default (its own calls take those among `fields`)
     serve_masks: tuple = ()
+    # "module:fn": (variant, BlockMask) -> (tile changes, "") fitting its variants to a block
+    # mask's block size, or ({}, why) where they cannot (dispatch.mask_twin then runs the call's
+    # family default); "" = the generic rule in dispatch.mask_twin (BLOCK_M | BS_Q,
+    # BLOCK_N | BS_KV, the element mask's tile limit)
+    fit_block_mask: str = ""
     heuristic: str = ""
     interpreter: bool = True        # runs in Triton's interpreter (CPU tests)
     min_capability: int = 80        # sm_XX the template needs
@@ -117,6 +122,10 @@ class Family:
     def mask_fields(self, family: str) -> tuple:
         """The masks its variants can render for a call of `family` (its own or a served one)."""
         return self.fields if family == self.name else self.serve_masks
+
+    def fit_tiles(self, variant, block_mask) -> tuple:
+        """(tile changes, why not) of `variant` for a block mask (fit_block_mask)."""
+        return _resolve(self.fit_block_mask)(variant, block_mask)
 
     def adapt_to(self, variant, measured_on, asked):
         """(variant, note) to run for bucket `asked` from a record measured on another bucket."""

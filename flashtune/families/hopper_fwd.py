@@ -4,12 +4,13 @@ optional ping-pong consumers and a persistent grid. Template attn_hopper_fwd.py.
 shims in flashtune/gluon_compat.py); launched by flashtune/launch_hopper.py (HopperFwdPlan);
 measured by flashtune/measure_hopper.py; space search_spaces/hopper_fwd.json.
 
-It serves forward calls (`serves=("fwd",)`), dense, causal, with a sliding window and/or softcap
-(`serve_masks`: its window/softcap renders; block masks stay with the generic family), and
-competes with the generic fwd family per bucket (dispatch._compete). Where it cannot run -- not
-sm_90, a Triton without Gluon, Triton's interpreter, a head dim other than 64/128/256, float32,
-a block mask -- the dispatcher keeps the generic family and `flashtune.explain` says why
-(`cannot_serve`, Family.mask_fields)."""
+It serves forward calls (`serves=("fwd",)`), dense, causal, with a sliding window, softcap and/or
+a block mask (`serve_masks`: its window/softcap/block_sparse renders), and competes with the
+generic fwd family per bucket (dispatch._compete). Where it cannot run -- not sm_90, a Triton
+without Gluon, Triton's interpreter, a head dim other than 64/128/256, float32 -- the dispatcher
+keeps the generic family and `flashtune.explain` says why (`cannot_serve`, Family.mask_fields);
+where its tiles cannot fit a block mask's block size (`fit_block_mask`), dispatch.mask_twin
+runs the generic fwd default with the masks, and explain says why."""
 from __future__ import annotations
 
 from . import Family
@@ -19,14 +20,15 @@ FAMILY = Family(
     doc="Hopper forward in Gluon: TMA ring + mbarriers, async wgmma, loader warp, ping-pong",
     template="attn_hopper_fwd.py.tmpl",
     kernels=("attn_fwd_hopper",),
-    fields=("pingpong", "persistent", "loader_regs", "window", "softcap"),
+    fields=("pingpong", "persistent", "loader_regs", "window", "softcap", "block_sparse"),
     defaults="flashtune.families.hopper_fwd:default",
     measure="flashtune.measure_hopper:OPS",
     compile_check="flashtune.families.hopper_fwd:compile_check",
     feasibility="flashtune.families.hopper_fwd:resources",
     serves=("fwd",),
     serve_plan="flashtune.launch_hopper:HopperFwdPlan",
-    serve_masks=("window", "softcap"),
+    serve_masks=("window", "softcap", "block_sparse"),
+    fit_block_mask="flashtune.families.hopper_fwd:fit_block_mask",
     heuristic="flashtune.families.hopper_fwd:prefer_for_dense",
     support="flashtune.families.hopper_fwd:cannot_serve",
     interpreter=False,
@@ -60,6 +62,11 @@ FAMILY = Family(
 # causal or not, bf16 and fp16 (`flashtune kernels check`, triton 3.9, 2026-11-24: the loader
 # schedules at the 168-register cap, no-loader ping-pong at 255, m128-n128-w8-s2 at 199-252);
 # only the no-loader D=256 m64-n64-s2 spills (8 B, softcap causal).
+# The block_sparse renders (128-blocks, element mask on and off) compile spill-free at the
+# 168-register cap for the D=64/128 defaults, causal or not, bf16 and fp16, with window + softcap
+# too, and for m128-n64-w8-s3 / m64-n32 at D=128; the no-loader 128-key steps spill 24 B (ping-pong
+# m64-n128) / 32 B (m128-n128-w8) with an element mask, none without, which fit_block_mask's
+# step limit avoids (`kernels check`, triton 3.9, 2026-11-23).
 DEFAULTS = {
     64: dict(block_m=64, block_n=64, num_warps=4, num_stages=4, pingpong=True),
     128: dict(block_m=64, block_n=64, num_warps=4, num_stages=3, pingpong=True, persistent=True),
@@ -80,6 +87,30 @@ def cannot_serve(p) -> str:
     from ..launch_hopper import unsupported
     from ..problem import torch_dtype
     return missing() or unsupported(p.head_dim, torch_dtype(p.dtype))
+
+
+def fit_block_mask(variant, block_mask) -> tuple:
+    """(tile changes, "") fitting `variant` to a block mask's block size, or ({}, why) when its
+    tiles cannot: a tile's query rows (both ping-pong consumers' BLOCK_M) walk one query block's
+    lists, so they must lie in one (TILE_M | BS_Q, powers of two: TILE_M <= BS_Q); the key step
+    divides BS_KV, and is at least 32 (the family's smallest wgmma N). With an element mask a
+    step loads a [BLOCK_M, BLOCK_N] tile of it (a pointer per element): at most 32 elements per
+    consumer thread, BLOCK_N <= 1024 * warps / BLOCK_M (sm_90, D=128 bf16, `kernels check`,
+    triton 3.9, 2026-11-23: the no-loader m64-n128 ping-pong and m128-n128-w8 block_sparse
+    renders spill 24 / 32 B with it, none without; every 64-key step is spill-free)."""
+    bq, bk = block_mask.block_size
+    consumers = 2 if variant.pingpong else 1
+    rows = variant.block_m * consumers
+    if rows > bq:
+        who = f"two ping-pong consumers of {variant.block_m}" if consumers == 2 else "one consumer"
+        return {}, (f"a tile's {rows} query rows ({who}) span more than one of the block mask's "
+                    f"{bq}-row query blocks")
+    if bk < 32:
+        return {}, f"its key step is at least 32 keys, the block mask's key blocks are {bk}"
+    block_n = min(variant.block_n, bk)
+    if block_mask.mask is not None:
+        block_n = max(32, min(block_n, 1024 * variant.num_warps // variant.block_m))
+    return {"block_n": block_n}, ""
 
 
 def prefer_for_dense(p) -> bool:
@@ -122,11 +153,14 @@ def compile_check(variant, head_dim: int, dtype: str, causal: bool, tails: bool,
                   usage: bool) -> dict:
     """The kernel compiled for `cap` without a GPU, with the launcher's constexprs (tails: GQA 4;
     the causal/tail masks are run-time branches here, compiled in either way; a window/softcap
-    variant's bounds and cap are run-time arguments too). float32 has no kernel."""
+    variant's bounds and cap are run-time arguments too; a block_sparse one takes
+    launch.example_masks' block sizes, at least a tile's rows, with an element mask). float32 has
+    no kernel."""
     if dtype == "float32" or cap < 90:
         return {}
     from ..codegen import load
     from ..codegen.aot import compile_for, tma_tile_type
+    from ..launch import example_masks
     from ..launch_hopper import consumer_regs
 
     def desc(rows):
@@ -137,5 +171,8 @@ def compile_check(variant, head_dim: int, dtype: str, causal: bool, tails: bool,
                   STAGES=variant.num_stages, GROUP=4 if tails else 1, IS_CAUSAL=causal,
                   LOADER_REGS=variant.loader_regs, CONSUMER_REGS=consumer_regs(variant),
                   num_warps=variant.num_warps)
+    consts.update(example_masks(variant, causal))
+    if variant.block_sparse:
+        consts["BS_Q"] = max(consts["BS_Q"], variant.block_m * (2 if variant.pingpong else 1))
     return {"fwd": compile_for(load(variant).attn_fwd_hopper, consts, dtype, variant.num_warps,
                                1, capability=cap, usage=usage, types=types)}

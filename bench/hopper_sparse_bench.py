@@ -1,0 +1,153 @@
+"""hopper_fwd's block-sparse render on the GPU (issue 11): a random 128 x 128 block pattern (the
+diagonal kept, mask_bench.random_blocks) at several densities, timed for the Hopper Gluon family
+forced (its D=128 default), the generic fwd family as dispatched for the block-sparse call
+(explain() names its variant in each row), and FlexAttention (torch.compile'd flex_attention,
+create_block_mask of a mask_mod reading the same pattern: every kept block full, as flashtune's).
+
+    python3 bench/hopper_sparse_bench.py             # N=4k,16k x density 10,30,60,100 %, D=128,
+                                                     # bf16, B=1, H=16 (STEPS=hopperblocksparse)
+    TRITON_INTERPRET=1 python3 bench/hopper_sparse_bench.py --smoke   # CPU: imports, rows, table
+
+One JSON line per (N, density, impl) to $OUT/hopper_sparse.jsonl (--out): ms (median of
+do_bench, L2 flushed), TFLOP/s = 4*B*H*D*(kept blocks' pairs) / t, the variant that ran, max
+|O - O_fwd| against the generic family's output (a sanity check; the tests hold every kernel to the
+float64 reference). Per N a dense row (no mask, each family forced or dispatched) sets the
+"x dense" column. A table and the geomean ratios (hopper / fwd, hopper / flex) per N close it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+
+import flashtune  # noqa: E402
+from mask_bench import bench_ms, flex_fn, random_blocks  # noqa: E402
+
+HOPPER = "hopper_fwd-m64-n64-w4-s3-pingpong=true-persistent=true-lr24"  # the D=128 default
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--n", default="4096,16384", help="sequence lengths (Nq = Nk)")
+    ap.add_argument("--densities", default="10,30,60,100", help="percent of 128 x 128 blocks kept")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--hopper", default=HOPPER, help="the hopper_fwd variant forced")
+    ap.add_argument("--no-flex", action="store_true")
+    ap.add_argument("--smoke", action="store_true",
+                    help="CPU smoke run (TRITON_INTERPRET=1): N=256, D=64, H=2, density 50")
+    ap.add_argument("--out", default=None, help="JSON lines (default $OUT/hopper_sparse.jsonl)")
+    args = ap.parse_args(argv)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.smoke:
+        args.n, args.densities, args.heads, args.head_dim, args.no_flex = "256", "50", 2, 64, True
+    dt = torch.bfloat16 if dev == "cuda" else torch.float32
+    out_path = args.out or os.path.join(os.environ.get("OUT", "bench_out"), "hopper_sparse.jsonl")
+    Path(out_path).parent.mkdir(parents=True, exist_ok=True)
+    f = open(out_path, "w")
+    env = dict(kind="env", torch=torch.__version__,
+               device=torch.cuda.get_device_name() if dev == "cuda" else "cpu",
+               B=args.batch, H=args.heads, D=args.head_dim, dtype=str(dt)[6:], hopper=args.hopper)
+    try:
+        import triton
+        env["triton"] = triton.__version__
+    except ImportError:
+        pass
+    f.write(json.dumps(env) + "\n")
+    print(json.dumps(env), flush=True)
+    rows = []
+    b, h, d = args.batch, args.heads, args.head_dim
+
+    def forced(kw):
+        def run(q, k, v):
+            with flashtune.force(args.hopper):
+                return flashtune.attention(q, k, v, **kw)
+        return run
+
+    for n in (int(x) for x in args.n.split(",")):
+        q, k, v = (torch.randn(b, h, n, d, device=dev, dtype=dt) for _ in range(3))
+        nb = -(-n // 128)
+        blocks_now = torch.zeros(nb, nb, dtype=torch.bool, device=dev)  # Flex's mask_mod reads it
+
+        def kept(bb, hh, qi, ki):
+            return blocks_now[qi // 128, ki // 128]
+        for pct in ["dense"] + [int(p) for p in args.densities.split(",")]:
+            kw, pairs = {}, float(n * n)
+            if pct != "dense":
+                blocks = random_blocks(nb, pct / 100, seed=pct).to(dev)
+                bm = flashtune.BlockMask.from_dense(blocks, (n, n), block_size=128)
+                kw, pairs = dict(block_mask=bm), bm.density() * n * n
+            impls = {"fwd": lambda q, k, v, kw=kw: flashtune.attention(q, k, v, **kw),
+                     "hopper": forced(kw)}
+            if not args.no_flex and pct != "dense":
+                try:
+                    from torch.nn.attention.flex_attention import create_block_mask
+                    blocks_now.copy_(blocks)
+                    fbm = create_block_mask(kept, None, None, n, n, device=dev, BLOCK_SIZE=128)
+                    impls["flex"] = flex_fn(fbm)
+                except Exception as e:  # noqa: BLE001 -- no Flex here: rows without it
+                    print(f"flex N={n} {pct}%: {e!r}", flush=True)
+            base = None
+            for impl, fn in impls.items():
+                row = dict(kind="density", N=n, density=pct, impl=impl)
+                try:
+                    with torch.no_grad():
+                        o = fn(q, k, v)
+                        if impl == "fwd":
+                            base = o
+                            row["variant"] = flashtune.explain(q, k, v, **kw).variant.name
+                        elif impl == "hopper":
+                            with flashtune.force(args.hopper):
+                                row["variant"] = flashtune.explain(q, k, v, **kw).variant.name
+                        else:
+                            row["variant"] = "flex_attention (compiled)"
+                        if base is not None:
+                            row["maxdiff_vs_fwd"] = float((o.float() - base.float()).abs().max())
+                        ms = bench_ms(lambda: fn(q, k, v))
+                except Exception as e:  # noqa: BLE001 -- a failing impl is a row with why
+                    row["error"] = repr(e)[:300]
+                else:
+                    row.update(ms=ms, tflops=4.0 * b * h * d * pairs / ms / 1e9)
+                rows.append(row)
+                f.write(json.dumps(row) + "\n")
+                f.flush()
+                print(json.dumps(row), flush=True)
+    f.close()
+    _table(rows)
+    return 0
+
+
+def _table(rows) -> None:
+    dense = {(r["N"], r["impl"]): r["ms"] for r in rows if r["density"] == "dense" and "ms" in r}
+    print(f"\n{'N':>6} {'dens%':>6} {'impl':8} {'ms':>8} {'TFLOP/s':>8} {'x dense':>8}  variant")
+    for r in rows:
+        if "ms" not in r:
+            print(f"{r['N']:6} {str(r['density']):>6} {r['impl']:8} error "
+                  f"{r.get('error', '')[:60]}")
+            continue
+        ref = dense.get((r["N"], r["impl"])) or dense.get((r["N"], "fwd"))
+        x = f"{r['ms'] / ref:8.3f}" if ref else f"{'':8}"
+        print(f"{r['N']:6} {str(r['density']):>6} {r['impl']:8} {r['ms']:8.3f} "
+              f"{r['tflops']:8.1f} {x}  {r.get('variant', '')}")
+    by = {(r["N"], r["density"], r["impl"]): r["ms"] for r in rows
+          if "ms" in r and r["density"] != "dense"}
+    for n in sorted({r["N"] for r in rows}):
+        for peer in ("fwd", "flex"):
+            xs = [by[(n, p, peer)] / by[(n, p, "hopper")] for (nn, p, i) in by
+                  if nn == n and i == "hopper" and (n, p, peer) in by]
+            if xs:
+                g = math.exp(sum(map(math.log, xs)) / len(xs))
+                print(f"N={n}: hopper speed / {peer}: geomean {g:.3f}x over {len(xs)} densities")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
