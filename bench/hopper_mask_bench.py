@@ -36,11 +36,13 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 
 import flashtune  # noqa: E402
 from flashtune.masks import window_keys  # noqa: E402
+from mask_bench import bench_ms  # noqa: E402
 
 # the D=128 default (ping-pong, persistent, loader warp) and the no-loader ping-pong with 128-key
 # steps (spill-free at D=128 with a window and softcap: `flashtune kernels check`)
@@ -50,17 +52,6 @@ HOPPER = {"hopper": "hopper_fwd-m64-n64-w4-s3-pingpong=true-persistent=true-lr24
 # with 64 keys (fewer spills with a window or softcap at D=128: `flashtune kernels check`)
 HOPPER_BWD = {"hopper_bwd": "hopper_bwd-m64-n128-w8-s2",
               "hopper_bwd_w4": "hopper_bwd-m64-n64-w4-s2"}
-
-
-def bench_ms(fn) -> float:
-    if not torch.cuda.is_available():  # a smoke run in Triton's interpreter: one timed call
-        import time
-        fn()
-        t = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t) * 1e3
-    import triton
-    return triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median")
 
 
 class Flex:
@@ -110,19 +101,7 @@ def main(argv=None) -> int:
     out_path = args.out or os.path.join(os.environ.get("OUT", "bench_out"),
                                         "hopper_bwd_masks.jsonl" if args.bwd else
                                         "hopper_masks.jsonl")
-    Path(out_path).parent.mkdir(parents=True, exist_ok=True)
-    f = open(out_path, "w")
-    env = dict(kind="env", torch=torch.__version__,
-               device=torch.cuda.get_device_name() if dev == "cuda" else "cpu",
-               B=args.batch, H=args.heads, D=args.head_dim, dtype=str(dt)[6:],
-               softcap=args.softcap, bwd=args.bwd)
-    try:
-        import triton
-        env["triton"] = triton.__version__
-    except ImportError:
-        pass
-    f.write(json.dumps(env) + "\n")
-    print(json.dumps(env), flush=True)
+    f = open_rows(out_path, dev, dt, args, softcap=args.softcap, bwd=args.bwd)
     rows = []
     b, h, d = args.batch, args.heads, args.head_dim
     for n in (int(x) for x in args.n.split(",")):
@@ -151,34 +130,71 @@ def main(argv=None) -> int:
                                      flex.call(n, w, dev, args.softcap))
                 except Exception as e:  # noqa: BLE001
                     print(f"flex N={n} W={w}: {e!r}", flush=True)
-            base = None
-            for impl, (variant, fn) in impls.items():
-                row = dict(kind="window", N=n, W=w, impl=impl, causal=True, softcap=args.softcap)
-                try:
-                    with torch.no_grad():
-                        o = fn(q, k, v)
-                        if impl == "fwd":
-                            base = o
-                            variant = flashtune.explain(q, k, v, **kw).variant.name
-                        elif variant in HOPPER.values():
-                            with flashtune.force(variant):
-                                variant = flashtune.explain(q, k, v, **kw).variant.name
-                        row["variant"] = variant
-                        if base is not None:
-                            row["maxdiff_vs_fwd"] = float((o.float() - base.float()).abs().max())
-                        ms = bench_ms(lambda: fn(q, k, v))
-                except Exception as e:  # noqa: BLE001 -- a failing impl is a row with why
-                    row["error"] = repr(e)[:300]
-                else:
-                    row.update(ms=ms, tflops=4.0 * b * h * d * pairs / ms / 1e9)
-                rows.append(row)
-                f.write(json.dumps(row) + "\n")
-                f.flush()
-                print(json.dumps(row), flush=True)
+            rows += forward_rows(f, q, k, v, kw, impls, pairs, kind="window", N=n, W=w,
+                                 causal=True, softcap=args.softcap)
     f.close()
     _table(rows, HOPPER_BWD if args.bwd else HOPPER, ("bwd", "flex") if args.bwd else
            ("fwd", "flex"))
     return 0
+
+
+def open_rows(path: str, dev: str, dt, args, **env):
+    """The JSON-lines file, opened with its first line: device, versions, shapes (+ env)."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    f = open(path, "w")
+    head = dict(kind="env", torch=torch.__version__,
+                device=torch.cuda.get_device_name() if dev == "cuda" else "cpu",
+                B=args.batch, H=args.heads, D=args.head_dim, dtype=str(dt)[6:], **env)
+    try:
+        import triton
+        head["triton"] = triton.__version__
+    except ImportError:
+        pass
+    f.write(json.dumps(head) + "\n")
+    print(json.dumps(head), flush=True)
+    return f
+
+
+def forward_rows(f, q, k, v, kw: dict, impls: dict, pairs: float, **fields) -> list:
+    """One row per impl of a forward at one mask (fields name it), each written to f and printed
+    as it is measured. impls: {name: (what, fn)}, what None for the generic fwd as dispatched (the
+    row the others are compared to), a flashtune variant name fn forces (the row names the masked
+    twin that ran), or a peer's label. TFLOP/s from the `pairs` the mask keeps."""
+    from flashtune.codegen import Variant
+    b, h, _, d = q.shape
+    rows, base = [], None
+    for impl, (what, fn) in impls.items():
+        row = dict(fields, impl=impl)
+        try:
+            with torch.no_grad():
+                o = fn(q, k, v)
+                if what is None:
+                    base = o
+                    what = flashtune.explain(q, k, v, **kw).variant.name
+                elif _is_variant(what, Variant):
+                    with flashtune.force(what):
+                        what = flashtune.explain(q, k, v, **kw).variant.name
+                row["variant"] = what
+                if base is not None:
+                    row["maxdiff_vs_fwd"] = float((o.float() - base.float()).abs().max())
+                ms = bench_ms(lambda: fn(q, k, v))
+        except Exception as e:  # noqa: BLE001 -- a failing impl is a row with why
+            row["error"] = repr(e)[:300]
+        else:
+            row.update(ms=ms, tflops=4.0 * b * h * d * pairs / ms / 1e9)
+        rows.append(row)
+        f.write(json.dumps(row) + "\n")
+        f.flush()
+        print(json.dumps(row), flush=True)
+    return rows
+
+
+def _is_variant(text: str, variant_cls) -> bool:
+    try:
+        variant_cls.parse(text)
+    except ValueError:
+        return False
+    return True
 
 
 def _bwd_rows(f, q, k, v, n, w, kw, flex, dev, args) -> list:

@@ -17,7 +17,6 @@ float64 reference). Per N a dense row (no mask, each family forced or dispatched
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
@@ -29,7 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 
 import flashtune  # noqa: E402
-from mask_bench import bench_ms, flex_fn, random_blocks  # noqa: E402
+from hopper_mask_bench import forward_rows, open_rows  # noqa: E402
+from mask_bench import flex_fn, random_blocks  # noqa: E402
 
 HOPPER = "hopper_fwd-m64-n64-w4-s3-pingpong=true-persistent=true-lr24"  # the D=128 default
 
@@ -52,18 +52,7 @@ def main(argv=None) -> int:
         args.n, args.densities, args.heads, args.head_dim, args.no_flex = "256", "50", 2, 64, True
     dt = torch.bfloat16 if dev == "cuda" else torch.float32
     out_path = args.out or os.path.join(os.environ.get("OUT", "bench_out"), "hopper_sparse.jsonl")
-    Path(out_path).parent.mkdir(parents=True, exist_ok=True)
-    f = open(out_path, "w")
-    env = dict(kind="env", torch=torch.__version__,
-               device=torch.cuda.get_device_name() if dev == "cuda" else "cpu",
-               B=args.batch, H=args.heads, D=args.head_dim, dtype=str(dt)[6:], hopper=args.hopper)
-    try:
-        import triton
-        env["triton"] = triton.__version__
-    except ImportError:
-        pass
-    f.write(json.dumps(env) + "\n")
-    print(json.dumps(env), flush=True)
+    f = open_rows(out_path, dev, dt, args, hopper=args.hopper)
     rows = []
     b, h, d = args.batch, args.heads, args.head_dim
 
@@ -86,41 +75,17 @@ def main(argv=None) -> int:
                 blocks = random_blocks(nb, pct / 100, seed=pct).to(dev)
                 bm = flashtune.BlockMask.from_dense(blocks, (n, n), block_size=128)
                 kw, pairs = dict(block_mask=bm), bm.density() * n * n
-            impls = {"fwd": lambda q, k, v, kw=kw: flashtune.attention(q, k, v, **kw),
-                     "hopper": forced(kw)}
+            impls = {"fwd": (None, lambda q, k, v, kw=kw: flashtune.attention(q, k, v, **kw)),
+                     "hopper": (args.hopper, forced(kw))}
             if not args.no_flex and pct != "dense":
                 try:
                     from torch.nn.attention.flex_attention import create_block_mask
                     blocks_now.copy_(blocks)
                     fbm = create_block_mask(kept, None, None, n, n, device=dev, BLOCK_SIZE=128)
-                    impls["flex"] = flex_fn(fbm)
+                    impls["flex"] = ("flex_attention (compiled)", flex_fn(fbm))
                 except Exception as e:  # noqa: BLE001 -- no Flex here: rows without it
                     print(f"flex N={n} {pct}%: {e!r}", flush=True)
-            base = None
-            for impl, fn in impls.items():
-                row = dict(kind="density", N=n, density=pct, impl=impl)
-                try:
-                    with torch.no_grad():
-                        o = fn(q, k, v)
-                        if impl == "fwd":
-                            base = o
-                            row["variant"] = flashtune.explain(q, k, v, **kw).variant.name
-                        elif impl == "hopper":
-                            with flashtune.force(args.hopper):
-                                row["variant"] = flashtune.explain(q, k, v, **kw).variant.name
-                        else:
-                            row["variant"] = "flex_attention (compiled)"
-                        if base is not None:
-                            row["maxdiff_vs_fwd"] = float((o.float() - base.float()).abs().max())
-                        ms = bench_ms(lambda: fn(q, k, v))
-                except Exception as e:  # noqa: BLE001 -- a failing impl is a row with why
-                    row["error"] = repr(e)[:300]
-                else:
-                    row.update(ms=ms, tflops=4.0 * b * h * d * pairs / ms / 1e9)
-                rows.append(row)
-                f.write(json.dumps(row) + "\n")
-                f.flush()
-                print(json.dumps(row), flush=True)
+            rows += forward_rows(f, q, k, v, kw, impls, pairs, kind="density", N=n, density=pct)
     f.close()
     _table(rows)
     return 0

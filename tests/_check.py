@@ -23,3 +23,10 @@ def assert_matches_reference(q, k, v, causal=False, scale=None, out=None):
     report = compare(out, ref, same_dtype_math(q, k, v, causal=causal, scale=scale))
     assert report.ok, str(report)
     return out
+
+
+def code_lines(src: str) -> str:
+    """A rendered kernel module's code without its first line and comment-only lines: what a
+    "renders no mask code" test searches."""
+    return "\n".join(line for line in src.splitlines()[1:]
+                     if line.strip() and not line.lstrip().startswith("#"))

@@ -32,3 +32,13 @@ def device():
 def _seed(request):
     # fresh random inputs per test, reproducible from the test's name
     torch.manual_seed(zlib.crc32(request.node.nodeid.encode()))
+
+
+@pytest.fixture
+def reset_dispatch():
+    """Unpin any forced variant and drop the dispatcher's configuration after the test."""
+    yield
+    import flashtune
+    from flashtune import dispatch
+    flashtune.force(None)
+    dispatch.configure()

@@ -22,7 +22,7 @@ from flashtune.launch import mask_args
 from flashtune.masks import Masks, dense_mask, window_range
 from flashtune.problem import Problem
 
-from _check import qkv
+from _check import code_lines, qkv
 from test_hopper_masks import SCHEDULES, test_every_call_matches_its_signature as _calls_match
 
 FAM = get("hopper_fwd")
@@ -41,16 +41,7 @@ MASKED_HASHES = {
 }
 
 
-@pytest.fixture(autouse=True)
-def _reset():
-    yield
-    flashtune.force(None)
-    dispatch.configure()
-
-
-def _code(src: str) -> str:
-    return "\n".join(line for line in src.splitlines()[1:]
-                     if line.strip() and not line.lstrip().startswith("#"))
+pytestmark = pytest.mark.usefixtures("reset_dispatch")
 
 
 def _sparse(name, **masks):
@@ -64,7 +55,7 @@ def _sparse(name, **masks):
                                    {"window": True, "softcap": True}),
                          ids=lambda m: "+".join(m) or "dense")
 def test_no_block_sparse_code_without_the_field(name, masks):
-    src = _code(render(dataclasses.replace(Variant.parse(name), **masks)))
+    src = code_lines(render(dataclasses.replace(Variant.parse(name), **masks)))
     assert not any(w in src for w in SPARSE_WORDS), name
 
 
@@ -80,7 +71,7 @@ def test_masked_kernel_hashes_unchanged(name):
 def test_block_sparse_renders_match_their_signatures(name, masks):
     _calls_match(name, masks)  # every helper call / partition tuple passes what it takes
     v = dataclasses.replace(Variant.parse(name), **masks)
-    src = _code(render(v))
+    src = code_lines(render(v))
     for w in SPARSE_WORDS:
         assert w in src, (v.name, w)
     # the walk is the lists', never the window's block range, in the loader and the consumers

@@ -24,7 +24,7 @@ from flashtune.launch import mask_args
 from flashtune.masks import Masks, check_softcap, check_window, dense_mask, window_range
 from flashtune.problem import Bucket, Problem
 
-from _check import qkv
+from _check import code_lines, qkv
 
 FAM = get("hopper_bwd")
 # Gluon imported first here, under the interpreter setting the session started with (as
@@ -43,16 +43,7 @@ MASK_WORDS = ("win_left", "win_right", "cap_in", "_tanh", "_window_range", "belo
 MASKS = ({"window": True}, {"softcap": True}, {"window": True, "softcap": True})
 
 
-@pytest.fixture(autouse=True)
-def _reset():
-    yield
-    flashtune.force(None)
-    dispatch.configure()
-
-
-def _code(src: str) -> str:
-    return "\n".join(line for line in src.splitlines()[1:]
-                     if line.strip() and not line.lstrip().startswith("#"))
+pytestmark = pytest.mark.usefixtures("reset_dispatch")
 
 
 def _masks(causal=False, window=None, softcap=None) -> Masks:
@@ -64,14 +55,14 @@ def _masks(causal=False, window=None, softcap=None) -> Masks:
 @pytest.mark.parametrize("name", [DEFAULT, SMALL, "hopper_bwd-m128-n128-w8-s1"])
 def test_variant_without_masks_renders_no_mask_code(name):
     v = Variant.parse(name)
-    assert not any(w in _code(render(v)) for w in MASK_WORDS)
+    assert not any(w in code_lines(render(v)) for w in MASK_WORDS)
     assert kernel_hash(v) == DENSE_HASH
 
 
 @pytest.mark.parametrize("masks", MASKS, ids=lambda m: "+".join(m))
 def test_masked_render_carries_its_mask_code(masks):
     v = dataclasses.replace(Variant.parse(DEFAULT), **masks)
-    src = _code(render(v))
+    src = code_lines(render(v))
     # every masked render takes the window's bounds and steps; only softcap renders the tanh
     for w in ("win_left", "win_right", "_window_range(", "below", "above"):
         assert w in src, (v.name, w)

@@ -23,7 +23,7 @@ from flashtune.launch import mask_args
 from flashtune.masks import Masks, dense_mask, window_range
 from flashtune.problem import Problem
 
-from _check import qkv
+from _check import code_lines, qkv
 
 FAM = get("hopper_fwd")
 ON_H100 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
@@ -53,23 +53,14 @@ MASK_WORDS = ("win_left", "win_right", "cap_in", "_tanh", "_window_blocks", "_ed
 MASKS = ({"window": True}, {"softcap": True}, {"window": True, "softcap": True})
 
 
-@pytest.fixture(autouse=True)
-def _reset():
-    yield
-    flashtune.force(None)
-    dispatch.configure()
-
-
-def _code(src: str) -> str:
-    return "\n".join(line for line in src.splitlines()[1:]
-                     if line.strip() and not line.lstrip().startswith("#"))
+pytestmark = pytest.mark.usefixtures("reset_dispatch")
 
 
 # -- CPU: rendering --------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("name", sorted(set(SCHEDULES.values())))
 def test_variant_without_masks_renders_no_mask_code(name):
-    src = _code(render(Variant.parse(name)))
+    src = code_lines(render(Variant.parse(name)))
     assert not any(w in src for w in MASK_WORDS), name
 
 
@@ -82,7 +73,7 @@ def test_dense_kernel_hashes_unchanged(name):
 @pytest.mark.parametrize("masks", MASKS, ids=lambda m: "+".join(m))
 def test_masked_render_carries_its_mask_code(name, masks):
     v = dataclasses.replace(Variant.parse(name), **masks)
-    src = _code(render(v))
+    src = code_lines(render(v))
     # every masked render takes the window's bounds and loops; only softcap renders the tanh
     for w in ("win_left", "win_right", "cap_in", "_window_blocks(", "_edge("):
         assert w in src, (v.name, w)
