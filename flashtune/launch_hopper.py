@@ -72,6 +72,14 @@ def _device_blocker(device: torch.device) -> str:
     return missing()
 
 
+def tile_layouts(dtype: torch.dtype, head_dim: int, *rows: int) -> dict:
+    """The NVMMA shared layouts of the (1, r, D) TMA tiles of the Hopper families, per row count
+    r (the kernels take one per distinct tile height)."""
+    from triton.experimental.gluon import language as gl
+    gdt = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
+    return {r: gl.NVMMASharedLayout.get_default_for([1, r, head_dim], gdt) for r in set(rows)}
+
+
 def _sm_count(device: torch.device) -> int:
     from .launch_splitkv import sm_count
     return sm_count(device)
@@ -116,10 +124,7 @@ class HopperFwdPlan:
         # the window's bounds (causal: its right edge 0), the softcap, the block mask's lists and
         # element mask, after sm_scale
         self.mask_args = mask_args(masks, causal, "q", b, h)
-        from triton.experimental.gluon import language as gl
-        gdt = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
-        self.layouts = {r: gl.NVMMASharedLayout.get_default_for([1, r, d], gdt)
-                        for r in {variant.block_m, variant.block_n}}
+        self.layouts = tile_layouts(q.dtype, d, variant.block_m, variant.block_n)
         self.kernel = load(variant).attn_fwd_hopper
         rows = variant.block_m * (2 if variant.pingpong else 1)
         n_tiles = triton.cdiv(nq, rows) * b * h

@@ -14,7 +14,7 @@ import triton
 
 from .codegen import Variant, load
 from .launch import check_mask_variant, mask_args
-from .launch_hopper import _device_blocker, _view3, addressable
+from .launch_hopper import _device_blocker, _view3, addressable, tile_layouts
 from .launch_hopper import unsupported as _unsupported
 from .masks import NONE, Masks
 
@@ -69,10 +69,7 @@ class HopperBwdPlan:
             return
         # the window's bounds (causal: its right edge 0) and the softcap, after sm_scale
         self.mask_args = mask_args(masks, causal, "kv", b, h)
-        from triton.experimental.gluon import language as gl
-        gdt = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
-        self.layouts = {r: gl.NVMMASharedLayout.get_default_for([1, r, d], gdt)
-                        for r in {variant.block_m, variant.block_n}}
+        self.layouts = tile_layouts(q.dtype, d, variant.block_m, variant.block_n)
         self.kernel = load(variant).attn_bwd_hopper
         hk, nk = k.shape[1], k.shape[2]
         self.grid = (triton.cdiv(nk, variant.block_n), b * hk)
