@@ -137,3 +137,15 @@ def test_splitkv_model_prunes_what_the_h100_refused():
     small, big = (feasibility.resources(Variant.parse("splitkv-m64-n64-w4-s3"),
                                         _decode(group=8, nq=nq), H100) for nq in (1, 8))
     assert big.smem_bytes > small.smem_bytes
+
+
+@pytest.mark.parametrize("family,d,fits,too_big", [
+    ("hopper_fwd", 256, "hopper_fwd-m128-n64-w8-s2-lr24", "hopper_fwd-m128-n128-w8-s4-lr24"),
+    ("hopper_bwd", 128, "hopper_bwd-m64-n128-w8-s2", "hopper_bwd-m128-n128-w8-s4"),
+])
+def test_hopper_resource_models_prune_what_cannot_fit(family, d, fits, too_big):
+    h100 = targets.get("H100")
+    p = dataclasses.replace(_p(d=d), family=family)
+    assert feasibility.check(Variant.parse(fits), p, h100).ok
+    bad = feasibility.check(Variant.parse(too_big), p, h100)
+    assert not bad.ok and "shared memory" in bad.reason

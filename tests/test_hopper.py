@@ -2,7 +2,6 @@
 reference; CPU tests cover what runs without one -- rendering, the version shim, the fallback and
 explain() logic, the launcher's register split, and the sm_90 compile of the defaults (no Gluon
 code runs in Triton's interpreter)."""
-import dataclasses
 import json
 
 import pytest
@@ -189,16 +188,6 @@ def test_one_stage_without_a_loader_is_refused_before_launch(device):
     with flashtune.force("hopper_fwd-m64-n64-w4-s1"):
         with pytest.raises(ValueError, match="needs num_stages >= 2"):
             flashtune.attention(q, k, v)
-
-
-def test_feasibility_model_prunes_what_cannot_fit():
-    from flashtune import targets
-    from flashtune.feasibility import check
-    h100 = targets.get("H100")
-    p = dataclasses.replace(_problem(d=256), family="hopper_fwd")
-    assert check(Variant.parse("hopper_fwd-m128-n64-w8-s2-lr24"), p, h100).ok
-    bad = check(Variant.parse("hopper_fwd-m128-n128-w8-s4-lr24"), p, h100)
-    assert not bad.ok and "shared memory" in bad.reason
 
 
 # -- the sm_90 compile of every default, with this Triton (3.9 in CI), no GPU ------------------

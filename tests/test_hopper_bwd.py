@@ -141,18 +141,6 @@ def test_plan_falls_back_to_the_generic_default_off_hopper(device):
         assert_grads_match(q, k, v, causal=True)
 
 
-def test_feasibility_model_prunes_what_cannot_fit():
-    import dataclasses
-
-    from flashtune import targets
-    from flashtune.feasibility import check
-    h100 = targets.get("H100")
-    p = dataclasses.replace(_problem(d=128), family="hopper_bwd")
-    assert check(Variant.parse("hopper_bwd-m64-n128-w8-s2"), p, h100).ok
-    bad = check(Variant.parse("hopper_bwd-m128-n128-w8-s4"), p, h100)
-    assert not bad.ok and "shared memory" in bad.reason
-
-
 # -- the sm_90 compile of every default, with this Triton (3.9 in CI), no GPU ------------------
 
 @pytest.mark.slow
