@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import platform
@@ -135,6 +136,10 @@ def main(argv=None):
     ap.add_argument("--sequential-pages", action="store_true",
                     help="also time each paged cache with its pages in order (-seq rows): the "
                          "cost of the shuffled table's scattered reads apart from the paging")
+    ap.add_argument("--paged-stages", type=_ints, default=[],
+                    help="also time each paged cache with the dispatched variant this many "
+                         "pipeline stages deeper (+sN rows): more bytes in flight against the "
+                         "scattered pages' latency")
     ap.add_argument("--variant", default=None,
                     help="force this splitkv variant (default: as dispatched)")
     ap.add_argument("--no-dense", action="store_true",
@@ -208,6 +213,8 @@ def main(argv=None):
                         runs.append((f"flashtune-paged{page}", base, page))
                         if args.sequential_pages:
                             runs.append((f"flashtune-paged{page}-seq", base, page))
+                        for extra in args.paged_stages:  # an int: resolved per cache below
+                            runs.append((f"flashtune-paged{page}+s{extra}", extra, page))
                 ref = None
                 results = {}
                 for name, variant, page in runs:
@@ -221,6 +228,10 @@ def main(argv=None):
                             bt = (torch.arange(npages, device=DEVICE) if name.endswith("-seq")
                                   else torch.randperm(npages, device=DEVICE))
                             bt = bt.to(torch.int32).view(b, nk // page)  # one table, every layer
+                        if isinstance(variant, int):  # the dispatched variant, deeper
+                            fitted = kvcache._variant(q, *caches[0], True, False, nk)
+                            variant = dataclasses.replace(
+                                fitted, num_stages=fitted.num_stages + variant)
 
                         def make(i, bt=bt, variant=variant, caches=caches):
                             kk, vv = caches[i]

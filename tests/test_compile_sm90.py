@@ -49,3 +49,16 @@ def test_masked_variants_compile_for_sm90():
     assert {("fwd", "fwd"), ("bwd", "dkdv"), ("bwd", "dq"), ("bwd", "pre"),
             ("splitkv", "partial")} <= kernels
     assert all(0 < row["smem"] <= 232448 for row in rows)
+
+
+def test_paged_splitkv_loop_stays_pipelined():
+    # the paged key loop must keep its K/V tiles in flight through shared memory like the
+    # contiguous one (a table read two blocks ahead once made Triton drop the pipelining: the
+    # paged kernel compiled to 22 KB of shared memory against 70 KB, loads straight to registers)
+    r = kernels_check("--gpu", "H100", "--head-dim", "128", "--no-causal", "--format", "json",
+                      "splitkv-m16-n64-w4-s3", "splitkv-m16-n64-w4-s3-paged=true")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    smem = {row["variant"]: row["smem"] for row in json.loads(r.stdout) if row["kernel"] == "partial"}
+    stages = 2 * 64 * 128 * 2 * 2  # two K/V tiles (64 keys x 128 x bf16, K and V) in flight
+    assert smem["splitkv-m16-n64-w4-s3"] >= stages
+    assert smem["splitkv-m16-n64-w4-s3-paged=true"] >= stages, smem

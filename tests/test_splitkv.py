@@ -400,3 +400,20 @@ def test_paged_fit_keeps_bytes_in_flight():
     assert fit_pages(v, 48).name == "splitkv-m16-n16-w4-s8-paged=true"  # 8x deeper, capped at 8
     assert fit_pages(v, 256).name == "splitkv-m16-n128-w4-s1-paged=true"
     assert fit_pages(fit_pages(v, 256), None) == v
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_split_start_from_a_stale_longest_length(paged, device):
+    # the kernels place each split by the host's longest sequence (split_keys) so a paged split
+    # can read its first pages before its length; a CUDA graph replayed after the caches grew
+    # passes a stale one: a sequence longer than it is split by its own length, no key is lost
+    from flashtune.launch_splitkv import SplitKVPlan
+    q, kc, vc = make(3, 1, 4, 2, 16, 64, torch.float16, device)
+    lengths = [9, 40, 64]
+    sl = torch.tensor(lengths, dtype=torch.int32, device=device)
+    kk, vv, bt = to_paged(kc, vc, 16) if paged else (kc, vc, None)
+    var = Variant.parse(variant(3, "-paged=true" if paged else ""))
+    plan = SplitKVPlan(q, kk, False, None, var)
+    for host_max in (64, 24, 1):  # exact, stale (shorter than two sequences), nearly nothing
+        out, lse = plan.run(q, kk, vv, sl, bt, host_max)
+        check(q, kc, vc, lengths, out, lse=lse)
