@@ -182,7 +182,8 @@ class SplitKVPlan:
             bt.stride(0) if bt is not None else 0,
             *o_strides, *l_strides,
             hk, nq, s, k_cache.shape[0] if self.paged else 0,
-            min(max_seqlen, capacity) if uniform else capacity, min(max_seqlen, capacity),
+            min(max_seqlen, capacity) if uniform else capacity,
+            *((min(max_seqlen, capacity),) if self.paged else ()),  # split_keys
             UNIFORM=uniform, **self.kwargs)
         if s > 1:
             block_s, chunk_d = combine_tile(s, self.kwargs["BLOCK_D"])

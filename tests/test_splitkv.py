@@ -154,7 +154,9 @@ def test_paged_equals_contiguous(loads, device):
     ref = run(q, kc, vc, lengths, variant(2, extra), k=k_new, v=v_new, causal=True)
     out = run(q, kp, vp, lengths, variant(2, extra), k=k_new, v=v_new, causal=True,
               block_table=bt)
-    torch.testing.assert_close(out, ref, atol=0, rtol=0)
+    # equal up to rounding: a paged split starts where the longest sequence puts it, a
+    # contiguous one where its own length does (the same keys, merged in other groups)
+    torch.testing.assert_close(out, ref, atol=2e-3, rtol=2e-3)
     # the appended keys landed in the right pages
     for b in range(2):
         for t in range(2):
