@@ -313,6 +313,16 @@ def _assert_grads(got, q, k, v, do, kw):
     ref, base = _ref_grads(q, k, v, do, kw)
     for gname, g, x, r, b in zip(("dq", "dk", "dv"), got, (q, k, v), ref, base):
         assert g.dtype == x.dtype and g.shape == x.shape and torch.isfinite(g).all(), gname
+        if not r.any():
+            # exactly zero (window (0, 0): one key per row, P = 1, dS = dP - Delta = 0), which
+            # PyTorch's same-dtype math also hits exactly, so compare's tolerance is 1e-12; the
+            # kernel's dP (wgmma) and Delta (rowsum dO * O) are two float32 sums of D products
+            # in different orders: allow their rounding, carried through K and the scale
+            d = q.shape[-1]
+            noise = (16 * 2.0 ** -24 * d * do.abs().max() * v.abs().max() * k.abs().max()
+                     * kw.get("scale", d ** -0.5)).item()
+            assert g.abs().max().item() <= noise, f"{gname}: {g.abs().max().item():.3e} > {noise:.3e}"
+            continue
         rep = compare(g, r, b)
         assert rep.ok, f"{gname}: {rep}"
 
