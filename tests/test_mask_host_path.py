@@ -16,7 +16,7 @@ from flashtune import block_mask, dispatch, launch, launch_bwd, ops
 from _check import qkv
 
 FLASHTUNE = str(Path(flashtune.__file__).parent)
-SYNCS = ("item", "tolist", "__bool__", "nonzero", "any", "all")
+SYNCS = ("item", "tolist", "__bool__", "__float__", "__int__", "nonzero", "any", "all")
 
 
 class Counter:
