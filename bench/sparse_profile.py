@@ -100,6 +100,17 @@ def main(argv=None) -> int:
         cases[name] = lambda q, k, v, bm=bm: flashtune.attention(q, k, v, block_mask=bm)
     cases["block10+causal+softcap"] = lambda q, k, v: flashtune.attention(
         q, k, v, causal=True, softcap=50.0, block_mask=masks["block10"])
+    # the block-sparse backward with the dense call's bwd tiles: a block-sparse bucket has no
+    # tuned record, so it runs the built-in default (D=128 sm_90: dK/dV m32-n128-w8-s2) where the
+    # dense call runs its tuned record (H100 table: m64-n128-w8-s2); forced here (mask rendered
+    # in, tiles fitted), the dK/dV time says how much of the gap the tiles explain
+    from flashtune import dispatch
+    dense_bwd = dispatch.select_for_call("bwd", q, k, False)
+
+    def forced_tiles(q, k, v):
+        with flashtune.force(dense_bwd):  # carried to the backward (ops.call_forced)
+            return flashtune.attention(q, k, v, block_mask=masks["block100"])
+    cases[f"block100 bwd {dense_bwd.name}"] = forced_tiles
     if cuda:
         try:
             from torch.nn.attention.flex_attention import create_block_mask, flex_attention
