@@ -177,9 +177,14 @@ sys.exit(pytest.main(['-q', '-x', '--tb=long', 'tests/test_transformers_backend.
                 --out "$OUT/hopper_sparse.jsonl" ${HOPPERBLOCKSPARSE_ARGS:-} 2>&1 \
                 | tee "$OUT/hopperblocksparse_bench.log" | tail -30 ;;
     sparseprof) # issue 11: where a masked fwd+bwd spends its time (torch.profiler kernel table: no mask,
-              # block masks 100% and 10%, window 1024, Flex on the 100% mask; N=4k, D=128, bf16)
+              # block masks 100% and 10%, window 1024, softcap, block 10% + causal + softcap, Flex on
+              # the 100% mask; N=4k, D=128, bf16; host runtime calls per step), then the host time
+              # per call of each mask case against the dense call at a host-bound N=512 (and the
+              # device->host syncs one repeated call makes: must be 0)
               timeout ${SPARSEPROF_TIMEOUT:-180} python3 bench/sparse_profile.py --out "$OUT/sparse_profile.jsonl" \
-                ${SPARSEPROF_ARGS:-} 2>&1 | tee "$OUT/sparse_profile.log" | tail -80 ;;
+                ${SPARSEPROF_ARGS:-} 2>&1 | tee "$OUT/sparse_profile.log" | tail -100
+              timeout ${MASKHOST_TIMEOUT:-120} python3 bench/mask_host_overhead.py \
+                --out "$OUT/mask_host_overhead.jsonl" 2>&1 | tee "$OUT/mask_host_overhead.log" | tail -14 ;;
     tuningvalue) # issue 12: the tuned table vs the built-in defaults and the single best config, per
               # bucket interleaved (bench/tuning_value.py). Default: the shipped table of this GPU, all
               # its families. The H100 table used on an H200 (run on nvidia-h200):

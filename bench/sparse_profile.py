@@ -1,7 +1,9 @@
 """Where a masked forward+backward spends its time (issue 11): torch.profiler over flashtune's
-fwd+bwd with no mask, a 100%-dense and a 10%-dense block mask and a sliding window, beside Flex
-on the 100% mask. Prints, per case, the wall time per step, the GPU kernel time per step and the
-kernels by GPU time; one JSON line per case to --out.
+fwd+bwd with no mask, a 100%-dense and a 10%-dense block mask, a sliding window, softcap and a
+10% block mask with causal + softcap, beside Flex on the 100% mask. Prints, per case, the wall
+time per step, the GPU kernel time per step, the kernels by GPU time, the host's CUDA runtime
+calls per step (launches, synchronisations, copies, allocations) and the ops with the most host
+self time; one JSON line per case to --out.
 
     python3 bench/sparse_profile.py --out sparse_profile.jsonl     # N=4k, B=1, H=16, D=128, bf16
     TRITON_INTERPRET=1 python3 bench/sparse_profile.py --smoke     # CPU: tiny, no Flex
@@ -46,16 +48,24 @@ def profile(run, steps: int, cuda: bool) -> dict:
             run()
         if cuda:
             torch.cuda.synchronize()
-    kernels = []
+    kernels, runtime, cpu_ops = [], {}, []
     for e in p.key_averages():
         dev = getattr(e, "device_time_total", None)
         if dev is None:
             dev = getattr(e, "cuda_time_total", 0)
         if cuda and dev and e.key and not e.key.startswith(("aten::", "cuda", "Torch", "autograd")):
             kernels.append((e.key[:70], dev / 1e3 / steps, e.count // steps))
+        # the host's CUDA runtime/driver calls per step: launches, and anything that waits on the
+        # GPU (a synchronize or a device->host copy serialises host and GPU) or allocates
+        if e.key.startswith(("cuda", "cu")) and not e.key.startswith("cudnn"):
+            runtime[e.key] = round(e.count / steps, 2)
+        cpu_ops.append((e.key[:60], e.self_cpu_time_total / 1e3 / steps, e.count / steps))
     kernels.sort(key=lambda x: -x[1])
+    cpu_ops.sort(key=lambda x: -x[1])
     return {"wall_ms": wall_ms, "kernel_ms": sum(k[1] for k in kernels),
-            "kernels": [{"name": n, "ms": ms, "calls": c} for n, ms, c in kernels[:12]]}
+            "kernels": [{"name": n, "ms": ms, "calls": c} for n, ms, c in kernels[:12]],
+            "runtime_calls": runtime,
+            "cpu_self_ms": [{"name": n, "ms": round(ms, 4), "calls": c} for n, ms, c in cpu_ops[:10]]}
 
 
 def main(argv=None) -> int:
@@ -84,9 +94,23 @@ def main(argv=None) -> int:
     }
     cases = {"dense": lambda q, k, v: flashtune.attention(q, k, v),
              "window1024": lambda q, k, v: flashtune.attention(q, k, v, causal=True,
-                                                             window=(1024, 0))}
+                                                             window=(1024, 0)),
+             "softcap50": lambda q, k, v: flashtune.attention(q, k, v, softcap=50.0)}
     for name, bm in masks.items():
         cases[name] = lambda q, k, v, bm=bm: flashtune.attention(q, k, v, block_mask=bm)
+    cases["block10+causal+softcap"] = lambda q, k, v: flashtune.attention(
+        q, k, v, causal=True, softcap=50.0, block_mask=masks["block10"])
+    # the block-sparse backward with the dense call's bwd tiles: a block-sparse bucket has no
+    # tuned record, so it runs the built-in default (D=128 sm_90: dK/dV m32-n128-w8-s2) where the
+    # dense call runs its tuned record (H100 table: m64-n128-w8-s2); forced here (mask rendered
+    # in, tiles fitted), the dK/dV time says how much of the gap the tiles explain
+    from flashtune import dispatch
+    dense_bwd = dispatch.select_for_call("bwd", q, k, False)
+
+    def forced_tiles(q, k, v):
+        with flashtune.force(dense_bwd):  # carried to the backward (ops.call_forced)
+            return flashtune.attention(q, k, v, block_mask=masks["block100"])
+    cases[f"block100 bwd {dense_bwd.name}"] = forced_tiles
     if cuda:
         try:
             from torch.nn.attention.flex_attention import create_block_mask, flex_attention
@@ -108,6 +132,11 @@ def main(argv=None) -> int:
             print(f"{name}: wall {row['wall_ms']:.3f} ms/step, kernels {row['kernel_ms']:.3f} ms")
             for kk in row["kernels"]:
                 print(f"    {kk['ms']:8.3f} ms  x{kk['calls']}  {kk['name']}")
+            if row["runtime_calls"]:
+                print("    host runtime calls per step: " + ", ".join(
+                    f"{n} x{c:g}" for n, c in sorted(row["runtime_calls"].items())))
+            print("    top host self time per step: " + ", ".join(
+                f"{o['name']} {o['ms']:.3f} ms" for o in row["cpu_self_ms"][:6]))
         if out:
             out.write(json.dumps(row) + "\n")
             out.flush()

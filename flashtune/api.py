@@ -5,7 +5,7 @@ import torch
 
 from .block_mask import BlockMask
 from .masks import NONE, Masks, check_softcap, check_window
-from .ops import attn_fwd, attn_fwd_eager, attn_sparse_fwd, attn_sparse_fwd_eager, run_forward
+from .ops import attn_fwd, attn_fwd_eager, attn_masked_eager, attn_sparse_fwd, run_forward
 from .ops_varlen import attn_varlen_fwd, attn_varlen_fwd_eager, run_forward_varlen
 from .validate import check_qkv
 from .validate_varlen import check_varlen
@@ -56,15 +56,17 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     if compiling or (torch.is_grad_enabled() and
                      (q.requires_grad or k.requires_grad or v.requires_grad)):
         # torch.compile traces the registered op (one node for it and CUDA graphs); eager
-        # autograd runs the op's own formula without the torch.library dispatch (ops.py)
+        # autograd runs the op's own formula without the torch.library dispatch (ops.py), a
+        # masked call's Masks as one object
         wl, wr = masks.window or (-1, -1)
-        if masks.block_mask is not None:
-            op = attn_sparse_fwd if compiling else attn_sparse_fwd_eager
-            out = op(q, k, v, *masks.block_mask.op_args(), causal, scale, deterministic, wl, wr,
-                     masks.softcap)
+        if not compiling:
+            out = (attn_masked_eager(q, k, v, causal, scale, deterministic, masks) if masks.any
+                   else attn_fwd_eager(q, k, v, causal, scale, deterministic))
+        elif masks.block_mask is not None:
+            out = attn_sparse_fwd(q, k, v, *masks.block_mask.op_args(), causal, scale,
+                                  deterministic, wl, wr, masks.softcap)
         else:
-            op = attn_fwd if compiling else attn_fwd_eager
-            out = op(q, k, v, causal, scale, deterministic, wl, wr, masks.softcap)
+            out = attn_fwd(q, k, v, causal, scale, deterministic, wl, wr, masks.softcap)
     else:
         # inference: skip the op's dispatch overhead
         out = run_forward(q, k, v, causal, scale, masks=masks)

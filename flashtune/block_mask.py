@@ -49,7 +49,7 @@ class BlockMask:
 
     __slots__ = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
                  "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices",
-                 "block_size", "seq_lengths", "mask", "state")
+                 "block_size", "seq_lengths", "mask", "state", "_identity", "_fits")
 
     def __init__(self, state: torch.Tensor, seq_lengths: tuple, block_size=DEFAULT_BLOCK_SIZE,
                  mask: torch.Tensor | None = None):
@@ -90,6 +90,7 @@ class BlockMask:
         st = state.transpose(-1, -2)
         self.q_num_blocks, self.q_indices = _lists(st, PARTIAL)
         self.full_q_num_blocks, self.full_q_indices = _lists(st, FULL)
+        self._identity = self._fits = None
 
     # -- the registered op's flat form ----------------------------------------------------------
     def op_args(self) -> tuple:
@@ -111,6 +112,7 @@ class BlockMask:
         self.q_num_blocks, self.q_indices = q_num, q_idx
         self.full_q_num_blocks, self.full_q_indices = full_q_num, full_q_idx
         self.block_size, self.seq_lengths = (bs_q, bs_kv), (nq, nk)
+        self._identity = self._fits = None
         return self
 
     @property
@@ -118,10 +120,14 @@ class BlockMask:
         """What a launch plan built for this mask depends on: its tensors' storage (a plan holds
         them, so no other tensor takes those addresses while it lives) and its sizes. Equal for
         the same mask passed again, or rebuilt from the same tensors (the registered op)."""
-        m = self.mask
-        return (self.state.data_ptr(), self.kv_indices.data_ptr(), self.q_indices.data_ptr(),
+        ident = self._identity
+        if ident is None:  # its tensors are fixed at construction: computed once
+            m = self.mask
+            ident = self._identity = (
+                self.state.data_ptr(), self.kv_indices.data_ptr(), self.q_indices.data_ptr(),
                 tuple(self.state.shape), self.block_size, self.seq_lengths,
                 None if m is None else (m.data_ptr(), tuple(m.shape), m.stride()))
+        return ident
 
     # -- constructors ----------------------------------------------------------------------------
     @classmethod
@@ -240,9 +246,14 @@ class BlockMask:
 
     # -- validation against a call -----------------------------------------------------------------
     def check(self, q: torch.Tensor, k: torch.Tensor) -> None:
-        """Raise naming block_mask unless it fits q (B, H, Nq, D), k (B, Hk, Nk, D)."""
+        """Raise naming block_mask unless it fits q (B, H, Nq, D), k (B, Hk, Nk, D). Shapes and
+        devices only (no value is read: no device->host copy); the last call that fit is
+        remembered, so a repeated call checks one tuple."""
         b, h, nq, _ = q.shape
         nk = k.shape[2]
+        fits = (b, h, nq, nk, q.device)
+        if fits == self._fits:
+            return
         if self.seq_lengths != (nq, nk):
             raise ValueError(f"block_mask was built for seq_lengths {self.seq_lengths}, but q, k "
                              f"have ({nq}, {nk})")
@@ -260,3 +271,4 @@ class BlockMask:
             if self.mask.device != q.device:
                 raise ValueError(f"block_mask's element mask is on {self.mask.device} but q is "
                                  f"on {q.device}")
+        self._fits = fits

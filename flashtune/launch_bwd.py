@@ -62,6 +62,103 @@ def _check_variant(variant: Variant) -> None:
                          "num_warps2 and num_stages2 (the dQ kernel's tiles)")
 
 
+class BwdPlan:
+    """Everything about one bwd launch that depends only on the call's shapes, dtype, causal,
+    scale and masks (its constexprs, grids, the masks' runtime arguments, the kernels) -- built
+    once per such call signature (ops.run_backward memoizes it), so a repeated backward pays for
+    its buffers and the launches. run() takes the tensors' strides per call.
+
+    views turns a tensor into the (B, H, N, D) view whose strides the kernels take, `rows` is the
+    shape of the per-row float32 buffers (LSE's), `sizes` the kernels' trailing ints; the grids
+    cover batch x heads x cdiv(max_q or max_k, block)."""
+    __slots__ = ("variant", "params", "scale", "margs", "views", "rows", "sizes", "grids",
+                 "kernels", "precise")
+
+    def __init__(self, variant: Variant, params: dict, head_dim: int, dtype: torch.dtype,
+                 causal: bool, scale: float | None, *, views, rows: tuple, sizes: tuple,
+                 batch: int, heads: int, kv_heads: int, max_q: int, max_k: int,
+                 masks: Masks = NONE):
+        _check_variant(variant)
+        check_mask_variant(variant, masks)
+        self.variant, self.params, self.views, self.rows, self.sizes = (variant, params, views,
+                                                                        rows, sizes)
+        self.scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+        self.precise = dtype == torch.float32
+        # the masks' runtime arguments, after sm_scale (launch.mask_args), per kernel
+        self.margs = ({kern: mask_args(masks, causal, kern, batch, heads)
+                       for kern in ("q", "kv", "state")} if masks.any else
+                      {"q": (), "kv": (), "state": ()})
+        mod = load(variant)
+        self.kernels = (mod.attn_bwd_preprocess, mod.attn_bwd_dkdv,
+                        mod.attn_bwd_dq if variant.dq == "separate" else None)
+        self.grids = ((triton.cdiv(max_q, params["pre"][0]["PRE_M"]) * batch * heads,),
+                      (triton.cdiv(max_k, variant.block_n) * batch * kv_heads,),
+                      (triton.cdiv(max_q, variant.block_m2 or 1) * batch * heads,))
+
+    def run(self, dout, q, k, v, o, lse, seq_args: tuple = ()):
+        """(dq, dk, dv) like q, k, v; seq_args: the cu_seqlens pointers (varlen renders)."""
+        views, sizes, scale, margs = self.views, self.sizes, self.scale, self.margs
+        pre, dkdv, dqk = self.kernels
+        # Delta = rowsum(dO * O) and LSE in base 2 (+inf for rows that see no key): float32,
+        # tiny. float32 inputs (PRECISE): Delta and R = 1 / rowsum(P) from one pass over the keys
+        # instead (see the template's header)
+        delta = torch.empty(self.rows, dtype=torch.float32, device=q.device)
+        lse2 = torch.empty_like(delta)
+        r = torch.empty_like(delta) if self.precise else delta  # unused unless precise
+        consts, warps, stages = self.params["pre"]
+        pre[self.grids[0]](
+            o, dout, lse, delta, lse2, r, q, k, v, *seq_args, scale, *margs["state"],
+            *strides3(*map(views, (o, dout, q, k, v))),
+            *sizes, **consts, num_warps=warps, num_stages=stages,
+        )
+
+        dk = torch.empty_like(k)  # keeps the caller's layout when dense
+        dv = torch.empty_like(v)
+        if dqk is None:
+            # float32 accumulation: into dq itself for float32 inputs, else a buffer cast at
+            # the end
+            if self.precise:
+                dq = dq_acc = torch.zeros_like(q)
+            else:
+                dq = torch.empty_like(q)
+                dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        else:
+            dq = dq_acc = torch.empty_like(q)
+
+        consts, warps, stages = self.params["dkdv"]
+        dkdv[self.grids[1]](
+            q, k, v, dout, dk, dv, dq_acc, lse2, delta, r, *seq_args, scale, *margs["kv"],
+            *strides3(*map(views, (q, k, v, dout, dk, dv, dq_acc))),
+            *sizes, **consts, num_warps=warps, num_stages=stages,
+        )
+
+        if dqk is not None:
+            consts, warps, stages = self.params["dq"]
+            dqk[self.grids[2]](
+                q, k, v, dout, dq, lse2, delta, r, *seq_args, scale, *margs["q"],
+                *strides3(*map(views, (q, k, v, dout, dq))),
+                *sizes, **consts, num_warps=warps, num_stages=stages,
+            )
+        elif dq_acc is not dq:
+            dq.copy_(dq_acc)
+        return dq, dk, dv
+
+
+def _same(t):
+    return t
+
+
+def plan(q, k, causal: bool, scale: float | None, variant: Variant,
+         masks: Masks = NONE) -> BwdPlan:
+    """The BwdPlan of a dense call with q (B, H, Nq, D), k (B, Hk, Nk, D)."""
+    b, h, nq, d = q.shape
+    hk, nk = k.shape[1], k.shape[2]
+    params = kernel_params(variant, q.dtype, d, causal, h // hk, nq, nk, masks=masks)
+    return BwdPlan(variant, params, d, q.dtype, causal, scale, views=_same, rows=(b, h, nq),
+                   sizes=(h, nq, nk), batch=b, heads=h, kv_heads=hk, max_q=nq, max_k=nk,
+                   masks=masks)
+
+
 def backward(dout, q, k, v, o, lse, causal: bool, scale: float | None, variant: Variant,
              masks: Masks = NONE):
     """Run the bwd variant: returns (dq, dk, dv) in the dtype and layout of q, k, v.
@@ -69,14 +166,7 @@ def backward(dout, q, k, v, o, lse, causal: bool, scale: float | None, variant: 
     dout, q, o: (B, H, Nq, D); k, v: (B, Hk, Nk, D); lse: float32 (B, H, Nq), natural log.
     Every tensor has a contiguous last dim; the caller handles the empty cases.
     """
-    _check_variant(variant)
-    check_mask_variant(variant, masks)
-    b, h, nq, d = q.shape
-    hk, nk = k.shape[1], k.shape[2]
-    params = kernel_params(variant, q.dtype, d, causal, h // hk, nq, nk, masks=masks)
-    return _launch(variant, params, dout, q, k, v, o, lse, causal, scale, views=lambda t: t,
-                   rows=(b, h, nq), seq_args=(), sizes=(h, nq, nk), batch=b, max_q=nq, max_k=nk,
-                   masks=masks)
+    return plan(q, k, causal, scale, variant, masks).run(dout, q, k, v, o, lse)
 
 
 def backward_varlen(dout, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int,
@@ -91,67 +181,10 @@ def backward_varlen(dout, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqle
     if masks.block_mask is not None:
         raise ValueError("block_mask is not supported with packed variable-length sequences")
     total_q, h, d = q.shape
-    params = kernel_params(variant, q.dtype, d, causal, h // k.shape[1], None, None, varlen=True)
-    return _launch(variant, params, dout, q, k, v, o, lse, causal, scale, views=packed_view,
-                   rows=(h, total_q), seq_args=(cu_seqlens_q, cu_seqlens_k),
-                   sizes=(h, max_seqlen_q, max_seqlen_k, total_q, k.shape[0]),
-                   batch=cu_seqlens_q.shape[0] - 1, max_q=max_seqlen_q, max_k=max_seqlen_k,
-                   masks=masks)
-
-
-def _launch(variant, params, dout, q, k, v, o, lse, causal, scale, *, views, rows, seq_args, sizes,
-            batch, max_q, max_k, masks=NONE):
-    """The three launches, dense or varlen: `views` turns a tensor into the (B, H, N, D) view
-    whose strides the kernels take, `rows` is the shape of the per-row float32 buffers (LSE's),
-    `seq_args` the cu_seqlens pointers (varlen renders), `sizes` the kernels' trailing ints, and
-    the grids cover batch x heads x cdiv(max_q or max_k, block)."""
-    h, hk, d = views(q).shape[1], views(k).shape[1], q.shape[-1]
-    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-    mod = load(variant)
-
-    # Delta = rowsum(dO * O) and LSE in base 2 (+inf for rows that see no key): float32, tiny.
-    # float32 inputs (PRECISE): Delta and R = 1 / rowsum(P) from one pass over the keys instead
-    # (see the template's header)
-    precise = q.dtype == torch.float32
-    delta = torch.empty(rows, dtype=torch.float32, device=q.device)
-    lse2 = torch.empty_like(delta)
-    r = torch.empty_like(delta) if precise else delta  # unused unless precise
-    consts, warps, stages = params["pre"]
-    margs = {}
-    if masks.any:  # the masks' runtime arguments, after sm_scale (launch.mask_args)
-        margs = {kern: mask_args(masks, causal, kern, batch, h) for kern in ("q", "kv", "state")}
-    mod.attn_bwd_preprocess[(triton.cdiv(max_q, consts["PRE_M"]) * batch * h,)](
-        o, dout, lse, delta, lse2, r, q, k, v, *seq_args, scale, *margs.get("state", ()),
-        *strides3(*map(views, (o, dout, q, k, v))),
-        *sizes, **consts, num_warps=warps, num_stages=stages,
-    )
-
-    dk = torch.empty_like(k)  # keeps the caller's layout when dense
-    dv = torch.empty_like(v)
-    if variant.dq == "atomic":
-        # float32 accumulation: into dq itself for float32 inputs, else a buffer cast at the end
-        if q.dtype == torch.float32:
-            dq = dq_acc = torch.zeros_like(q)
-        else:
-            dq = torch.empty_like(q)
-            dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    else:
-        dq = dq_acc = torch.empty_like(q)
-
-    consts, warps, stages = params["dkdv"]
-    mod.attn_bwd_dkdv[(triton.cdiv(max_k, variant.block_n) * batch * hk,)](
-        q, k, v, dout, dk, dv, dq_acc, lse2, delta, r, *seq_args, scale, *margs.get("kv", ()),
-        *strides3(*map(views, (q, k, v, dout, dk, dv, dq_acc))),
-        *sizes, **consts, num_warps=warps, num_stages=stages,
-    )
-
-    if variant.dq == "separate":
-        consts, warps, stages = params["dq"]
-        mod.attn_bwd_dq[(triton.cdiv(max_q, variant.block_m2) * batch * h,)](
-            q, k, v, dout, dq, lse2, delta, r, *seq_args, scale, *margs.get("q", ()),
-            *strides3(*map(views, (q, k, v, dout, dq))),
-            *sizes, **consts, num_warps=warps, num_stages=stages,
-        )
-    elif dq_acc is not dq:
-        dq.copy_(dq_acc)
-    return dq, dk, dv
+    hk = k.shape[1]
+    params = kernel_params(variant, q.dtype, d, causal, h // hk, None, None, varlen=True)
+    return BwdPlan(variant, params, d, q.dtype, causal, scale, views=packed_view,
+                   rows=(h, total_q), sizes=(h, max_seqlen_q, max_seqlen_k, total_q, k.shape[0]),
+                   batch=cu_seqlens_q.shape[0] - 1, heads=h, kv_heads=hk, max_q=max_seqlen_q,
+                   max_k=max_seqlen_k, masks=masks).run(dout, q, k, v, o, lse,
+                                                        (cu_seqlens_q, cu_seqlens_k))

@@ -45,7 +45,7 @@ class HopperBwdPlan:
     launch.FwdPlan: Family.plan_for); run(dout, q, k, v, o, lse) -> (dq, dk, dv) in the dtype and
     layout of q, k, v, as launch_bwd.backward."""
     __slots__ = ("variant", "kernel", "grid", "scale", "causal", "consts", "layouts", "why",
-                 "generic", "masks", "mask_args")
+                 "generic", "masks", "mask_args", "fallback", "pre")
     descriptor = False
 
     def __init__(self, q, k, v, causal: bool, scale: float | None, variant: Variant,
@@ -62,6 +62,7 @@ class HopperBwdPlan:
         self.masks = masks
         self.scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
         self.generic = _generic_variant(d, q.dtype)  # its preprocess (no masks in 16 bits)
+        self.fallback = None  # the generic bwd's plan, built when first needed
         self.why = unsupported(d, q.dtype) or _device_blocker(q.device)
         if not self.why and not all(_view3(t) for t in (q, k, v)):
             self.why = "strides TMA cannot describe as (B*H, N, D)"
@@ -76,17 +77,20 @@ class HopperBwdPlan:
         self.consts = dict(HEAD_DIM=d, BLOCK_M=variant.block_m, BLOCK_N=variant.block_n,
                            STAGES=variant.num_stages, GROUP=h // hk, IS_CAUSAL=self.causal,
                            num_warps=variant.num_warps)
+        self.pre = preprocess_launch(q, k, self.causal, self.generic)
 
     def run(self, dout, q, k, v, o, lse):
-        from . import launch_bwd
         dk = torch.empty_like(k)  # keeps the caller's layout, as the generic bwd
         dv = torch.empty_like(v)
         if self.why or not addressable(q, k, v, dout, dk, dv):  # base addresses: per call
-            return launch_bwd.backward(dout, q, k, v, o, lse, self.causal, self.scale,
-                                       _generic_variant(q.shape[3], q.dtype, self.masks),
-                                       *((self.masks,) if self.masks.any else ()))
+            if self.fallback is None:
+                from . import launch_bwd
+                self.fallback = launch_bwd.plan(
+                    q, k, self.causal, self.scale,
+                    _generic_variant(q.shape[3], q.dtype, self.masks), self.masks)
+            return self.fallback.run(dout, q, k, v, o, lse)
         from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-        delta, lse2 = preprocess(dout, q, k, v, o, lse, self.causal, self.scale, self.generic)
+        delta, lse2 = preprocess(self.pre, dout, q, k, v, o, lse, self.scale)
         dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         bm, bn, d = self.variant.block_m, self.variant.block_n, q.shape[3]
 
@@ -102,20 +106,27 @@ class HopperBwdPlan:
         return dq, dk, dv
 
 
-def preprocess(dout, q, k, v, o, lse, causal: bool, scale: float, generic: Variant):
-    """Delta = rowsum(dO * O) and LSE2 = LSE * log2(e) (+inf where LSE = -inf), float32
-    (B, H, Nq) contiguous: the generic bwd family's attn_bwd_preprocess (16-bit inputs, no
-    masks), launched as launch_bwd launches it."""
-    from .launch import strides3
+def preprocess_launch(q, k, causal: bool, generic: Variant) -> tuple:
+    """(kernel, grid, constexprs, num_warps, num_stages) of the generic bwd family's
+    attn_bwd_preprocess for this call (16-bit inputs, no masks), as launch_bwd launches it."""
     from .launch_bwd import kernel_params
     b, h, nq, d = q.shape
     consts, warps, stages = kernel_params(generic, q.dtype, d, causal, h // k.shape[1], nq,
                                           k.shape[2])["pre"]
+    return (load(generic).attn_bwd_preprocess, (triton.cdiv(nq, consts["PRE_M"]) * b * h,),
+            consts, warps, stages)
+
+
+def preprocess(pre: tuple, dout, q, k, v, o, lse, scale: float):
+    """Delta = rowsum(dO * O) and LSE2 = LSE * log2(e) (+inf where LSE = -inf), float32
+    (B, H, Nq) contiguous, by the launch preprocess_launch describes."""
+    from .launch import strides3
+    kernel, grid, consts, warps, stages = pre
+    b, h, nq, _ = q.shape
     delta = torch.empty((b, h, nq), dtype=torch.float32, device=q.device)
     lse2 = torch.empty_like(delta)
-    load(generic).attn_bwd_preprocess[(triton.cdiv(nq, consts["PRE_M"]) * b * h,)](
-        o, dout, lse, delta, lse2, delta, q, k, v, scale, *strides3(o, dout, q, k, v),
-        h, nq, k.shape[2], **consts, num_warps=warps, num_stages=stages)
+    kernel[grid](o, dout, lse, delta, lse2, delta, q, k, v, scale, *strides3(o, dout, q, k, v),
+                 h, nq, k.shape[2], **consts, num_warps=warps, num_stages=stages)
     return delta, lse2
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cached_property, lru_cache
 
 import torch
 
@@ -115,7 +115,9 @@ class Masks:
     softcap: float | None = None
     block_mask: object = None
 
-    @property
+    # computed once per Masks (a call's, carried from the forward to the backward), read by
+    # each memo a call consults
+    @cached_property
     def any(self) -> bool:
         return self.window is not None or self.softcap is not None or self.block_mask is not None
 
@@ -124,7 +126,7 @@ class Masks:
         return {"window": self.window is not None, "softcap": self.softcap is not None,
                 "block_sparse": self.block_mask is not None}
 
-    @property
+    @cached_property
     def key(self) -> tuple:
         """What a launch plan depends on (the block mask by identity: its tensors are args)."""
         return (self.window, self.softcap,

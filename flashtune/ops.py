@@ -22,20 +22,26 @@ from .problem import dtype_name
 # Cleared with the dispatcher's lookups (a new tuned DB or table can change the variant).
 _plans: dict = {}
 dispatch.on_clear(_plans.clear)
+# call signature -> backward plan (launch_bwd.BwdPlan, or a family's that serves bwd calls): the
+# variant choice (select_bwd, mask_twin), constexprs and the masks' kernel arguments, built once
+_bwd_plans: dict = {}
+dispatch.on_clear(_bwd_plans.clear)
+_PLANS_MAX = 4096
 
 
 def run_forward(q, k, v, causal: bool, scale, variant=None, masks: Masks = NONE):
     """Validated inputs -> (O, LSE). Handles the empty cases the kernel never sees.
     masks: window / softcap / block mask beyond causal (flashtune/masks.py), validated."""
     if variant is None and dispatch.forced_variant() is None:
-        key = (q.dtype, q.shape, q.stride(), k.shape, k.stride(), v.stride(), causal, scale)
+        key = (q.device, q.dtype, q.shape, q.stride(), k.shape, k.stride(), v.stride(), causal,
+               scale)
         if masks.any:
             key += masks.key
         plan = _plans.get(key)
         if plan is None:
             if q.numel() == 0 or k.shape[2] == 0:
                 return _empty_forward(q, k)
-            if len(_plans) >= 4096:
+            if len(_plans) >= _PLANS_MAX:
                 _plans.clear()
             plan = _plans[key] = _plan(q, k, v, causal, scale,
                                        dispatch.select_for_call("fwd", q, k, causal, masks), masks)
@@ -135,17 +141,38 @@ def run_backward(grad_out, q, k, v, o, lse, causal: bool, scale, deterministic: 
         # e.g. the expanded ones of out.sum().backward() (all strides 0): the kernels need a
         # contiguous head dim
         grad_out = grad_out.contiguous()
+    lse = lse.contiguous()
+    if variant is None and dispatch.forced_variant() is None:
+        # a repeated call: a tuple, a dict lookup, the buffers and the launches
+        key = (q.device, q.dtype, q.shape, q.stride(), k.shape, k.stride(), v.stride(), causal,
+               scale, deterministic)
+        if masks.any:
+            key += masks.key
+        plan = _bwd_plans.get(key)
+        if plan is None:
+            if len(_bwd_plans) >= _PLANS_MAX:
+                _bwd_plans.clear()
+            plan = _bwd_plans[key] = _bwd_plan(
+                q, k, v, causal, scale, select_bwd(q, k, causal, deterministic, masks), masks)
+        return plan.run(grad_out, q, k, v, o, lse)
     if variant is None:
         variant = select_bwd(q, k, causal, deterministic, masks)
     elif deterministic and variant.dq != "separate":
         raise ValueError(f"deterministic=True needs a dq='separate' variant, got {variant.name}")
-    if variant.family != "bwd":  # a family that serves bwd calls (hopper_bwd), its own plan
-        from .families import get  # masks reach its plan only where the call has some
-        return get(variant.family).plan_for(q, k, v, causal, scale, variant, masks).run(
-            grad_out, q, k, v, o, lse.contiguous())
+    if variant.family != "bwd":
+        return _bwd_plan(q, k, v, causal, scale, variant, masks).run(grad_out, q, k, v, o, lse)
     # masks only where there are some: a dense call is the call it always was
-    return launch_bwd.backward(grad_out, q, k, v, o, lse.contiguous(), causal, scale, variant,
+    return launch_bwd.backward(grad_out, q, k, v, o, lse, causal, scale, variant,
                                *((masks,) if masks.any else ()))
+
+
+def _bwd_plan(q, k, v, causal, scale, variant: Variant, masks: Masks):
+    """The launch plan of a bwd `variant` for this call: its family's own where it is another
+    family that serves bwd calls (hopper_bwd), else launch_bwd's."""
+    if variant.family != "bwd":
+        from .families import get  # masks reach its plan only where the call has some
+        return get(variant.family).plan_for(q, k, v, causal, scale, variant, masks)
+    return launch_bwd.plan(q, k, causal, scale, variant, *((masks,) if masks.any else ()))
 
 
 # -- torch.library registration ------------------------------------------------------------------
@@ -343,5 +370,36 @@ def _sparse_backward(ctx, grad_o, grad_lse):
 
 
 attn_sparse_fwd.register_autograd(_sparse_backward, setup_context=_sparse_setup_context)
-attn_sparse_fwd_eager = eager_autograd(_sparse_fwd_impl, _sparse_bwd_impl, _sparse_setup_context,
-                                       _sparse_backward)
+
+
+class _MaskedEager(torch.autograd.Function):
+    """Eager calls with gradients and masks (window, softcap, block mask): the registered ops'
+    formula, with the validated Masks carried as one object. A block mask's nine index tensors
+    and element mask then neither pass through autograd's inputs and saved tensors nor are
+    rebuilt into a BlockMask, forward and backward, on every call; the launch plans find the
+    same Masks.key as the ops' path."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal, scale, deterministic, masks):
+        o, lse = run_forward(q, k, v, causal, scale, masks=masks)
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.causal, ctx.scale, ctx.deterministic, ctx.masks = causal, scale, deterministic, masks
+        ctx.forced = dispatch.forced_variant()  # as _setup_context: autograd's own thread
+        ctx.mark_non_differentiable(lse)
+        return o, lse
+
+    @staticmethod
+    def backward(ctx, grad_o, grad_lse):
+        if grad_o is None:
+            return (None,) * 7
+        q, k, v, o, lse = ctx.saved_tensors
+        dq, dk, dv = call_forced(ctx.forced, run_backward, grad_o, q, k, v, o, lse, ctx.causal,
+                                 ctx.scale, ctx.deterministic, None, ctx.masks)
+        need = ctx.needs_input_grad
+        return (dq if need[0] else None, dk if need[1] else None, dv if need[2] else None,
+                None, None, None, None)
+
+
+def attn_masked_eager(q, k, v, causal: bool, scale, deterministic: bool, masks: Masks):
+    """(O, LSE) of an eager call with gradients and validated masks (api.attention)."""
+    return _MaskedEager.apply(q, k, v, causal, scale, deterministic, masks)

@@ -385,7 +385,8 @@ def test_launch_plans_follow_the_tuned_db(tables, tmp_path, monkeypatch):
     k, v = q[:, :, :40], q[:, :, 40:80]
 
     def ran():
-        plans = [p for key, p in ops._plans.items() if key[1] == q.shape and key[3] == k.shape]
+        # keys: (device, dtype, q shape, q strides, k shape, ...)
+        plans = [p for key, p in ops._plans.items() if key[2] == q.shape and key[4] == k.shape]
         assert len(plans) == 1
         return plans[0].variant.name
 
