@@ -242,10 +242,13 @@ def test_128_key_steps_compile_for_sm90_without_spills(causal):
     """D=128 ping-pong with a loader and 128-key steps: under the consumers' setmaxnreg (240)
     since P is the PV operand from the softmax on (in float32 across the back edge it spilled
     188 B) and causal_split's unmasked loop carries no mask code (one loop: 16 B causal)."""
-    v = Variant.parse("hopper_fwd-m64-n128-w4-s2-pingpong=true-lr24")
-    r = FAM.check_compile(v, 128, "bfloat16", causal, False, 90, True)["fwd"]
-    assert r["spill_bytes"] == 0, r.get("spill_bytes")
-    assert r["smem"] <= 232448
+    from test_compile_sm90 import kernels_check
+    r = kernels_check("--gpu", "H100", "--dtype", "bf16", "--head-dim", "128", "--format", "json",
+                      "--causal" if causal else "--no-causal",
+                      "hopper_fwd-m64-n128-w4-s2-pingpong=true-lr24")
+    rows = json.loads(r.stdout) if r.stdout.startswith("[") else []
+    assert len(rows) == 1, r.stdout[-2000:] + r.stderr[-2000:]
+    assert rows[0]["fits"] and rows[0]["spill_bytes"] == 0, rows[0]
 
 
 # -- GPU: the kernel against the float64 reference, the family forced -----------------------------
