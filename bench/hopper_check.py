@@ -52,8 +52,7 @@ NO_LOADER = {
 # right after the softmax and causal_split keeps the mask code out of the unmasked loop (sm_90
 # compile, template header); causal_split=false beside, to time the split itself
 TILES = {
-    64: ["hopper_fwd-m64-n128-w4-s3-pingpong=true-lr24",
-         "hopper_fwd-m64-n128-w4-s4-pingpong=true-lr24"],
+    64: ["hopper_fwd-m64-n128-w4-s3-pingpong=true-lr24"],
     128: ["hopper_fwd-m64-n128-w4-s2-pingpong=true-lr24",
           "hopper_fwd-m64-n128-w4-s3-pingpong=true-lr24",
           "hopper_fwd-m64-n128-w4-s2-pingpong=true-persistent=true-lr24",
