@@ -152,6 +152,20 @@ sys.exit(pytest.main(['-q', '-x', '--tb=long', 'tests/test_transformers_backend.
                 | tee "$OUT/hopper_noloader_tests.log" | tail -15
               timeout ${HOPPER_TIMEOUT:-420} python3 bench/hopper_check.py --set no_loader ${HOPPER_ARGS:---budget 390} 2>&1 \
                 | tee "$OUT/hopper_noloader_check.log" | tail -40 ;;
+    hopperfwdtiles) # issue 10: hopper_fwd's 128-key steps with a loader warp (P converted right after the
+              # softmax, causal_split): the forced GPU tests of the new tiles (bf16; HOPPERTILES_K="tiles"
+              # for fp16 too), a smoke of the masked renders (their loop and P changed too), then the
+              # standard grid (D=128, 256, 64; causal or not) vs cuDNN and SDPA flash in the same run,
+              # causal_split on and off, each D's default beside -> hopper_fwd.jsonl
+              timeout ${HOPPERTILES_TESTS_TIMEOUT:-190} python3 -m pytest -q -m gpu tests/test_hopper.py \
+                -k "${HOPPERTILES_K:-tiles and bf16}" 2>&1 | tee "$OUT/hopperfwdtiles_tests.log" | tail -15
+              timeout 60 python3 -m pytest -q -m gpu tests/test_hopper_masks.py -k "pingpong and not noloader" \
+                2>&1 | tee "$OUT/hopperfwdtiles_masks.log" | tail -4
+              timeout 45 python3 -m pytest -q -m gpu tests/test_hopper_block_sparse.py -k "persistent" \
+                2>&1 | tee "$OUT/hopperfwdtiles_sparse.log" | tail -4
+              timeout ${HOPPERTILES_TIMEOUT:-235} python3 bench/hopper_check.py --set tiles --skip-check \
+                --baselines cudnn,flash --bench-dims 128,256,64 ${HOPPERTILES_ARGS:---budget 220} 2>&1 \
+                | tee "$OUT/hopperfwdtiles_bench.log" | tail -30 ;;
     hoppermasks) # hopper_fwd's window/softcap renders (issue 11): its forced GPU tests against the float64
               # reference (every schedule), then the causal sliding window at N=4k/16k, W=256..4096 (D=128,
               # bf16, B=1, H=16): hopper_fwd forced vs the generic fwd as dispatched vs compiled Flex

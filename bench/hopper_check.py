@@ -5,6 +5,8 @@ standard grid timed against SDPA's flash and cuDNN backends and flashtune's gene
     python3 bench/hopper_check.py [--variants a,b,...] [--head-dims 64,128] [--budget 270]
     python3 bench/hopper_check.py --set no_loader   # the schedules without a loader partition,
                                                     # beside each D's default
+    python3 bench/hopper_check.py --set tiles       # 128-key steps with a loader, causal_split
+                                                    # on and off, beside each D's default
 
 Every candidate runs in its own subprocess with a timeout (a Gluon kernel whose mbarrier phases
 are wrong hangs rather than fails). Rows go to $OUT/hopper_fwd.jsonl; a table is printed last.
@@ -46,7 +48,20 @@ NO_LOADER = {
     256: ["hopper_fwd-m64-n64-w4-s2-pingpong=true",
           "hopper_fwd-m64-n32-w4-s3-pingpong=true"],
 }
-SETS = {"loader": CANDIDATES, "no_loader": NO_LOADER}
+# 128-key steps with a loader warp (issue 10): spill-free since P is converted to the PV operand
+# right after the softmax and causal_split keeps the mask code out of the unmasked loop (sm_90
+# compile, template header); causal_split=false beside, to time the split itself
+TILES = {
+    64: ["hopper_fwd-m64-n128-w4-s3-pingpong=true-lr24"],
+    128: ["hopper_fwd-m64-n128-w4-s2-pingpong=true-lr24",
+          "hopper_fwd-m64-n128-w4-s3-pingpong=true-lr24",
+          "hopper_fwd-m64-n128-w4-s2-pingpong=true-persistent=true-lr24",
+          "hopper_fwd-m64-n128-w4-s2-causal_split=false-pingpong=true-lr24",
+          "hopper_fwd-m128-n128-w8-s2-lr24"],
+    256: ["hopper_fwd-m64-n64-w4-s2-pingpong=true-lr24",
+          "hopper_fwd-m64-n64-w4-s2-causal_split=false-pingpong=true-lr24"],
+}
+SETS = {"loader": CANDIDATES, "no_loader": NO_LOADER, "tiles": TILES}
 # (B, H, Hk, Nq, Nk, causal): odd lengths, a single key/query, GQA, Nq > Nk causal (the first
 # Nq - Nk rows see no key), a multi-tile causal case
 CHECK_SHAPES = [(1, 2, 2, 1, 1, False), (2, 3, 3, 37, 37, True), (1, 4, 2, 113, 203, False),
@@ -183,7 +198,8 @@ def main():
     ap.add_argument("--baselines", default="cudnn,flash,fwd")
     ap.add_argument("--per-dim", type=int, default=0, help="only the first N candidates per D")
     ap.add_argument("--set", choices=sorted(SETS), default="loader",
-                    help="the candidate list (no_loader: loader_regs 0, each D's default beside)")
+                    help="the candidate list (no_loader: loader_regs 0; tiles: 128-key steps "
+                         "with a loader; both with each D's default beside)")
     a = ap.parse_args()
     seqlens = [int(x) for x in a.seqlens.split(",")]
     if a.mode == "check":
@@ -202,7 +218,7 @@ def main():
     given = [v.split("@") for v in a.variants.split(",") if v]
     chosen = {d: [n for n, dd in given if int(dd) == d] if given else
               SETS[a.set][d][:a.per_dim or None] for d in dims}
-    if a.set == "no_loader" and not given:  # the shipped default beside, timed in the same run
+    if a.set != "loader" and not given:  # the shipped default beside, timed in the same run
         from flashtune.families import get
         for d in dims:
             chosen[d].append(get("hopper_fwd").default(d, "bfloat16").name)
@@ -230,10 +246,15 @@ def main():
             continue
         rows += _sub(["time", impl, "--bench-dims", ",".join(map(str, bench_dims)),
                       "--seqlens", a.seqlens], min(left, 150))
+        _save(rows)  # after each implementation: a run cut short keeps what it timed
+    _save(rows)
+    _table(rows)
+
+
+def _save(rows):
     with open(_out("hopper_fwd.jsonl"), "w") as f:
         for r in rows:
             f.write(json.dumps(r) + "\n")
-    _table(rows)
 
 
 def _table(rows):
@@ -248,7 +269,7 @@ def _table(rows):
         gm = math.exp(sum(map(math.log, ratios)) / len(ratios)) if ratios else float("nan")
         cells = " ".join(f"{r['tflops']:.0f}" for r in sorted(mine, key=lambda r: (
             r["D"], r["causal"], r["N"])))
-        print(f"{impl[:62]:62} geo {gm:.3f}x  {cells}")
+        print(f"{impl[:72]:72} geo {gm:.3f}x  {cells}")
     for r in rows:
         if r.get("kind") in ("crash", "timeout"):
             print(r.get("kind"), r.get("args"), str(r.get("tail", ""))[-600:])

@@ -33,7 +33,8 @@ class Variant:
     num_warps: int
     num_stages: int
     # structural: split the causal key loop into an unmasked off-diagonal part and a masked
-    # diagonal part (False: one loop that masks every block)
+    # diagonal part (False: one loop that masks every block). hopper_fwd: its dense key loop
+    # split into an unmasked loop and a masked one (diagonal, key tail), causal or not
     causal_split: bool = True
     # structural: "pointer" (pointer arithmetic + masks) or "descriptor" (tensor descriptors,
     # which lower to TMA on Hopper and zero-fill out-of-bounds reads)

@@ -76,7 +76,8 @@ def _problem_names(problem: Problem) -> dict:
     return {"head_dim": problem.head_dim, "block_d": feasibility.block_d(problem.head_dim),
             "dtype_bytes": feasibility.dtype_bytes(problem.dtype), "causal": problem.causal,
             "seqlen_q": problem.seqlen_q, "seqlen_k": problem.seqlen_k, "batch": problem.batch,
-            "heads": problem.heads, "group": problem.group}
+            "heads": problem.heads, "group": problem.group,
+            "masked": bool(problem.mask_kinds)}  # window / softcap / block mask
 
 
 def _names_in(expr: str, where: str) -> set:

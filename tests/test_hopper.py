@@ -75,6 +75,35 @@ def test_render_without_a_loader_is_structural():
         kernel_hash(Variant.parse("hopper_fwd-m64-n128-w4-s3-pingpong=true-lr24"))
 
 
+def test_render_causal_split_is_structural():
+    """causal_split (default on): the dense key loop as an unmasked loop and a masked one, each
+    mask a compile-time constant; off: one loop testing per step. The masked renders keep their
+    per-step _edge test either way (the field changes nothing there)."""
+    split = render(Variant.parse("hopper_fwd-m64-n128-w4-s2-pingpong=true-lr24"))
+    one = render(Variant.parse("hopper_fwd-m64-n128-w4-s2-causal_split=false-pingpong=true-lr24"))
+    assert "PARTS: gl.constexpr = 2" in split and "qk_scale, part == 1," in split
+    assert "j >= n_full" not in split
+    assert "PARTS: gl.constexpr = 1" in one and "qk_scale, j >= n_full," in one
+    assert "part == 1" not in one
+    assert len(split.splitlines()) == len(one.splitlines())
+    win = [render(Variant.parse(f"hopper_fwd-m64-n64-w4-s2{cs}-pingpong=true-lr24-window=true"))
+           for cs in ("", "-causal_split=false")]
+    assert win[0].splitlines()[1:] == win[1].splitlines()[1:] and "part == 1" not in win[0]
+
+
+def test_search_tunes_causal_split_for_dense_problems_only():
+    import dataclasses
+    from flashtune.search_space import Space
+    from flashtune.targets import get as get_target
+    h100 = get_target("H100")
+    for causal in (False, True):
+        dense = Space.build("hopper_fwd", h100, dataclasses.replace(_problem(causal=causal),
+                                                                    family="hopper_fwd"))
+        assert [p.values for p in dense.params if p.name == "causal_split"] == [(True, False)]
+    masked = dataclasses.replace(_problem(causal=True), family="hopper_fwd", window=256)
+    assert ("causal_split", True) in Space.build("hopper_fwd", h100, masked).pinned
+
+
 def test_variant_names_round_trip_and_rules():
     v = Variant.parse("hopper_fwd-m64-n128-w4-s2-pingpong=true-persistent=true-lr32")
     assert (v.pingpong, v.persistent, v.loader_regs) == (True, True, 32)
@@ -207,6 +236,21 @@ def test_defaults_compile_for_sm90():
             assert x["fits"] and not x["why"], x
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("causal", [False, True])
+def test_128_key_steps_compile_for_sm90_without_spills(causal):
+    """D=128 ping-pong with a loader and 128-key steps: under the consumers' setmaxnreg (240)
+    since P is the PV operand from the softmax on (in float32 across the back edge it spilled
+    188 B) and causal_split's unmasked loop carries no mask code (one loop: 16 B causal)."""
+    from test_compile_sm90 import kernels_check
+    r = kernels_check("--gpu", "H100", "--dtype", "bf16", "--head-dim", "128", "--format", "json",
+                      "--causal" if causal else "--no-causal",
+                      "hopper_fwd-m64-n128-w4-s2-pingpong=true-lr24")
+    rows = json.loads(r.stdout) if r.stdout.startswith("[") else []
+    assert len(rows) == 1, r.stdout[-2000:] + r.stderr[-2000:]
+    assert rows[0]["fits"] and rows[0]["spill_bytes"] == 0, rows[0]
+
+
 # -- GPU: the kernel against the float64 reference, the family forced -----------------------------
 
 SHAPES = [  # (B, H, Hk, Nq, Nk): odd lengths, one key, GQA, Nq > Nk (rows that see no key)
@@ -226,6 +270,15 @@ for _d, _names in NO_LOADER.items():
     VARIANTS[_d] = VARIANTS[_d] + _names
 
 
+# 128-key steps with a loader warp (spill-free since P is converted right after the softmax and
+# causal_split keeps the mask code out of the unmasked loop), and the one-loop render beside
+TILES = {64: ["hopper_fwd-m64-n128-w4-s3-pingpong=true-lr24"],
+         128: ["hopper_fwd-m64-n128-w4-s2-pingpong=true-lr24",
+               "hopper_fwd-m64-n128-w4-s2-causal_split=false-pingpong=true-lr24",
+               "hopper_fwd-m128-n128-w8-s2-lr24"],
+         256: ["hopper_fwd-m64-n64-w4-s2-pingpong=true-lr24"]}
+
+
 @pytest.mark.gpu
 @hopper_gpu
 @pytest.mark.parametrize("d,name", [(d, n) for d, ns in VARIANTS.items() for n in ns])
@@ -233,6 +286,22 @@ for _d, _names in NO_LOADER.items():
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("shape", SHAPES)
 def test_matches_reference(d, name, dtype, causal, shape):
+    _check_forced(d, name, dtype, causal, shape)
+
+
+@pytest.mark.gpu
+@hopper_gpu
+@pytest.mark.parametrize("d,name", [(d, n) for d, ns in TILES.items() for n in ns])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_tiles_match_reference(d, name, dtype, causal, shape):
+    _check_forced(d, name, dtype, causal, shape)
+
+
+def _check_forced(d, name, dtype, causal, shape):
+    """O against the float64 reference with the variant forced; LSE within 1e-3, -inf exactly
+    where a row sees no key."""
     from flashtune.reference import reference
     b, h, hk, nq, nk = shape
     q, k, v = qkv(b, h, hk, nq, nk, d, dtype, "cuda")

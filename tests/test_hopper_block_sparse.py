@@ -30,14 +30,16 @@ ON_H100 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9
 hopper_gpu = pytest.mark.skipif(not ON_H100, reason="needs an sm_90 GPU")
 SPARSE_WORDS = ("_sparse_key", "_sparse_lists", "BM_NUM", "BM_FULL_IDX", "ELEM", "stride_em",
                 "BS_KV", "BS_Q")
-# the window/softcap renders' kernel hashes before block_sparse was added (the dense ones are
-# pinned in test_hopper_masks.py): records of masked buckets stay fresh
+# the window/softcap renders' kernel hashes: block_sparse's code leaves them as they were (the
+# dense ones are pinned in test_hopper_masks.py), so records of masked buckets stay fresh. Changed
+# on purpose once since (issue 10: P converted right after the softmax, the key loop inside the
+# static loop causal_split unrolls in two for dense renders; no hopper_fwd records were shipped)
 MASKED_HASHES = {
-    "hopper_fwd-m64-n64-w4-s4-pingpong=true-lr24-window=true": "ec0618ce35fa5cc4",
-    "hopper_fwd-m64-n64-w4-s3-pingpong=true-persistent=true-lr24-softcap=true": "49ce8e1aa711bd71",
-    "hopper_fwd-m128-n64-w8-s3-lr24-window=true-softcap=true": "61c2420b4a58fa0a",
-    "hopper_fwd-m64-n128-w4-s3-pingpong=true-window=true": "114b61b64c2b8252",
-    "hopper_fwd-m128-n128-w8-s2-softcap=true": "5629a3acc7d4f487",
+    "hopper_fwd-m64-n64-w4-s4-pingpong=true-lr24-window=true": "48e44a6569da7138",
+    "hopper_fwd-m64-n64-w4-s3-pingpong=true-persistent=true-lr24-softcap=true": "ae8766eff4b73d1e",
+    "hopper_fwd-m128-n64-w8-s3-lr24-window=true-softcap=true": "d6986f5b0e4b092e",
+    "hopper_fwd-m64-n128-w4-s3-pingpong=true-window=true": "b8b33dddd321480a",
+    "hopper_fwd-m128-n128-w8-s2-softcap=true": "9be3763f42dadc9f",
 }
 
 

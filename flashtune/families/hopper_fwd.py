@@ -20,7 +20,8 @@ FAMILY = Family(
     doc="Hopper forward in Gluon: TMA ring + mbarriers, async wgmma, loader warp, ping-pong",
     template="attn_hopper_fwd.py.tmpl",
     kernels=("attn_fwd_hopper",),
-    fields=("pingpong", "persistent", "loader_regs", "window", "softcap", "block_sparse"),
+    fields=("pingpong", "persistent", "loader_regs", "causal_split", "window", "softcap",
+            "block_sparse"),
     defaults="flashtune.families.hopper_fwd:default",
     measure="flashtune.measure_hopper:OPS",
     compile_check="flashtune.families.hopper_fwd:compile_check",
@@ -53,10 +54,14 @@ FAMILY = Family(
 #          persistent 0.79x / 0.70x, s4 0.79x / 0.70x, s2 0.65x / 0.60x; one consumer partition of
 #          8 warps m128-n64-w8-s3 0.66x / 0.65x; generic fwd 0.74x / 0.75x)
 #   D=256: ping-pong m64-n32-w4-s3      374-525 / 193-503  0.73x / 0.83x (generic fwd 0.35x / 0.40x)
-# Spill-free matters: Triton gives ptxas a 168-register cap for the whole kernel (65536 / 384
-# threads: the consumers plus the loader's warp group), which setmaxnreg does not lift for register
-# allocation, so 128-key steps spill at D >= 128 (the S of block j+1, the P of block j and the O
-# accumulator are live together).
+# Spill-free matters. The 128-key steps at D=128 that spilled before were not held back by the
+# 168-register entry cap (`ptxas -v`'s number; setmaxnreg lets the consumers' code use up to 240)
+# but by P kept in float32 across the loop's back edge; with P converted to the PV operand right
+# after the softmax and causal_split's unmasked loop, m64-n128 ping-pong (s2/s3, persistent or
+# not) and m128-n128-w8-s2 compile spill-free at D=128, causal or not, and m64-n128-s3/s4
+# ping-pong at D=64 (template header: registers per candidate). Not measured on a GPU yet
+# (STEPS=hopperfwdtiles); the defaults below keep their tiles until it is, and render the new
+# code (P conversion, causal_split) like every variant.
 # The window/softcap renders (window=true, softcap=true, both) compile for sm_90 without spills for
 # every default above and for the no-loader m64-n128-s3 ping-pong / m128-n128-w8-s2 at D=64/128,
 # causal or not, bf16 and fp16 (`flashtune kernels check`, triton 3.9, 2026-11-24: the loader
