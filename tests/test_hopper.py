@@ -256,8 +256,9 @@ def test_128_key_steps_compile_for_sm90_without_spills(causal):
 SHAPES = [  # (B, H, Hk, Nq, Nk): odd lengths, one key, GQA, Nq > Nk (rows that see no key)
     (1, 2, 2, 1, 1), (2, 3, 3, 37, 37), (1, 4, 2, 113, 203), (1, 4, 1, 1000, 1000),
     (2, 2, 2, 300, 100), (1, 8, 2, 515, 2051)]
-VARIANTS = {64: ["hopper_fwd-m64-n64-w4-s4-pingpong=true-lr24"],             # the defaults,
-            128: ["hopper_fwd-m64-n64-w4-s3-pingpong=true-persistent=true-lr24",
+VARIANTS = {64: ["hopper_fwd-m64-n128-w4-s3-pingpong=true-lr24"],            # the defaults,
+            128: ["hopper_fwd-m64-n128-w4-s3-pingpong=true-lr24",
+                  "hopper_fwd-m64-n64-w4-s3-pingpong=true-persistent=true-lr24",  # persistent
                   "hopper_fwd-m128-n64-w8-s3-lr24"],                         # one 8-warp consumer
             256: ["hopper_fwd-m64-n32-w4-s3-pingpong=true-lr24"]}
 # no loader partition (loader_regs 0): the consumers load the ring; 128-key steps at D <= 128

@@ -59,9 +59,7 @@ FAMILY = Family(
 # but by P kept in float32 across the loop's back edge; with P converted to the PV operand right
 # after the softmax and causal_split's unmasked loop, m64-n128 ping-pong (s2/s3, persistent or
 # not) and m128-n128-w8-s2 compile spill-free at D=128, causal or not, and m64-n128-s3/s4
-# ping-pong at D=64 (template header: registers per candidate). Not measured on a GPU yet
-# (STEPS=hopperfwdtiles); the defaults below keep their tiles until it is, and render the new
-# code (P conversion, causal_split) like every variant.
+# ping-pong at D=64 (template header: registers per candidate); measured below.
 # The window/softcap renders (window=true, softcap=true, both) compile for sm_90 without spills for
 # every default above and for the no-loader m64-n128-s3 ping-pong / m128-n128-w8-s2 at D=64/128,
 # causal or not, bf16 and fp16 (`flashtune kernels check`, triton 3.9, 2026-11-24: the loader
@@ -72,9 +70,14 @@ FAMILY = Family(
 # too, and for m128-n64-w8-s3 / m64-n32 at D=128; the no-loader 128-key steps spill 24 B (ping-pong
 # m64-n128) / 32 B (m128-n128-w8) with an element mask, none without, which fit_block_mask's
 # step limit avoids (`kernels check`, triton 3.9, 2026-11-23).
+# D=64 and D=128: the 128-key ping-pong, 3 stages, measured best of the tiles set on the H100
+# (STEPS=hopperfwdtiles, docs/data/hopper_fwd_tiles_h100_2026-11-23.jsonl, cuDNN in the same run):
+# D=128 0.75-0.98x cuDNN non-causal (the 64-key persistent default before: 0.78-0.88x), causal
+# 0.60-0.96x (0.61-0.85x); D=64 0.69-0.90x non-causal (m64-n64-s4: 0.64-0.79x), causal 0.56-0.91x
+# (0.57-0.79x). D=256: the 32-key steps stay (the 64-key s2 within +-5%).
 DEFAULTS = {
-    64: dict(block_m=64, block_n=64, num_warps=4, num_stages=4, pingpong=True),
-    128: dict(block_m=64, block_n=64, num_warps=4, num_stages=3, pingpong=True, persistent=True),
+    64: dict(block_m=64, block_n=128, num_warps=4, num_stages=3, pingpong=True),
+    128: dict(block_m=64, block_n=128, num_warps=4, num_stages=3, pingpong=True),
     256: dict(block_m=64, block_n=32, num_warps=4, num_stages=3, pingpong=True),
 }
 
