@@ -166,6 +166,15 @@ sys.exit(pytest.main(['-q', '-x', '--tb=long', 'tests/test_transformers_backend.
               timeout ${HOPPERTILES_TIMEOUT:-235} python3 bench/hopper_check.py --set tiles --skip-check \
                 --baselines cudnn,flash --bench-dims 128,256,64 ${HOPPERTILES_ARGS:---budget 220} 2>&1 \
                 | tee "$OUT/hopperfwdtiles_bench.log" | tail -30 ;;
+    hopperdefaults) # issue 10: hopper_fwd's D=64/128 defaults (the 128-key ping-pong, s3): their forced GPU
+              # tests (bf16 and fp16, causal or not), then the standard grid beside cuDNN, SDPA flash and
+              # the generic fwd's default in the same run -> hopper_fwd.jsonl
+              timeout ${HOPPERDEF_TESTS_TIMEOUT:-170} python3 -m pytest -q -m gpu tests/test_hopper.py \
+                -k "matches_reference and lr24 and n128 and s3" 2>&1 | tee "$OUT/hopperdefaults_tests.log" | tail -6
+              timeout ${HOPPERDEF_TIMEOUT:-120} python3 bench/hopper_check.py --skip-check --baselines cudnn,flash,fwd \
+                --variants hopper_fwd-m64-n128-w4-s3-pingpong=true-lr24@64,hopper_fwd-m64-n128-w4-s3-pingpong=true-lr24@128 \
+                --head-dims 64,128 --bench-dims 64,128 --budget ${HOPPERDEF_BUDGET:-110} 2>&1 \
+                | tee "$OUT/hopperdefaults_bench.log" | tail -12 ;;
     hoppermasks) # hopper_fwd's window/softcap renders (issue 11): its forced GPU tests against the float64
               # reference (every schedule), then the causal sliding window at N=4k/16k, W=256..4096 (D=128,
               # bf16, B=1, H=16): hopper_fwd forced vs the generic fwd as dispatched vs compiled Flex
