@@ -21,7 +21,8 @@ from _check import qkv
 
 FWD = "fwd-m16-n16-w4-s1"  # small tiles: several blocks in every loop at these sizes
 BWD = {"atomic": "bwd-m16-n32-w4-s1-dq=atomic",
-       "separate": "bwd-m16-n32-w4-s1-dq=separate-mq32-nq16-wq4-sq1"}
+       "separate": "bwd-m16-n32-w4-s1-dq=separate-mq32-nq16-wq4-sq1",
+       "fused": "bwd-m16-n32-w4-s1-dq=fused-mq32-nq16"}
 
 
 @contextlib.contextmanager
