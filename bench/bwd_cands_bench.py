@@ -99,16 +99,22 @@ def make_cases(dims, seqlens, window: tuple | None, tokens: int, hidden: int) ->
     return out
 
 
-def make_peers(dims, names=None, with_peers: bool = True) -> list:
-    """The dispatched bwd, a Forced peer per candidate (names: which; None = all), and the peers."""
+def chosen(dims, names=None) -> dict:
+    """{label: {head dim: variant name}} of the candidates to time (names: which; None = all)."""
+    out: dict = {}
+    for d in dims:
+        for label, name in CANDIDATES.get(d, {}).items():
+            if names is None or label in names:
+                out.setdefault(label, {})[d] = name
+    return out
+
+
+def make_peers(spec: dict, with_peers: bool = True) -> list:
+    """The dispatched bwd, a Forced peer per candidate of `spec` (chosen()), and the peers."""
     from flashtune.codegen import Variant
     out = [P.Flashtune(True)]
-    labels = dict.fromkeys(k for d in dims for k in CANDIDATES.get(d, {}))
-    for label in labels:
-        if names is not None and label not in names:
-            continue
-        vs = {d: Variant.parse(CANDIDATES[d][label]) for d in dims if label in CANDIDATES.get(d, {})}
-        out.append(P.Forced(label, vs))
+    out += [P.Forced(label, {d: Variant.parse(v) for d, v in vs.items()})
+            for label, vs in spec.items()]
     if with_peers:
         out += [P.Flex(), P.Sdpa("cudnn"), P.Sdpa("flash")]
     if len({p.name for p in out}) != len(out):
@@ -122,19 +128,20 @@ def runs(case: Case, peer) -> bool:
 
 def _warm(job) -> str:
     """One (case, peer) run once in a worker process, so its kernels land in the on-disk caches."""
-    case_d, peer_name, dims, names = job
+    case_d, peer_name, spec, dev = job
     if case_d["mask"]:  # this process's grid.MASKS lacks the main process's window entry
         window_mask(int(case_d["mask"].removeprefix("window")))
     case = Case(**case_d)
-    peer = next(p for p in make_peers(dims, names) if p.name == peer_name)
+    peer = next(p for p in make_peers(spec) if p.name == peer_name)
     t = time.perf_counter()
     try:
-        if peer.why_not(case, "cuda"):
+        if peer.why_not(case, dev):
             return f"{peer_name}: skipped"
-        inp = P.make_inputs(case, "cuda")
+        inp = P.make_inputs(case, dev)
         with peer.context(case):
             runner._timed(case, peer.prepare(case, inp), inp)
-        torch.cuda.synchronize()
+        if dev == "cuda":
+            torch.cuda.synchronize()
     except Exception as e:  # noqa: BLE001 -- the timed run reports it as its cell
         return f"{peer_name} {case.label}: {type(e).__name__} {str(e)[:120]}"
     return f"{peer_name} {case.label}: {time.perf_counter() - t:.1f} s"
@@ -146,13 +153,13 @@ def _one_compile_thread() -> None:
     os.environ["TORCHINDUCTOR_COMPILE_THREADS"] = "1"
 
 
-def warm_all(cases, dims, names, jobs: int, deadline_s: float) -> None:
+def warm_all(cases, spec: dict, jobs: int, deadline_s: float, dev: str = "cuda") -> None:
     """Run every (case, peer) once in `jobs` processes, the most wanted cases first; what has not
     started after deadline_s is dropped (the timed run then compiles it itself)."""
     import concurrent.futures as cf
     import multiprocessing as mp
-    work = [({f: getattr(c, f) for f in Case.__dataclass_fields__}, p.name, dims, names)
-            for c in cases for p in make_peers(dims, names) if runs(c, p)
+    work = [({f: getattr(c, f) for f in Case.__dataclass_fields__}, p.name, spec, dev)
+            for c in cases for p in make_peers(spec) if runs(c, p)
             and not p.name.startswith("sdpa")]
     t = time.perf_counter()
     ex = cf.ProcessPoolExecutor(jobs, mp_context=mp.get_context("spawn"),
@@ -195,7 +202,8 @@ def main(argv=None) -> int:
         CANDIDATES[32] = {k: CANDIDATES[128][k] for k in ("default", "atomic-s3", "fused")}
         dims, seqlens, window, tokens, hidden, args.jobs = (32,), (64,), (64, 16), 64, 64, 0
     cases = make_cases(dims, seqlens, None if args.no_window else window, tokens, hidden)
-    peer_list = make_peers(dims, names, with_peers=dev == "cuda")
+    spec = chosen(dims, names)
+    peer_list = make_peers(spec, with_peers=dev == "cuda")
     out_path = args.out or os.path.join(os.environ.get("OUT", "bench_out"), "bwd_cands.jsonl")
     Path(out_path).parent.mkdir(parents=True, exist_ok=True)
     f = open(out_path, "w")
@@ -205,7 +213,7 @@ def main(argv=None) -> int:
     f.write(json.dumps(env) + "\n")
     print(json.dumps(env), flush=True)
     if dev == "cuda" and args.jobs:
-        warm_all(cases, dims, names, args.jobs, 0.55 * args.budget_s)
+        warm_all(cases, spec, args.jobs, 0.55 * args.budget_s)
     rows = []
     for case in cases:
         if time.perf_counter() - t0 > args.budget_s:
