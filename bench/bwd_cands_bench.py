@@ -39,18 +39,20 @@ from flashtune.bench import grid, peers as P, runner  # noqa: E402
 from flashtune.bench.grid import Case, WindowMask  # noqa: E402
 
 # Candidates per head dim, none of them a shipped H100 record except the D=128 default (the
-# 1k causal bucket's). `flashtune kernels check`, sm_90, triton 3.9, bf16, 2026-11-23: dK/dV
-# kernel registers causal / non-causal / causal window twin (spill bytes where any), then the
-# separate dQ kernel's (causal); fused: the one kernel. D=128:
-#   default      230 / 212 / 236             dQ 191   (the window twin's dQ 221)
-#   flex-tiles   250 / 255 (4 B) / 255 (40 B) dQ 213   FlexAttention's sm_90 D=128 config
-#   m64s3-sq2    250 / 255 (4 B) / 255 (40 B) dQ 191
-#   m32s3        225 / 212 / 234             dQ 213
-#   m64n64       217 / 203 / 242             dQ 180
-#   m32n64w4     229 / 213 / 238             dQ 168
-#   atomic-s3    230 / 218 / 234
-#   fused        229 / 212 / 236; fused-s3 225 / 212 / 234; fused-m64n64 216 / 203 / 244
-#   fused-flex   255 (28 B) / 255 / 255 (44 B)  Flex's tiles and one launch
+# 1k causal bucket's). `flashtune kernels check`, sm_90, triton 3.9, bf16, 2026-11-23
+# (docs/data/bwd_cands_compile_sm90_2026-11-23.jsonl): dK/dV kernel registers causal /
+# non-causal / causal window twin (spill bytes where any), then the separate dQ kernel's
+# (causal); fused: the one kernel. The window twins with the window mask as one offset tile
+# (attn_bwd.py.tmpl _dkdv_inner; before it the m64-n128 ones spilled 40-44 B). D=128:
+#   default      230 / 212 / 233             dQ 191   (the window twin's dQ 221)
+#   flex-tiles   250 / 255 (4 B) / 255       dQ 213   FlexAttention's sm_90 D=128 config
+#   m64s3-sq2    250 / 255 (4 B) / 255       dQ 191
+#   m32s3        225 / 212 / 236             dQ 213
+#   m64n64       217 / 203 / 234             dQ 180
+#   m32n64w4     229 / 213 / 248             dQ 168
+#   atomic-s3    230 / 218 / 236
+#   fused        229 / 212 / 237; fused-s3 225 / 212 / 236; fused-m64n64 216 / 203 / 227
+#   fused-flex   255 (28 B) / 255 / 255 (8 B)  Flex's tiles and one launch
 # (m64-n128-w8-s2 spills 12 B causal, its dQ-64x128 twins 20-36 B, m64-n64-w4 8-28 B: left out.)
 # D=64: every one 138-209 registers, no spills.
 CANDIDATES = {
