@@ -215,6 +215,12 @@ sys.exit(pytest.main(['-q', '-x', '--tb=long', 'tests/test_transformers_backend.
               # Narrow a call with TV_ARGS="--family fwd" (or --head-dim 128, --seqlen 4096).
               timeout ${TV_TIMEOUT:-520} python3 bench/tuning_value.py --budget ${TV_BUDGET:-400} \
                 --out "$OUT/tuning_value.jsonl" ${TV_ARGS:-} 2>&1 | tee "$OUT/tuning_value.log" | tail -${TV_TAIL:-30} ;;
+    bwdcands) # issues 10/11: bwd candidates (flex-like tiles, fused dQ, ...) forced vs the bwd as
+              # dispatched vs compiled Flex vs SDPA cuDNN/flash, backward only, bf16: N=16k window 1024,
+              # then dense N=16k/4k/1k causal and not (D=128; BWDCANDS_ARGS="--head-dims 64 --no-window"
+              # for D=64). Compiles ahead in a process pool; stops starting cases at --budget-s 380
+              timeout ${BWDCANDS_TIMEOUT:-420} python3 bench/bwd_cands_bench.py --out "$OUT/bwd_cands${BWDCANDS_NAME:+_$BWDCANDS_NAME}.jsonl" \
+                ${BWDCANDS_ARGS:-} 2>&1 | tee "$OUT/bwd_cands${BWDCANDS_NAME:+_$BWDCANDS_NAME}.log" | grep -v "^warm " | tail -${BWDCANDS_TAIL:-70} ;;
     *) echo "unknown step $step" ;;
   esac
 done

@@ -17,7 +17,10 @@ _SCALARS_I32 = ("H", "Nq", "Nk")
 # int32 lists, int8 block states and uint8 element mask; the softcap a float; the element
 # mask's strides may be 0 or 1 (broadcast, bool rows), so no divisibility is assumed for them
 _MASK_TYPES = {"softcap": "fp32", "BM_NUM": "*i32", "BM_IDX": "*i32", "BM_FULL_NUM": "*i32",
-               "BM_FULL_IDX": "*i32", "BM_STATE": "*i8", "EM": "*u8"}
+               "BM_FULL_IDX": "*i32", "BM_STATE": "*i8", "EM": "*u8",
+               # bwd dq="fused": the dQ programs' per-query-block key lists
+               "BMQ_NUM": "*i32", "BMQ_IDX": "*i32", "BMQ_FULL_NUM": "*i32",
+               "BMQ_FULL_IDX": "*i32"}
 _NO_DIV = {"stride_emb", "stride_emh", "stride_emq", "stride_emk"}
 
 

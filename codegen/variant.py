@@ -11,7 +11,7 @@ import hashlib
 # change the rendered text; the rest reach the kernel as constexprs (BLOCK_M, ...) or launch
 # knobs (num_warps, num_stages).
 LOADS = ("pointer", "descriptor")
-DQ_SCHEMES = ("none", "separate", "atomic")
+DQ_SCHEMES = ("none", "separate", "atomic", "fused")
 
 # Short spellings used in variant names: fwd-m128-n64-w8-s3
 _ABBREV = {"block_m": "m", "block_n": "n", "num_warps": "w", "num_stages": "s",
@@ -40,9 +40,11 @@ class Variant:
     # which lower to TMA on Hopper and zero-fill out-of-bounds reads)
     loads: str = "pointer"
     # bwd only: how dQ is accumulated ("separate": a kernel parallel over query blocks,
-    # deterministic; "atomic": float32 atomic adds from the key-block kernel)
+    # deterministic; "atomic": float32 atomic adds from the key-block kernel; "fused": the
+    # separate scheme's query-block programs in the key-block kernel's launch, deterministic)
     dq: str = "none"
-    # bwd only, dq="separate": tiles and launch knobs of the dQ kernel (0 = not used)
+    # bwd only, dq="separate": tiles and launch knobs of the dQ kernel (0 = not used); "fused"
+    # takes its tiles (block_m2, block_n2) and shares the launch knobs of the one kernel
     block_m2: int = 0
     block_n2: int = 0
     num_warps2: int = 0

@@ -225,9 +225,9 @@ def mask_fit(variant: Variant, masks, family: str) -> tuple:
                 return min(loop_dim, max(16, 512 * warps // other))
             if variant.family == "bwd":  # dK/dV walks queries (block_m); dQ walks keys
                 tiles["block_m"] = fit(tiles["block_m"], tiles["block_n"], variant.num_warps)
-                if variant.block_m2:
+                if variant.block_m2:  # (dq="fused": the one kernel's warps)
                     tiles["block_n2"] = fit(tiles["block_n2"], tiles["block_m2"],
-                                            variant.num_warps2)
+                                            variant.num_warps2 or variant.num_warps)
             else:
                 tiles["block_n"] = fit(tiles["block_n"], tiles["block_m"], variant.num_warps)
     return _twin(variant, tuple(sorted({**want, **tiles}.items()))), ""

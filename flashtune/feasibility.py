@@ -45,6 +45,7 @@ is under-estimated by 25-65%, in shared memory and registers alike: the compile 
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 MODEL_VERSION = 2  # part of the space hash: a new model means new studies
@@ -159,7 +160,15 @@ def _bwd_dq(variant, problem, target) -> Resources:
 
 
 def _bwd(variant, problem, target) -> tuple:
-    out = (("attn_bwd_dkdv", _bwd_dkdv(variant, problem, target)),)
+    dkdv = _bwd_dkdv(variant, problem, target)
+    if variant.dq == "fused":
+        # one kernel, its dQ programs on the kernel's warps and stages: it needs the larger of
+        # the two halves (their buffers are live in turn, not at once: Triton reuses the space)
+        dq = _bwd_dq(dataclasses.replace(variant, num_warps2=variant.num_warps,
+                                         num_stages2=variant.num_stages), problem, target)
+        dkdv = Resources(max(dkdv.smem_bytes, dq.smem_bytes),
+                         max(dkdv.regs_per_thread, dq.regs_per_thread), dkdv.threads)
+    out = (("attn_bwd_dkdv", dkdv),)
     if variant.dq == "separate":
         out += (("attn_bwd_dq", _bwd_dq(variant, problem, target)),)
     return out
@@ -215,7 +224,8 @@ def fwd_kernels(variant, problem, target) -> tuple:
     return (("attn_fwd", _fwd(variant, problem, target)),)
 
 
-bwd_kernels_all = _bwd  # the bwd family's model: dK/dV, and the dQ kernel for dq="separate"
+bwd_kernels_all = _bwd  # the bwd family's model: dK/dV (with dQ's half for dq="fused"), and
+#                        the dQ kernel for dq="separate"
 
 
 def model_version(family: str) -> int:

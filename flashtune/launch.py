@@ -102,11 +102,10 @@ def mask_args(masks: Masks, causal: bool, kernel: str, b: int, h: int) -> tuple:
         bmb, bmh = bm.state.shape[:2]
         sb, sh = (bmh if bmb > 1 else 0), (1 if bmh > 1 else 0)
         nqb, nkb = bm.state.shape[2:]
-        if kernel == "q":
-            out += [bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices]
-        elif kernel == "kv":
-            out += [bm.q_num_blocks, bm.q_indices, bm.full_q_num_blocks, bm.full_q_indices]
-            nqb, nkb = nkb, nqb  # rows of the lists are key blocks, their entries query blocks
+        if kernel in ("q", "kv"):
+            out += block_lists(bm, kernel)
+            if kernel == "kv":
+                nqb, nkb = nkb, nqb  # rows of the lists are key blocks, their entries query blocks
         else:
             out += [bm.state]
         if bm.mask is not None:
@@ -117,6 +116,14 @@ def mask_args(masks: Masks, causal: bool, kernel: str, b: int, h: int) -> tuple:
             em, em_strides = bm.state, (0, 0, 0, 0)
         out += [em, sb, sh, nqb, nkb, *em_strides]
     return tuple(out)
+
+
+def block_lists(bm, kernel: str) -> list:
+    """A BlockMask's (num, indices, full num, full indices) lists for a kernel over query blocks
+    ("q": each one's key blocks) or over key blocks ("kv": each one's query blocks)."""
+    if kernel == "q":
+        return [bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices]
+    return [bm.q_num_blocks, bm.q_indices, bm.full_q_num_blocks, bm.full_q_indices]
 
 
 def mask_params(masks: Masks) -> dict:

@@ -7,8 +7,8 @@ import torch
 import triton
 
 from .codegen import Variant, load
-from .launch import (_DOT_PRECISION, block_d, check_mask_variant, check_varlen_variant,
-                     mask_args, mask_params, packed_view, strides3)
+from .launch import (_DOT_PRECISION, block_d, block_lists, check_mask_variant,
+                     check_varlen_variant, mask_args, mask_params, packed_view, strides3)
 from .masks import NONE, Masks
 
 
@@ -39,13 +39,14 @@ def kernel_params(variant: Variant, dtype: torch.dtype, head_dim: int, causal: b
         return not varlen and n % block == 0
 
     bm, bn = variant.block_m, variant.block_n
+    bm2, bn2 = variant.block_m2, variant.block_n2
+    dkdv = dict(tiles, BLOCK_M=bm, BLOCK_N=bn, EVEN_M=even(nq, bm, 0), EVEN_N=even(nk, bn, 1),
+                MASK_KEYS=variant.dq == "atomic" and not even(nk, bn, 1))
+    if variant.dq == "fused":  # one kernel: the dQ programs' tiles ride along
+        dkdv.update(BLOCK_M2=bm2, BLOCK_N2=bn2, EVEN_M2=even(nq, bm2, 0), EVEN_N2=even(nk, bn2, 1))
     out = {"pre": (dict(common, PRE_M=_pre_m(bd, precise), PRE_N=32), 4, 3),
-           "dkdv": (dict(tiles, BLOCK_M=bm, BLOCK_N=bn, EVEN_M=even(nq, bm, 0),
-                         EVEN_N=even(nk, bn, 1),
-                         MASK_KEYS=variant.dq == "atomic" and not even(nk, bn, 1)),
-                    variant.num_warps, variant.num_stages)}
+           "dkdv": (dkdv, variant.num_warps, variant.num_stages)}
     if variant.dq == "separate":
-        bm2, bn2 = variant.block_m2, variant.block_n2
         out["dq"] = (dict(tiles, BLOCK_M=bm2, BLOCK_N=bn2, EVEN_M=even(nq, bm2, 0),
                           EVEN_N=even(nk, bn2, 1)), variant.num_warps2, variant.num_stages2)
     return out
@@ -60,6 +61,11 @@ def _check_variant(variant: Variant) -> None:
                                          and variant.num_warps2 and variant.num_stages2):
         raise ValueError(f"bwd variant {variant.name}: dq='separate' needs block_m2, block_n2, "
                          "num_warps2 and num_stages2 (the dQ kernel's tiles)")
+    if variant.dq == "fused" and not (variant.block_m2 and variant.block_n2
+                                      and not variant.num_warps2 and not variant.num_stages2):
+        raise ValueError(f"bwd variant {variant.name}: dq='fused' needs block_m2 and block_n2 (the "
+                         "dQ programs' tiles) and no num_warps2/num_stages2 (one kernel, one "
+                         "launch: num_warps and num_stages serve both)")
 
 
 class BwdPlan:
@@ -72,7 +78,7 @@ class BwdPlan:
     shape of the per-row float32 buffers (LSE's), `sizes` the kernels' trailing ints; the grids
     cover batch x heads x cdiv(max_q or max_k, block)."""
     __slots__ = ("variant", "params", "scale", "margs", "views", "rows", "sizes", "grids",
-                 "kernels", "precise")
+                 "kernels", "precise", "atomic")
 
     def __init__(self, variant: Variant, params: dict, head_dim: int, dtype: torch.dtype,
                  causal: bool, scale: float | None, *, views, rows: tuple, sizes: tuple,
@@ -84,15 +90,21 @@ class BwdPlan:
                                                                         rows, sizes)
         self.scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
         self.precise = dtype == torch.float32
+        self.atomic = variant.dq == "atomic"
         # the masks' runtime arguments, after sm_scale (launch.mask_args), per kernel
         self.margs = ({kern: mask_args(masks, causal, kern, batch, heads)
                        for kern in ("q", "kv", "state")} if masks.any else
                       {"q": (), "kv": (), "state": ()})
+        programs = triton.cdiv(max_k, variant.block_n)  # per (batch, kv head)
+        if variant.dq == "fused":  # and the dQ programs of its q heads (the template's layout)
+            programs += (heads // kv_heads) * triton.cdiv(max_q, variant.block_m2)
+            if masks.block_mask is not None:  # and their key lists
+                self.margs["kv"] = (*self.margs["kv"], *block_lists(masks.block_mask, "q"))
         mod = load(variant)
         self.kernels = (mod.attn_bwd_preprocess, mod.attn_bwd_dkdv,
                         mod.attn_bwd_dq if variant.dq == "separate" else None)
         self.grids = ((triton.cdiv(max_q, params["pre"][0]["PRE_M"]) * batch * heads,),
-                      (triton.cdiv(max_k, variant.block_n) * batch * kv_heads,),
+                      (programs * batch * kv_heads,),
                       (triton.cdiv(max_q, variant.block_m2 or 1) * batch * heads,))
 
     def run(self, dout, q, k, v, o, lse, seq_args: tuple = ()):
@@ -114,7 +126,7 @@ class BwdPlan:
 
         dk = torch.empty_like(k)  # keeps the caller's layout when dense
         dv = torch.empty_like(v)
-        if dqk is None:
+        if self.atomic:
             # float32 accumulation: into dq itself for float32 inputs, else a buffer cast at
             # the end
             if self.precise:

@@ -18,6 +18,9 @@ from .masks import NONE, Masks
 from .problem import dtype_name
 
 
+# the bwd dQ schemes without atomics: the same inputs give the same gradients, bit for bit
+DETERMINISTIC_DQ = ("separate", "fused")
+
 # call signature -> launch.FwdPlan: a repeated call costs a tuple, a dict lookup and the launch.
 # Cleared with the dispatcher's lookups (a new tuned DB or table can change the variant).
 _plans: dict = {}
@@ -93,9 +96,9 @@ def select_bwd(q, k, causal: bool, deterministic: bool, masks: Masks = NONE) -> 
 
 
 def separate_twin(variant: Variant, head_dim: int, dtype: torch.dtype) -> Variant:
-    """A bwd variant with a deterministic (dq="separate") dQ: an atomic one gets the dQ kernel's
-    tiles of the built-in defaults, its dK/dV tiles unchanged."""
-    if variant.dq == "separate":
+    """A bwd variant with a deterministic dQ ("separate" or "fused"): an atomic one gets the dQ
+    kernel's tiles of the built-in defaults, its dK/dV tiles unchanged."""
+    if variant.dq in DETERMINISTIC_DQ:
         return variant
     sep = default_variant("bwd", head_dim, dtype_name(dtype), dq="separate")
     return dataclasses.replace(variant, dq="separate", block_m2=sep.block_m2,
@@ -157,8 +160,9 @@ def run_backward(grad_out, q, k, v, o, lse, causal: bool, scale, deterministic: 
         return plan.run(grad_out, q, k, v, o, lse)
     if variant is None:
         variant = select_bwd(q, k, causal, deterministic, masks)
-    elif deterministic and variant.dq != "separate":
-        raise ValueError(f"deterministic=True needs a dq='separate' variant, got {variant.name}")
+    elif deterministic and variant.dq not in DETERMINISTIC_DQ:
+        raise ValueError(f"deterministic=True needs a dq='separate' or 'fused' variant, got "
+                         f"{variant.name}")
     if variant.family != "bwd":
         return _bwd_plan(q, k, v, causal, scale, variant, masks).run(grad_out, q, k, v, o, lse)
     # masks only where there are some: a dense call is the call it always was

@@ -112,8 +112,10 @@ def simplicity(v: Variant) -> tuple:
     """Smaller is simpler: fewer structural departures from the defaults, a shallower
     pipeline, fewer warps, smaller tiles. Ties within noise go to the simpler config.
     bwd: dq="atomic" counts as a departure (its dQ is not deterministic and the built-in
-    default is "separate"); the separate dQ kernel's stages, warps and tiles add to the rest."""
-    structural = (not v.causal_split) + (v.loads != "pointer") + (v.dq == "atomic")
+    default is "separate"), as does "fused" (not the default: its dQ tiles share the dK/dV
+    kernel's warps and stages, which would otherwise look like fewer); the separate dQ kernel's
+    stages, warps and tiles add to the rest."""
+    structural = (not v.causal_split) + (v.loads != "pointer") + (v.dq in ("atomic", "fused"))
     return (structural, v.num_stages + v.num_stages2, v.num_warps + v.num_warps2,
             v.block_m * v.block_n + v.block_m2 * v.block_n2)
 

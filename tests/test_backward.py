@@ -18,6 +18,7 @@ SHAPES = [(1, 1), (17, 17), (113, 203), (203, 113), (64, 64), (1, 130)]
 SCHEMES = {
     "atomic": "bwd-m16-n32-w4-s1-dq=atomic",
     "separate": "bwd-m16-n32-w4-s1-dq=separate-mq32-nq16-wq4-sq1",
+    "fused": "bwd-m16-n32-w4-s1-dq=fused-mq32-nq16",
 }
 
 
@@ -145,6 +146,34 @@ def test_deterministic_forces_separate_dq(device):
         (_, *g2), _ = grads(q, k, v, causal=True, do=do, deterministic=True)
     assert all(torch.equal(a, b) for a, b in zip(g1, g2))
 
+
+
+def test_fused_dq_is_one_launch_and_deterministic(device):
+    # dq="fused": the dQ programs ride in the dK/dV kernel's launch (no attn_bwd_dq launch)
+    from flashtune import launch_bwd
+    fused = Variant.parse(SCHEMES["fused"])
+    params = launch_bwd.kernel_params(fused, torch.float16, 64, True, 2, 70, 90)
+    assert set(params) == {"pre", "dkdv"}
+    assert (params["dkdv"][0]["BLOCK_M2"], params["dkdv"][0]["BLOCK_N2"]) == (32, 16)
+    q, k, v = qkv(1, 4, 2, 70, 90, 64, torch.float16, device)
+    with flashtune.force(fused):
+        assert ops.select_bwd(q, k, True, deterministic=True) == fused  # no atomics: kept
+        (_, *g1), do = grads(q, k, v, causal=True, deterministic=True)
+        (_, *g2), _ = grads(q, k, v, causal=True, do=do, deterministic=True)
+    assert all(torch.equal(a, b) for a, b in zip(g1, g2))
+
+
+@pytest.mark.parametrize("name,match", [
+    ("bwd-m16-n32-w4-s1-dq=fused", "block_m2 and block_n2"),
+    ("bwd-m16-n32-w4-s1-dq=fused-mq32-nq16-wq4-sq1", "no num_warps2/num_stages2"),
+])
+def test_fused_dq_needs_its_tiles_and_no_launch_knobs(name, match, device):
+    q, k, v = qkv(1, 2, 2, 20, 20, 32, torch.float16, device)
+    o = torch.zeros_like(q)
+    lse = torch.zeros(q.shape[:3], dtype=torch.float32, device=device)
+    from flashtune import launch_bwd
+    with pytest.raises(ValueError, match=match):
+        launch_bwd.backward(o, q, k, v, o, lse, False, None, Variant.parse(name))
 
 def test_forced_variant_reaches_a_backward_on_another_thread(device, monkeypatch):
     # autograd runs CUDA backwards on a thread of its own, where force()'s thread-local is unset

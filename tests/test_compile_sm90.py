@@ -42,6 +42,9 @@ def test_masked_variants_compile_for_sm90():
                       "fwd-m64-n32-w4-s2-loads=descriptor-block_sparse=true",
                       "bwd-m32-n64-w4-s2-dq=separate-mq64-nq32-wq4-sq2-window=true-softcap=true"
                       "-block_sparse=true",
+                      # dq="fused": the dQ programs' code (and its block lists) in the dK/dV kernel
+                      "bwd-m32-n64-w4-s2-dq=fused-mq64-nq32-window=true-softcap=true"
+                      "-block_sparse=true",
                       "splitkv-m64-n64-w4-s3-window=true-softcap=true-paged=true")
     rows = json.loads(r.stdout) if r.stdout.strip().startswith("[") else None
     assert rows, r.stdout[-3000:] + r.stderr[-3000:]

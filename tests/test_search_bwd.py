@@ -32,25 +32,31 @@ def _p(d=128, causal=False, n=4096):
     return standard_problem("bwd", "bfloat16", d, causal, n)
 
 
-def test_space_has_both_schemes_and_dq_tiles_only_where_they_exist():
+def test_space_has_every_scheme_and_dq_tiles_only_where_they_exist():
     s = Space.build("bwd", H100, _p())
     vs = s.variants()
     assert len(vs) == len(set(vs))  # an atomic kernel is one point, not one per dQ tile
     atomic = [v for v in vs if v.dq == "atomic"]
     separate = [v for v in vs if v.dq == "separate"]
-    assert atomic and separate
+    fused = [v for v in vs if v.dq == "fused"]
+    assert atomic and separate and fused
     assert all(getattr(v, f) == 0 for v in atomic for f in _DQ_TILES)
     assert all(getattr(v, f) > 0 for v in separate for f in _DQ_TILES)
+    # fused: the dQ tiles, and the one kernel's warps and stages (num_warps2/num_stages2 unset)
+    assert all(v.block_m2 and v.block_n2 and not v.num_warps2 and not v.num_stages2
+               for v in fused)
     assert len(separate) == len(atomic) * 3 * 4 * 2 * 4  # m2 x n2 x w2 x s2 per dK/dV config
+    assert len(fused) == len(atomic) * 3 * 4              # m2 x n2 per dK/dV config
     feas = s.feasible
-    assert {v.dq for v in feas} == {"atomic", "separate"}
+    assert {v.dq for v in feas} == {"atomic", "separate", "fused"}
+    assert all(v.block_m2 >= 8 * v.num_warps for v in feas if v.dq == "fused")
     for d in (64, 128):
         sd = Space.build("bwd", H100, _p(d))
         for dq in ("atomic", "separate"):
             assert default_variant("bwd", d, "bfloat16", dq=dq, arch="sm_90") in sd.feasible
 
 
-def test_optuna_proposes_both_schemes_and_round_trips():
+def test_optuna_proposes_every_scheme_and_round_trips():
     s = Space.build("bwd", H100, _p(causal=True))
     study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
     seen = []
@@ -60,11 +66,14 @@ def test_optuna_proposes_both_schemes_and_round_trips():
         seen.append(v)
         if v.dq == "atomic":  # the dQ kernel's params are not even asked for
             assert not any(k.startswith(_DQ_TILES) for k in t.params), t.params
+        if v.dq == "fused":  # its tiles only: the one kernel's warps and stages serve both
+            assert not any(k.startswith(("num_warps2", "num_stages2")) for k in t.params)
         study.tell(t, 0.0)
-    assert {v.dq for v in seen} == {"atomic", "separate"}
+    assert {v.dq for v in seen} == {"atomic", "separate", "fused"}
     assert {v.causal_split for v in seen} == {True, False}
     for v in (next(x for x in seen if x.dq == "atomic"),
-              next(x for x in seen if x.dq == "separate")):
+              next(x for x in seen if x.dq == "separate"),
+              next(x for x in seen if x.dq == "fused")):
         study.enqueue_trial(s.optuna_params(v))
         assert s.suggest(study.ask()) == v
 
@@ -75,6 +84,9 @@ def test_optuna_proposes_both_schemes_and_round_trips():
     ("H100", 128, "bwd-m32-n128-w8-s2-dq=separate-mq128-nq64-wq8-sq2", 0, 98560),
     ("H100", 128, "bwd-m32-n128-w8-s2-dq=separate-mq128-nq64-wq8-sq2", 1, 131072),
     ("H100", 128, "bwd-m32-n128-w8-s2-dq=atomic", 0, 139520),
+    # dq="fused": one kernel as large as the larger half (the dQ half here; the dK/dV half)
+    ("H100", 128, "bwd-m32-n128-w8-s2-dq=fused-mq128-nq64", 0, 131072),
+    ("H100", 128, "bwd-m64-n128-w8-s3-dq=fused-mq128-nq64", 0, 164864),
     ("H100", 64, "bwd-m32-n128-w8-s3-dq=atomic", 0, 82432),
     ("H100", 64, "bwd-m128-n64-w8-s4-dq=separate-mq64-nq64-wq4-sq4", 0, 150528),
     ("H100", 64, "bwd-m128-n64-w8-s4-dq=separate-mq64-nq64-wq4-sq4", 1, 81920),
@@ -109,8 +121,8 @@ def test_dry_run_shows_bwd_sizes_for_h100_and_a100():
                                  "--head-dim", "128", "--seqlen", "4096", "--causal", "false"])
     assert r.exit_code == 0, r.output
     assert "bwd-bf16-d128-full-q4096-k4096-bh64" in r.output
-    assert "block_m2       32, 64, 128  (only when dq == 'separate')" in r.output
-    assert "dq             atomic, separate" in r.output
+    assert "block_m2       32, 64, 128  (only when dq != 'atomic')" in r.output
+    assert "dq             atomic, separate, fused" in r.output
     sizes = {}
     for gpu in ("H100", "A100"):
         r = CliRunner().invoke(cli, ["search", "--gpu", gpu, "--family", "bwd", "--dry-run",
@@ -118,7 +130,7 @@ def test_dry_run_shows_bwd_sizes_for_h100_and_a100():
                                      "false", "--format", "json"])
         assert r.exit_code == 0, r.output
         (b,) = json.loads(r.output)["buckets"]
-        assert b["when"]["block_m2"] == "dq == 'separate'"
+        assert b["when"]["block_m2"] == "dq != 'atomic'"
         sizes[gpu] = b["sizes"]
     assert sizes["H100"]["file"] > sizes["H100"]["target"] > sizes["H100"]["feasible"]
     assert sizes["A100"]["feasible"] < sizes["H100"]["feasible"]

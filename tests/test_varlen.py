@@ -16,6 +16,7 @@ from flashtune.reference import reference, same_dtype_math
 BWD = {
     "atomic": "bwd-m16-n32-w4-s1-dq=atomic",
     "separate": "bwd-m16-n32-w4-s1-dq=separate-mq32-nq16-wq4-sq1",
+    "fused": "bwd-m16-n32-w4-s1-dq=fused-mq32-nq16",
 }
 # lengths with an empty sequence on each side, one-token sequences, Nq != Nk, Nq > Nk (causal
 # rows that see nothing) and several 16/32-row blocks in the longest

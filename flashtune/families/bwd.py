@@ -1,5 +1,6 @@
 """bwd: FlashAttention-2's backward (preprocess; dK/dV over key blocks with GQA summed in
-registers; dQ by a separate deterministic kernel or float32 atomics). Template
+registers; dQ by a separate deterministic kernel, float32 atomics, or the separate scheme's
+query-block programs fused into the dK/dV launch). Template
 attn_bwd.py.tmpl; launched by flashtune/launch_bwd.py; measured by flashtune/measure_bwd.py;
 defaults in flashtune/defaults.py; resource model in flashtune/feasibility.py; space
 search_spaces/bwd.json."""
@@ -9,12 +10,13 @@ from . import Family
 
 FAMILY = Family(
     name="bwd",
-    doc="FlashAttention-2 backward: dK/dV over key blocks, dQ separate or atomic",
+    doc="FlashAttention-2 backward: dK/dV over key blocks, dQ separate, atomic or fused",
     template="attn_bwd.py.tmpl",
     kernels=("attn_bwd_preprocess", "attn_bwd_dkdv", "attn_bwd_dq"),
     fields=("causal_split", "loads", "dq", "block_m2", "block_n2", "num_warps2", "num_stages2", "varlen",
             "window", "softcap", "block_sparse"),
-    rules=(("dq", ("separate", "atomic"), "bwd accumulates dQ 'separate' or 'atomic'"),),
+    rules=(("dq", ("separate", "atomic", "fused"),
+            "bwd accumulates dQ 'separate', 'atomic' or 'fused'"),),
     defaults="flashtune.defaults:bwd_default",
     seeds="flashtune.defaults:bwd_seeds",
     measure="flashtune.measure_bwd:OPS",
@@ -40,6 +42,7 @@ def compile_check(variant, head_dim: int, dtype: str, causal: bool, tails: bool,
     from ..launch import example_masks
     extra = example_masks(variant, causal)
     params = {k: ({**c, **extra}, w, s) for k, (c, w, s) in params.items()}
+    # dq="fused": "dkdv" is the one kernel of both (its dQ programs call attn_bwd_dq)
     fns = {"pre": "attn_bwd_preprocess", "dkdv": "attn_bwd_dkdv", "dq": "attn_bwd_dq"}
     dq_f32 = frozenset({"DQ"}) if variant.dq == "atomic" else frozenset()
     return {k: compile_for(getattr(mod, fns[k]), consts, dtype, warps, stages, capability=cap,
