@@ -163,6 +163,7 @@ def _same(t):
 def plan(q, k, causal: bool, scale: float | None, variant: Variant,
          masks: Masks = NONE) -> BwdPlan:
     """The BwdPlan of a dense call with q (B, H, Nq, D), k (B, Hk, Nk, D)."""
+    _check_variant(variant)  # before its tiles are used
     b, h, nq, d = q.shape
     hk, nk = k.shape[1], k.shape[2]
     params = kernel_params(variant, q.dtype, d, causal, h // hk, nq, nk, masks=masks)
