@@ -89,9 +89,22 @@ def _bwd(m, n, w, s, m2, n2, w2, s2):
                                 num_stages2=s2)}
 
 
+# sm_90, measured against FlexAttention's backward (compiled) in one run on the H100 (torch 2.11,
+# triton 3.6, 2026-11-23, bench/bwd_cands_bench.py, docs/data/bwd_cands_h100_2026-11-23*.jsonl;
+# backward only, bf16, dense N=1k/4k/16k causal or not, and N=16k with a 1024-key window):
+#   D=128 the dK/dV kernel's own launch also runs the dQ programs (dq="fused", FlexAttention's
+#         schedule) with m32-n128-w8-s3, dQ m128-n64: 0.92-1.01x Flex, 1.09-1.36x what ran before
+#         (the separate m32-n128-w8-s2 default and the 2026-11-21 records: 0.69-0.92x Flex).
+#         Spill-free (225 regs causal, triton 3.9). The m64-n128 fused tiles ran 0.99-1.06x Flex
+#         but sit at 255 registers (28 B spilled, causal, triton 3.9): left to the search.
+#   D=64  separate with m64-n128-w8-s3 and dQ m128-n64-w8-s3 (Flex's tiles): 1.10x Flex geomean,
+#         1.11x the m32 default; the atomic scheme keeps the m32 tiles.
 _BWD = {
-    SM90: {64: _bwd(32, 128, 8, 3, 128, 64, 8, 2),
-           128: _bwd(32, 128, 8, 2, 128, 64, 8, 2),
+    SM90: {64: {**_bwd(32, 128, 8, 3, 128, 64, 8, 2),
+                "separate": _bwd(64, 128, 8, 3, 128, 64, 8, 3)["separate"]},
+           128: {**_bwd(32, 128, 8, 2, 128, 64, 8, 2),
+                 "fused": Variant("bwd", block_m=32, block_n=128, num_warps=8, num_stages=3,
+                                  dq="fused", block_m2=128, block_n2=64)},
            256: _bwd(16, 32, 4, 2, 64, 32, 8, 2)},
     SM80: {64: _bwd(32, 128, 8, 3, 128, 64, 8, 2),
            128: _bwd(32, 64, 8, 2, 64, 64, 8, 2),
@@ -109,8 +122,10 @@ _BWD_F32 = {
     128: _bwd(16, 32, 8, 1, 32, 16, 8, 1),
     256: _bwd(16, 32, 8, 1, 16, 32, 8, 1),
 }
-# the scheme a bwd call gets by default (measured above); deterministic=True always gets "separate"
+# the scheme a bwd call gets by default (measured above), per table and head dim where it is not
+# "separate"; deterministic=True gets a deterministic one ("separate" or "fused")
 BWD_DQ_DEFAULT = "separate"
+_BWD_DQ = {(SM90, 128): "fused"}
 
 
 def head_dim_class(d: int) -> int:
@@ -152,10 +167,17 @@ def fwd_default(head_dim: int, dtype: str, *, arch: str | None = None) -> Varian
 
 def bwd_default(head_dim: int, dtype: str, *, arch: str | None = None,
                 dq: str | None = None) -> Variant:
-    table = _BWD_F32 if dtype == "float32" else _BWD[table_arch(arch or present_arch())]
-    return table[head_dim_class(head_dim)][dq or BWD_DQ_DEFAULT]
+    a, d = table_arch(arch or present_arch()), head_dim_class(head_dim)
+    table = _BWD_F32 if dtype == "float32" else _BWD[a]
+    if dq is None:
+        dq = BWD_DQ_DEFAULT if dtype == "float32" else _BWD_DQ.get((a, d), BWD_DQ_DEFAULT)
+    return table[d][dq]
 
 
 def bwd_seeds(head_dim: int, dtype: str, *, arch: str | None = None) -> list:
-    """Both dQ schemes' defaults: a bwd search has both in its study from the start."""
-    return [bwd_default(head_dim, dtype, arch=arch, dq=s) for s in ("separate", "atomic")]
+    """Every dQ scheme's default (the fused one where a table has it): a bwd search has them
+    all in its study from the start."""
+    a = table_arch(arch or present_arch())
+    table = _BWD_F32 if dtype == "float32" else _BWD[a]
+    schemes = table[head_dim_class(head_dim)]
+    return [schemes[s] for s in ("separate", "atomic", "fused") if s in schemes]

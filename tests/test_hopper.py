@@ -177,8 +177,8 @@ def test_dispatcher_competes_or_falls_back_with_a_reason(gpu, prefer, family, no
 
 @pytest.mark.parametrize("d,causal,n,want", [
     (256, True, 4096, True), (256, False, 512, True), (128, False, 8192, True),
-    (128, True, 8192, False), (64, False, 8192, False), (128, False, 256, False),
-    (96, False, 8192, False)])
+    (128, True, 8192, True), (128, True, 2048, False), (64, False, 8192, False),
+    (128, False, 256, False), (96, False, 8192, False)])
 def test_heuristic_quotes_the_h100_measurement(d, causal, n, want):
     assert FAM.prefers(_problem(d=d, causal=causal, nq=n)) is want
 

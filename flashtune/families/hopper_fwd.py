@@ -128,10 +128,14 @@ def prefer_for_dense(p) -> bool:
     mask (1.07x geomean: 363-548 vs 326-524 TFLOP/s). The generic kernel stays ahead at D=64 and
     at causal D=128 (0.92x: short causal tiles, where the per-tile prologue, the ping-pong's turns
     and the O epilogue cost more than they hide: 188-502 vs 197-508). Only the measured range:
-    N >= 512 queries and keys (shorter calls, decoding, stay with fwd/splitkv)."""
+    N >= 512 queries and keys (shorter calls, decoding, stay with fwd/splitkv).
+    Since the 128-key default (STEPS=hopperdefaults, docs/data/hopper_defaults_h100_2026-11-23.jsonl,
+    the generic fwd's default in the same run): D=128 non-causal 1.20-1.25x the generic kernel
+    (390-634 vs 324-525 TFLOP/s), causal from 4k queries 1.13-1.21x (511-617 vs 449-510), causal
+    below that 0.69-0.99x; D=64 still below it (0.80-1.00x non-causal)."""
     if p.seqlen_q < 512 or p.seqlen_k < 512 or p.mask_kinds or cannot_serve(p):
         return False  # masked calls: not measured yet (STEPS=hoppermasks), tuned records decide
-    return p.head_dim == 256 or (p.head_dim == 128 and not p.causal)
+    return p.head_dim == 256 or (p.head_dim == 128 and (not p.causal or p.seqlen_q >= 4096))
 
 
 def smem_bytes(variant, head_dim: int, elem: int = 2) -> int:
