@@ -182,12 +182,9 @@ def backward(dout, q, k, v, o, lse, causal: bool, scale: float | None, variant: 
     return plan(q, k, causal, scale, variant, masks).run(dout, q, k, v, o, lse)
 
 
-def backward_varlen(dout, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int,
-                    max_seqlen_k: int, causal: bool, scale: float | None, variant: Variant,
-                    masks: Masks = NONE):
-    """Run a varlen bwd variant on packed tensors: dout, q, o (total_q, H, D); k, v (total_k, Hk,
-    D); lse float32 (H, total_q); int32 cu_seqlens (batch + 1), validated by the caller, who also
-    handles the empty cases. Returns (dq, dk, dv) like q, k, v."""
+def varlen_plan(q, k, batch: int, max_seqlen_q: int, max_seqlen_k: int, causal: bool,
+                scale: float | None, variant: Variant, masks: Masks = NONE) -> BwdPlan:
+    """The BwdPlan of a varlen call on packed q (total_q, H, D), k (total_k, Hk, D)."""
     _check_variant(variant)
     check_varlen_variant(variant)
     check_mask_variant(variant, masks)
@@ -198,6 +195,15 @@ def backward_varlen(dout, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqle
     params = kernel_params(variant, q.dtype, d, causal, h // hk, None, None, varlen=True)
     return BwdPlan(variant, params, d, q.dtype, causal, scale, views=packed_view,
                    rows=(h, total_q), sizes=(h, max_seqlen_q, max_seqlen_k, total_q, k.shape[0]),
-                   batch=cu_seqlens_q.shape[0] - 1, heads=h, kv_heads=hk, max_q=max_seqlen_q,
-                   max_k=max_seqlen_k, masks=masks).run(dout, q, k, v, o, lse,
-                                                        (cu_seqlens_q, cu_seqlens_k))
+                   batch=batch, heads=h, kv_heads=hk, max_q=max_seqlen_q, max_k=max_seqlen_k,
+                   masks=masks)
+
+
+def backward_varlen(dout, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int,
+                    max_seqlen_k: int, causal: bool, scale: float | None, variant: Variant,
+                    masks: Masks = NONE):
+    """Run a varlen bwd variant on packed tensors: dout, q, o (total_q, H, D); k, v (total_k, Hk,
+    D); lse float32 (H, total_q); int32 cu_seqlens (batch + 1), validated by the caller, who also
+    handles the empty cases. Returns (dq, dk, dv) like q, k, v."""
+    return varlen_plan(q, k, cu_seqlens_q.shape[0] - 1, max_seqlen_q, max_seqlen_k, causal, scale,
+                       variant, masks).run(dout, q, k, v, o, lse, (cu_seqlens_q, cu_seqlens_k))

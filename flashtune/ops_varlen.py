@@ -83,16 +83,31 @@ def run_backward_varlen(grad_out, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, m
     if grad_out.stride(-1) != 1:
         grad_out = grad_out.contiguous()  # e.g. the expanded ones of out.sum().backward()
     batch = cu_seqlens_q.shape[0] - 1
-    variant = dispatch.select_varlen("bwd", q, k, batch, max_seqlen_q, max_seqlen_k, causal)
-    if deterministic:
-        variant = separate_twin(variant, q.shape[2], q.dtype)
-    if variant.loads == "descriptor":  # the bwd template has pointer loads only
-        variant = dispatch.pointer_twin(variant)
-    if masks.any:
-        variant = dispatch.mask_twin(variant, masks, q.shape[2], q.dtype)
-    return launch_bwd.backward_varlen(grad_out, q, k, v, o, lse.contiguous(), cu_seqlens_q,
-                                      cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale,
+    forced = dispatch.forced_variant()
+    # a repeated call (the layers of a step): a tuple, a dict lookup, the buffers and the launches
+    key = (q.device, q.dtype, q.shape, q.stride(), k.shape, k.stride(), v.stride(), batch,
+           max_seqlen_q, max_seqlen_k, causal, scale, deterministic, masks.key)
+    plan = _bwd_plans.get(key) if forced is None else None
+    if plan is None:
+        variant = dispatch.select_varlen("bwd", q, k, batch, max_seqlen_q, max_seqlen_k, causal)
+        if deterministic:
+            variant = separate_twin(variant, q.shape[2], q.dtype)
+        if variant.loads == "descriptor":  # the bwd template has pointer loads only
+            variant = dispatch.pointer_twin(variant)
+        if masks.any:
+            variant = dispatch.mask_twin(variant, masks, q.shape[2], q.dtype)
+        plan = launch_bwd.varlen_plan(q, k, batch, max_seqlen_q, max_seqlen_k, causal, scale,
                                       variant, *((masks,) if masks.any else ()))
+        if forced is None:
+            if len(_bwd_plans) >= 4096:
+                _bwd_plans.clear()
+            _bwd_plans[key] = plan
+    return plan.run(grad_out, q, k, v, o, lse.contiguous(), (cu_seqlens_q, cu_seqlens_k))
+
+
+# call signature -> launch_bwd.BwdPlan of the varlen backward (cleared with the dispatcher)
+_bwd_plans: dict = {}
+dispatch.on_clear(_bwd_plans.clear)
 
 
 # -- torch.library registration ------------------------------------------------------------------

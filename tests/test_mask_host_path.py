@@ -123,3 +123,33 @@ def test_block_mask_checks_stay_before_any_launch(device):
                                         (n, n), block_size=16)
     with pytest.raises(ValueError, match="block_mask has \\(batch, heads\\)"):
         flashtune.attention(q, k, v, block_mask=hb)
+
+
+@pytest.mark.parametrize("window", [None, (5, 3)])
+def test_a_repeated_varlen_backward_rebuilds_nothing(window, device, monkeypatch):
+    # the layers of a packed training step: the varlen backward's plan is built once per call
+    # signature too, the offsets checked once per offsets tensor
+    lens = [7, 0, 12]
+    cu = torch.tensor([0, 7, 7, 19], dtype=torch.int32, device=device)
+    q, k, v = (torch.randn(19, 2, 16, dtype=torch.float16, device=device).requires_grad_()
+               for _ in range(3))
+    g = torch.randn_like(q)
+    kw = {} if window is None else {"window": window}
+    dispatch.clear_cache()
+    c = Counter(monkeypatch)
+    c.wrap(dispatch, "select_varlen")
+    c.wrap(launch_bwd.BwdPlan, "__init__", "BwdPlan")
+    c.wrap(launch_bwd, "kernel_params")
+    c.watch_syncs()
+
+    def step():
+        out = flashtune.attention_varlen(q, k, v, cu, cu, max(lens), max(lens), causal=True, **kw)
+        return (out, *torch.autograd.grad(out, (q, k, v), g))
+
+    first = step()
+    built = c.take()
+    assert built.get("select_varlen") and built.get("BwdPlan") and built.get("kernel_params"), built
+    second = step()
+    assert c.take() == {}  # no lookup, no plan, no value read
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
