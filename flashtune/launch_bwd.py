@@ -22,7 +22,7 @@ def kernel_params(variant: Variant, dtype: torch.dtype, head_dim: int, causal: b
                   nq: int | None, nk: int | None, *, varlen: bool = False,
                   masks: Masks = NONE) -> dict:
     """{kernel: (constexprs, num_warps, num_stages)} of each kernel the bwd variant launches:
-    the one place that knows them (backward(), backward_varlen() and compile_check use it).
+    the one place that knows them (plan(), varlen_plan() and compile_check use it).
     varlen: sequence lengths vary per program, so no tile is known to be even (nq, nk unused).
     masks: a block mask's block size and element mask (its loops step through whole blocks,
     so a tile is even only when the block size divides the length)."""
@@ -84,8 +84,7 @@ class BwdPlan:
                  causal: bool, scale: float | None, *, views, rows: tuple, sizes: tuple,
                  batch: int, heads: int, kv_heads: int, max_q: int, max_k: int,
                  masks: Masks = NONE):
-        _check_variant(variant)
-        check_mask_variant(variant, masks)
+        # the variant and masks are checked by plan() / varlen_plan(), before kernel_params
         self.variant, self.params, self.views, self.rows, self.sizes = (variant, params, views,
                                                                         rows, sizes)
         self.scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
@@ -164,6 +163,7 @@ def plan(q, k, causal: bool, scale: float | None, variant: Variant,
          masks: Masks = NONE) -> BwdPlan:
     """The BwdPlan of a dense call with q (B, H, Nq, D), k (B, Hk, Nk, D)."""
     _check_variant(variant)  # before its tiles are used
+    check_mask_variant(variant, masks)
     b, h, nq, d = q.shape
     hk, nk = k.shape[1], k.shape[2]
     params = kernel_params(variant, q.dtype, d, causal, h // hk, nq, nk, masks=masks)
@@ -197,13 +197,3 @@ def varlen_plan(q, k, batch: int, max_seqlen_q: int, max_seqlen_k: int, causal: 
                    rows=(h, total_q), sizes=(h, max_seqlen_q, max_seqlen_k, total_q, k.shape[0]),
                    batch=batch, heads=h, kv_heads=hk, max_q=max_seqlen_q, max_k=max_seqlen_k,
                    masks=masks)
-
-
-def backward_varlen(dout, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int,
-                    max_seqlen_k: int, causal: bool, scale: float | None, variant: Variant,
-                    masks: Masks = NONE):
-    """Run a varlen bwd variant on packed tensors: dout, q, o (total_q, H, D); k, v (total_k, Hk,
-    D); lse float32 (H, total_q); int32 cu_seqlens (batch + 1), validated by the caller, who also
-    handles the empty cases. Returns (dq, dk, dv) like q, k, v."""
-    return varlen_plan(q, k, cu_seqlens_q.shape[0] - 1, max_seqlen_q, max_seqlen_k, causal, scale,
-                       variant, masks).run(dout, q, k, v, o, lse, (cu_seqlens_q, cu_seqlens_k))

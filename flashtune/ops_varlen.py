@@ -15,7 +15,8 @@ import torch
 from . import dispatch, launch, launch_bwd
 from .checked import CheckedValues
 from .masks import NONE, Masks
-from .ops import call_forced, check_grad_output, eager_autograd, op_masks, separate_twin
+from .ops import (_PLANS_MAX, call_forced, check_grad_output, eager_autograd, op_masks,
+                  separate_twin)
 from .problem import dtype_name
 from .validate_varlen import check_cu_seqlens_values
 
@@ -38,7 +39,7 @@ def run_forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, m
            max_seqlen_k, causal, scale, dispatch.forced_variant(), masks.key)
     plan = _plans.get(key)
     if plan is None:
-        if len(_plans) >= 4096:
+        if len(_plans) >= _PLANS_MAX:
             _plans.clear()
         variant = dispatch.select_varlen("fwd", q, k, batch, max_seqlen_q, max_seqlen_k, causal)
         if variant.loads == "descriptor" and not _tma_strides(q, k, v):
@@ -99,7 +100,7 @@ def run_backward_varlen(grad_out, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, m
         plan = launch_bwd.varlen_plan(q, k, batch, max_seqlen_q, max_seqlen_k, causal, scale,
                                       variant, *((masks,) if masks.any else ()))
         if forced is None:
-            if len(_bwd_plans) >= 4096:
+            if len(_bwd_plans) >= _PLANS_MAX:
                 _bwd_plans.clear()
             _bwd_plans[key] = plan
     return plan.run(grad_out, q, k, v, o, lse.contiguous(), (cu_seqlens_q, cu_seqlens_k))
