@@ -86,8 +86,16 @@ for step in ${STEPS:-fwdtests}; do
               nvidia-smi -L
               timeout ${SCALING_TIMEOUT:-590} python3 bench/search_scaling.py --gpus ${SCALING_GPUS:-0 0,1} \
                 ${SCALING_ARGS:---warm} --out "$OUT/scaling.json" 2>&1 | tee "$OUT/scaling.log" | tail -24 ;;
-    proposalcost) timeout 200 python3 bench/proposal_cost.py --trials 120 --json "$OUT/proposal_cost.json" 2>&1 \
-                | tee "$OUT/proposal_cost.log" | tail -4 ;;
+    proposalcost) # one driver per storage, then two drivers on one journal (a bucket each; one bucket),
+              # flashtune's journal file beside Optuna's own
+              timeout 200 python3 bench/proposal_cost.py --trials ${PC_TRIALS:-120} --storages \
+                memory,sqlite,journal,journal-optuna --json "$OUT/proposal_cost.json" 2>&1 \
+                | tee "$OUT/proposal_cost.log" | tail -4
+              for sh in "" --shared; do
+                timeout 200 python3 bench/proposal_cost.py --trials ${PC_TRIALS:-120} --procs 2 $sh \
+                  --storages journal,journal-optuna --json "$OUT/proposal_cost2$sh.json" 2>&1 \
+                  | tee -a "$OUT/proposal_cost.log" | grep drivers
+              done ;;
     tables)   # every family on its grid, resumable over calls: the Optuna journal and the tuned DB live
               # in $TABLES_STATE (default tables_state/); they come back in $OUT/tables_state/ -- copy
               # them into tables_state/ and pass carry=["tables_state"] to the next call, which resumes

@@ -6,6 +6,11 @@ tell, per storage, on a real fwd space with synthetic timings (no GPU, no worker
 Prints, per storage, the mean ask and tell cost over the run and over its last third (TPE and
 the storage reads grow with the study), and the driver time per measured variant (infeasible
 and duplicate proposals included). docs/search.md records a run.
+
+--procs N runs N drivers at once on one storage (what --gpus 0,1,... does), each on a bucket of
+its own (--shared: all on one), and adds their proposals per second together: what the storage's
+lock lets several drivers do. `journal-optuna` is Optuna's own journal file backend (a polled
+symlink lock, an fsync per append), beside flashtune's (flashtune/journal_file.py).
 """
 from __future__ import annotations
 
@@ -28,7 +33,13 @@ def run(url: str, trials: int, rec: str, pb, seed: int = 0) -> dict:
     from flashtune.search_study import BucketStudy, make_sampler, make_storage, study_name
 
     backend = ReplayBackend(rec)
-    storage = make_storage(url) if url != "memory" else optuna.storages.InMemoryStorage()
+    if url == "memory":
+        storage = optuna.storages.InMemoryStorage()
+    elif url.startswith("journal-optuna:"):
+        from optuna.storages.journal import JournalFileBackend
+        storage = optuna.storages.JournalStorage(JournalFileBackend(url.split(":///", 1)[1]))
+    else:
+        storage = make_storage(url)
     study = optuna.create_study(study_name=study_name(pb.space, pb.bucket), storage=storage,
                                 sampler=make_sampler("tpe", pb.space, seed), direction="maximize",
                                 load_if_exists=True)
@@ -55,10 +66,38 @@ def run(url: str, trials: int, rec: str, pb, seed: int = 0) -> dict:
             "driver_ms_per_measured": 1e3 * wall / max(1, bs.measured())}
 
 
+def _one(args):
+    url, trials, rec, pb, seed, q = args
+    q.put(run(url, trials, rec, pb, seed))
+
+
+def together(url: str, trials: int, rec: str, pbs, procs: int, shared: bool) -> dict:
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    ps = [ctx.Process(target=_one, args=((url, trials, rec, pbs[0 if shared else k], k, q),))
+          for k in range(procs)]
+    t0 = time.perf_counter()
+    for p in ps:
+        p.start()
+    rs = [q.get() for _ in ps]
+    wall = time.perf_counter() - t0
+    for p in ps:
+        p.join()
+    n = sum(r["proposals"] for r in rs)
+    return {"storage": url.split(":")[0], "procs": procs, "shared": shared, "proposals": n,
+            "wall_s": wall, "proposals_per_s": n / wall,
+            "ask_ms": statistics.fmean(r["ask_ms"] for r in rs),
+            "tell_ms": statistics.fmean(r["tell_ms"] for r in rs)}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--trials", type=int, default=120, help="measured variants per storage")
     ap.add_argument("--storages", default="memory,sqlite,journal")
+    ap.add_argument("--procs", type=int, default=1, help="drivers at once on one storage")
+    ap.add_argument("--shared", action="store_true", help="--procs on one bucket")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
 
@@ -70,23 +109,32 @@ def main(argv=None) -> int:
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     h100 = targets.get("H100")
-    cfg = SearchConfig(gpu="H100", families=("fwd",), head_dims=(128,), seqlens=(4096,),
+    cfg = SearchConfig(gpu="H100", families=("fwd",), head_dims=(128,),
+                       seqlens=(512, 1024, 2048, 4096, 8192, 16384)[:max(1, args.procs)],
                        causal=(True,))
-    pb = plan_of(cfg, h100)[0]
+    pbs = plan_of(cfg, h100)
     rows = []
     with tempfile.TemporaryDirectory() as d:
         rec = f"{d}/rec.jsonl"
-        synthesize(rec, h100, [pb.problem], fail_rate=0.03)
+        synthesize(rec, h100, [pb.problem for pb in pbs], fail_rate=0.03)
         urls = {"memory": "memory", "sqlite": f"sqlite:///{d}/optuna.db",
-                "journal": f"journal:///{d}/optuna.journal"}
+                "journal": f"journal:///{d}/optuna.journal",
+                "journal-optuna": f"journal-optuna:///{d}/optuna-own.journal"}
         for name in args.storages.split(","):
-            r = run(urls[name], args.trials, rec, pb)
+            if args.procs == 1:
+                r = run(urls[name], args.trials, rec, pbs[0])
+                rows.append(r)
+                print(f"{name:<8} {r['measured']:>4} measured in {r['proposals']:>4} proposals: "
+                      f"ask {r['ask_ms']:6.1f} ms (last third {r['ask_ms_last_third']:6.1f}), "
+                      f"tell {r['tell_ms']:5.1f} ms (last third {r['tell_ms_last_third']:5.1f}); "
+                      f"{r['driver_ms_per_measured']:6.1f} ms of driver per measured variant",
+                      flush=True)
+                continue
+            r = together(urls[name], args.trials, rec, pbs, args.procs, args.shared)
             rows.append(r)
-            print(f"{name:<8} {r['measured']:>4} measured in {r['proposals']:>4} proposals: ask "
-                  f"{r['ask_ms']:6.1f} ms (last third {r['ask_ms_last_third']:6.1f}), tell "
-                  f"{r['tell_ms']:5.1f} ms (last third {r['tell_ms_last_third']:5.1f}); "
-                  f"{r['driver_ms_per_measured']:6.1f} ms of driver per measured variant",
-                  flush=True)
+            print(f"{name:<14} {args.procs} drivers ({'one bucket' if args.shared else 'a bucket each'}): "
+                  f"{r['proposals']} proposals in {r['wall_s']:.1f} s, {r['proposals_per_s']:.1f}/s "
+                  f"together; ask {r['ask_ms']:.1f} ms, tell {r['tell_ms']:.1f} ms", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
     return 0

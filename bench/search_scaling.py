@@ -69,6 +69,48 @@ def span_of(storage: str) -> tuple[float, int]:
     return (max(ends) - min(starts)).total_seconds(), n
 
 
+def profile_of(storage: str) -> dict:
+    """Where a run's time went, per search process, from its trials' timestamps: proposals
+    (every ask: measured, infeasible, duplicate, busy), measured trials' latency (asked to told:
+    compile, gate and timing, with the queues between) and how many were in flight on average
+    (their latencies summed over the process's span)."""
+    import optuna
+    from optuna.trial import TrialState
+
+    from flashtune.search_claims import CLAIMS_STUDY
+    from flashtune.search_study import make_storage
+
+    st = make_storage(storage)
+    per: dict = {}
+    for s in optuna.get_all_study_summaries(st, include_best_trial=False):
+        if s.study_name == CLAIMS_STUDY:
+            continue
+        for t in optuna.load_study(study_name=s.study_name, storage=st).get_trials(deepcopy=False):
+            pid = (t.user_attrs.get("owner") or {}).get("pid")
+            if pid is None or not t.datetime_start:
+                continue
+            p = per.setdefault(pid, {"asks": 0, "lat": [], "starts": [], "ends": [],
+                                     "phases": {}})
+            p["asks"] += 1
+            p["starts"].append(t.datetime_start)
+            if t.datetime_complete:
+                p["ends"].append(t.datetime_complete)
+            if t.state == TrialState.COMPLETE and (t.user_attrs.get("result") or {}).get("measured"):
+                p["lat"].append((t.datetime_complete - t.datetime_start).total_seconds())
+                for k, v in (t.user_attrs["result"].get("phases") or {}).items():
+                    p["phases"].setdefault(k, []).append(v)
+    out = {}
+    for pid, p in per.items():
+        span = (max(p["ends"] or p["starts"]) - min(p["starts"])).total_seconds()
+        lat = p["lat"]
+        out[str(pid)] = {"asks": p["asks"], "measured": len(lat), "span_s": round(span, 2),
+                         "asks_per_s": round(p["asks"] / span, 2) if span else None,
+                         "latency_s": round(sum(lat) / len(lat), 3) if lat else None,
+                         "in_flight": round(sum(lat) / span, 2) if span else None,
+                         "phases_s": {k: round(sum(v) / len(v), 3) for k, v in p["phases"].items()}}
+    return out
+
+
 def run(a, gpus: str, work: Path, log: Path, env: dict) -> dict:
     storage = f"journal:///{work}/optuna.journal"
     db = f"sqlite:///{work}/tuned.db"
@@ -82,11 +124,16 @@ def run(a, gpus: str, work: Path, log: Path, env: dict) -> dict:
         raise SystemExit(f"--gpus {gpus}: flashtune search exited {p.returncode}\n{tail}")
     summary = json.loads(p.stdout)
     span, measured = span_of(storage)
+    prof = profile_of(storage)
+    if a.out:  # the storage itself, for a closer look
+        import shutil
+        shutil.copy(work / "optuna.journal", Path(a.out).parent / f"{log.stem}.journal")
     return {"gpus": gpus, "n_gpus": len(gpus.split(",")), "wall_s": round(wall, 2),
             "span_s": round(span, 2), "measured": measured,
             "trials_per_s": round(measured / wall, 3) if wall else 0.0,
             "trials_per_s_span": round(measured / span, 3) if span else 0.0,
             "search_wall_s": summary["wall_s"], "notes": summary.get("notes", []),
+            "processes": prof,
             "buckets": {b["label"]: {"winner": b["winner"], "speed": b["tflops"],
                                      "unit": b["unit"], "measured": b["measured"],
                                      "status": b["status"], "by": b.get("by")}
@@ -120,6 +167,7 @@ def main(argv=None) -> int:
     ap.add_argument("--replay", default=None, help="a recording: CPU smoke runs")
     ap.add_argument("--warm", action="store_true", help="fill Triton's cache first")
     ap.add_argument("--cold", action="store_true", help="empty caches for every run")
+    ap.add_argument("--profile", action="store_true", help="cProfile every worker")
     ap.add_argument("--noise", type=float, default=0.03, help="winners agree within this")
     ap.add_argument("--timeout", type=float, default=540)
     ap.add_argument("--out", default=None, help="JSON results (logs go beside it)")
@@ -141,6 +189,10 @@ def main(argv=None) -> int:
         work = tmp / f"gpus{gpus.replace(',', '_')}"
         work.mkdir()
         run_env = dict(env)
+        if a.profile:  # each worker's cProfile, beside the JSON
+            prof = out_dir / f"prof-gpus{len(gpus.split(','))}"
+            prof.mkdir(exist_ok=True)
+            run_env["FLASHTUNE_PROFILE_DIR"] = str(prof)
         if a.cold:
             run_env.update(TRITON_CACHE_DIR=str(work / "triton"),
                            FLASHTUNE_CACHE_DIR=str(work / "flashtune"))
@@ -151,6 +203,11 @@ def main(argv=None) -> int:
               f"({r['trials_per_s_span']:6.2f}/s over the span)", flush=True)
         for n in r["notes"]:
             print(f"  {n}")
+        for pid, p in r["processes"].items():
+            print(f"  process {pid}: {p['asks']} proposals ({p['asks_per_s']}/s), {p['measured']} "
+                  f"measured, {p['latency_s']} s each asked to told, {p['in_flight']} in flight")
+            print("    mean s per measured trial: " + ", ".join(f"{k} {v}" for k, v in
+                                                          p["phases_s"].items()))
     base = runs[0]
     for r in runs:
         r["speedup_wall"] = round(base["wall_s"] / r["wall_s"], 3) if r["wall_s"] else None

@@ -32,23 +32,29 @@ class ErrorReport:
 
 
 def compare(out: torch.Tensor, ref64: torch.Tensor, baseline: torch.Tensor) -> ErrorReport:
-    """out: flashtune's result; ref64: float64 reference; baseline: PyTorch's same-dtype result."""
-    out64 = out.detach().to(torch.float64).cpu()
-    ref64 = ref64.detach().to(torch.float64).cpu()
-    base64 = baseline.detach().to(torch.float64).cpu()
+    """out: flashtune's result; ref64: float64 reference; baseline: PyTorch's same-dtype result.
+
+    Computed where `out` lives, one copy of a few scalars back: the search's gate runs this on
+    every candidate, and moving the tensors to the CPU in float64 had it cost more than
+    timing the kernel (and busy the host's cores that the compile workers need)."""
+    dev = out.device
+    out64 = out.detach().to(torch.float64)
+    ref64 = ref64.detach().to(device=dev, dtype=torch.float64)
+    base64 = baseline.detach().to(device=dev, dtype=torch.float64)
     if out64.shape != ref64.shape:
         raise ValueError(f"shape mismatch: out {tuple(out64.shape)} vs reference {tuple(ref64.shape)}")
-    finite = bool(torch.isfinite(out64).all())
-    diff = (out64 - ref64).abs().nan_to_num(nan=float("inf"))
-    if diff.numel() == 0:
+    if out64.numel() == 0:
         return ErrorReport(0.0, 0.0, (), 0.0, 0.0, True)
-    flat = int(diff.argmax())
-    worst = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), diff.shape))
+    diff = (out64 - ref64).abs().nan_to_num(nan=float("inf"))
     # the reference's rounding noise, as FlashAttention's tests define it: what adding and
     # subtracting 0.3 in the output dtype does to the reference (an ulp near |ref| + 0.3), x2
     r = ref64.to(out.dtype)
-    rounding = 2 * ((r + 0.3 - 0.3) - r).abs().max().item()
-    baseline_err = (base64 - ref64).abs().nan_to_num(nan=0.0).max().item()
+    rounding = 2 * ((r + 0.3 - 0.3) - r).abs().max().to(torch.float64)
+    baseline_err = (base64 - ref64).abs().nan_to_num(nan=0.0).max()
+    finite = torch.isfinite(out64).all().to(torch.float64)
+    stats = torch.stack([diff.max(), diff.pow(2).mean().sqrt(), rounding, baseline_err, finite,
+                         diff.flatten().argmax().to(torch.float64)]).tolist()
+    max_err, rms, rounding, baseline_err, finite, flat = stats
+    worst = tuple(int(i) for i in torch.unravel_index(torch.tensor(int(flat)), diff.shape))
     tol = 2 * baseline_err + rounding + 1e-12
-    return ErrorReport(diff.max().item(), diff.pow(2).mean().sqrt().item(), worst, tol,
-                       baseline_err, finite)
+    return ErrorReport(max_err, rms, worst, tol, baseline_err, bool(finite))

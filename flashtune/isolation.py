@@ -29,6 +29,34 @@ def _describe_exit(code) -> str:
     return f"exited with code {code}"
 
 
+class _Profile:
+    """FLASHTUNE_PROFILE_DIR=dir: each worker profiles its calls (cProfile) and writes
+    dir/<role>-<index>-<pid>.prof when it exits cleanly; without it, nothing."""
+
+    def __init__(self, path: str | None):
+        self.path = path
+        if path:
+            import cProfile
+            self.prof = cProfile.Profile()
+
+    def __enter__(self):
+        if self.path:
+            self.prof.enable()
+
+    def __exit__(self, *exc):
+        if self.path:
+            self.prof.disable()
+
+    def dump(self) -> None:
+        if self.path:
+            self.prof.dump_stats(self.path)
+
+
+def _profiler(role: str, index: int) -> _Profile:
+    d = os.environ.get("FLASHTUNE_PROFILE_DIR")
+    return _Profile(os.path.join(d, f"{role}-{index}-{os.getpid()}.prof") if d else None)
+
+
 def _serve(conn, backend, role: str, index: int) -> None:
     # Ctrl-C reaches the whole process group: the driver decides what stops, not the workers
     # (started with SIGINT blocked, so that one during start-up does not kill the import)
@@ -40,16 +68,18 @@ def _serve(conn, backend, role: str, index: int) -> None:
     except BaseException as e:  # noqa: BLE001 -- reported to the driver, which gives up
         conn.send(("setup-error", f"{type(e).__name__}: {e}"))
         return
+    prof = _profiler(role, index)
     while True:
         try:
             msg = conn.recv()
         except (EOFError, OSError):
-            return
+            return prof.dump()
         if msg is None:
-            return
+            return prof.dump()
         method, args = msg
         try:
-            reply = ("ok", getattr(backend, method)(*args))
+            with prof:
+                reply = ("ok", getattr(backend, method)(*args))
         except BaseException as e:  # noqa: BLE001 -- a failed call is data, not a crash
             reply = ("error", f"{type(e).__name__}: {e}")
         # the process state may be broken (a CUDA error poisons the context): say so, so the

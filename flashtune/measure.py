@@ -23,6 +23,9 @@ class Outcome:
     reason: str = ""              # why, in words (the exception, the error report, the limit)
     max_err: float | None = None  # the correctness gate's max abs error vs float64
     notes: str = ""               # e.g. "recompiled in the timing worker"
+    # where the trial's time went, seconds: the backend's own parts (gate, bench) and the
+    # pipeline's (compile, time: in a worker's call; *_wait: waiting for a free worker)
+    phases: tuple = ()            # ((name, seconds), ...): hashable, like the rest
 
     @property
     def transient(self) -> bool:

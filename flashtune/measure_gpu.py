@@ -52,12 +52,16 @@ class GpuBackend(Backend):
     # -- worker setup ----------------------------------------------------------------------
     def setup(self, role: str, index: int) -> None:
         os.environ.pop("TRITON_INTERPRET", None)
+        import torch
+
+        # a worker's host work is small and serial; torch's default, a thread per core in each
+        # of the ~16 workers per GPU, has them spin against each other and the compilers
+        torch.set_num_threads(1 if role == "compile" else 2)
         if role == "time":
             # one GPU per timing worker: pin it before CUDA initializes in this process
             visible = os.environ.get("CUDA_VISIBLE_DEVICES")
             ids = visible.split(",") if visible else [str(i) for i in range(index + 1)]
             os.environ["CUDA_VISIBLE_DEVICES"] = ids[index]
-            import torch
             torch.cuda.init()
         object.__setattr__(self, "_state", {})
 
@@ -99,17 +103,20 @@ class GpuBackend(Backend):
             report = ops.check(out, gp, ref)
             if not report.ok:
                 return Outcome.fail("gate", str(report), max_err=report.max_err)
+            t1 = time.perf_counter()
             tin = self._cached(("time-in", problem.key), lambda: ops.inputs(problem, self.seed + 1))
             fn = lambda: ops.run(variant, problem, tin)  # noqa: E731
             if getattr(ops, "graphed", False):
                 fn = timing.graphed(fn)
             ms, spread = timing.bench(fn, budget_ms=self.bench_ms, flush_bytes=self.flush_bytes)
+            t2 = time.perf_counter()
         except Exception as e:  # noqa: BLE001
             return self._launch_failure(e)
         notes = f"spread {spread:.3f}"
         if first_s > 1.0:  # compile-ahead should have left the binary in Triton's cache
             notes += f"; first call {first_s:.1f} s (recompiled in the timing worker)"
-        return Outcome(True, ms, max_err=report.max_err, notes=notes)
+        return Outcome(True, ms, max_err=report.max_err, notes=notes,
+                       phases=(("first_call", first_s), ("gate", t1 - t0), ("bench", t2 - t1)))
 
     def _launch_failure(self, e: BaseException) -> Outcome:
         if type(e).__name__ in _RESOURCE_ERRORS:

@@ -8,8 +8,10 @@ need no isolation (sampler comparisons).
 """
 from __future__ import annotations
 
+import dataclasses
 import queue
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from .isolation import Worker, WorkerLost
@@ -102,8 +104,12 @@ class Pipeline:
             return Outcome.fail("crash", f"{type(e).__name__}: {e}")
 
     def _on(self, workers: queue.Queue, method: str, args, timeout: float, stage: str,
-            prefer=None):
+            prefer=None, clock: list | None = None):
+        t0 = time.monotonic()
         w = _take(workers, prefer)
+        if clock is not None:  # (phase, seconds) pairs: the wait for a worker, then the call
+            clock += [(f"{stage}_wait", time.monotonic() - t0)]
+            t0 = time.monotonic()
         try:
             if self._stop.is_set():
                 return Outcome.fail("interrupted", "search stopped")
@@ -120,15 +126,18 @@ class Pipeline:
         except RuntimeError as e:
             return Outcome.fail(stage, str(e))
         finally:
+            if clock is not None:
+                clock += [(stage, time.monotonic() - t0)]
             workers.put(w)
 
     def _run(self, variant, problem) -> Outcome:
+        clock: list = []
         res = self._on(self._compilers, "compile", (variant, problem), self.compile_timeout,
-                       "compile")
-        if res is not None:
-            return res
-        return self._on(self._timers, "measure", (variant, problem), self.trial_timeout,
-                        "timing")
+                       "compile", clock=clock)
+        if res is None:
+            res = self._on(self._timers, "measure", (variant, problem), self.trial_timeout,
+                           "timing", clock=clock)
+        return dataclasses.replace(res, phases=tuple(clock) + res.phases)
 
     # -- final pick ------------------------------------------------------------------------
     def retime(self, variants, problem, rounds: int) -> list:

@@ -76,6 +76,11 @@ class ReplayBackend(Backend):
         return read_recording(self.path)[1].get((Bucket.of(problem).key, variant.name))
 
     def compile(self, variant, problem):
+        # the meta line's compile_delay_s: a compile worker's latency (a search whose trials
+        # are bound by compiling, as on a GPU host with a warm cache, not by timing)
+        delay = float(read_recording(self.path)[0].get("compile_delay_s", 0.0))
+        if delay:
+            time.sleep(delay)
         d = self._line(variant, problem)
         if d is not None and d.get("stage") == "compile":
             return Outcome.fail("compile", d.get("reason") or "compile error (replayed)")

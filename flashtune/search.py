@@ -351,11 +351,15 @@ class _Run:
     """The state of one search across its buckets.
 
     Several processes may search the same buckets through one storage (--gpus, or hosts by
-    hand): each walks the plan in order and asks its own trials of the bucket at hand, so the
-    processes share a bucket until its budget is taken and then move on; no GPU idles while a
-    bucket has trials left. A bucket whose last trials another process is measuring is left
-    for a later pass: the process that finds it complete picks its winner, once (a claim,
-    flashtune/search_claims.py). A later pass also finishes what a dead process left.
+    hand): each walks the plan in order, taking first the buckets no other live process has
+    started (a claim per bucket, flashtune/search_claims.py), so the processes search different
+    buckets side by side -- each with its whole in-flight budget: a bucket's in-flight cap is
+    the study's, so processes sharing one bucket would only split it, and a search bound by
+    compile latency would not go faster. When no bucket is free a process joins the others'
+    buckets that have trials left, so no GPU idles while a bucket has trials left. A bucket
+    whose last trials another process is measuring is left for a later pass: the process that
+    finds it complete picks its winner, once (another claim). A later pass also finishes what
+    a dead process left.
     """
 
     def __init__(self, cfg, planned, pipeline, storage, db, progress, t_start):
@@ -368,6 +372,16 @@ class _Run:
         self.liveness = Liveness(storage)
         self.by = cfg.tag or f"{me()['host']}:{me()['pid']}"
         self._studies: dict[int, BucketStudy] = {}
+        self._holders: dict[int, dict] = {}  # bucket -> the process that started it first
+
+    def _free(self, i: int) -> bool:
+        """Bucket i is this process's to start: it claims it (once) and holds the claim, or the
+        holder has died."""
+        if i not in self._holders:
+            name = study_name(self.planned[i].space, self.planned[i].bucket)
+            self._holders[i] = claim(self.storage, f"bucket:{name}", self.liveness)
+        h = self._holders[i]
+        return same(h, me()) or not self.liveness.alive(h)
 
     def _open(self, i: int, pb: PlannedBucket) -> BucketStudy:
         if i not in self._studies:
@@ -378,13 +392,17 @@ class _Run:
         pending = list(range(len(self.planned)))
         quiet_since = None
         while pending:
-            left = []
-            for i in pending:
+            left, todo = [], list(pending)
+            while todo:
                 if stop.is_set():
                     self.interrupted = True
                 if self.interrupted or (self.cfg.in_order and self._out_of_time()):
                     return
-                if not self._bucket(i, len(pending) - pending.index(i), stop):
+                # the first bucket nobody else started, else the first of the others' (shared)
+                i = next((j for j in todo if self._free(j)), todo[0])
+                n_left = len(todo)
+                todo.remove(i)
+                if not self._bucket(i, n_left, stop):
                     left.append(i)
             if left and left == pending:  # no progress: others are measuring their last trials
                 quiet_since = quiet_since or time.monotonic()
@@ -393,7 +411,7 @@ class _Run:
                 time.sleep(0.5)
             else:
                 quiet_since = None
-            pending = left
+            pending = sorted(left)
 
     def _out_of_time(self) -> bool:
         return self.deadline is not None and time.monotonic() > self.deadline

@@ -57,17 +57,18 @@ def default_storage() -> str:
 
 def make_storage(url: str | None):
     """An Optuna storage from a URL: sqlite:///file (RDB, WAL), postgresql://... (RDB, across
-    hosts), journal:///file (Optuna's JournalStorage on an append-only file, locked per write;
-    one plain file, easy to copy between machines), or any SQLAlchemy URL."""
+    hosts), journal:///file (Optuna's JournalStorage on an append-only file, flock()ed per
+    append: flashtune/journal_file.py; one plain file to copy between machines), or any
+    SQLAlchemy URL."""
     url = url or default_storage()
     if "://" not in url and url.endswith((".journal", ".log")):
         url = JOURNAL + os.path.abspath(url)  # a bare journal file path
     if url.startswith(JOURNAL):
-        from optuna.storages.journal import JournalFileBackend
+        from .journal_file import JournalFile
 
         path = url[len(JOURNAL) - 1:]
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        return optuna.storages.JournalStorage(JournalFileBackend(path))
+        return optuna.storages.JournalStorage(JournalFile(path))
     if url.startswith("sqlite:///"):
         return optuna.storages.RDBStorage(url, engine_kwargs={"creator": _sqlite_creator(url)})
     if url.startswith("postgresql://"):
@@ -324,6 +325,8 @@ class BucketStudy:
             result["notes"] = o.notes
         if o.max_err is not None:
             result["max_err"] = o.max_err
+        if o.phases:  # where the trial's time went (seconds), for `bench/search_scaling.py`
+            result["phases"] = {k: round(v, 4) for k, v in o.phases}
         value = result.get("tflops", 0.0)
         self._finish(trial, value, result)
         if measured:
