@@ -141,7 +141,8 @@ def _backend(cfg: SearchConfig, target):
         return ReplayBackend(cfg.replay)
     from .measure_gpu import GpuBackend
     return GpuBackend(smem_limit=target.smem_per_block,
-                      flush_bytes=max(2 * target.l2_bytes, 256 << 20))
+                      flush_bytes=max(2 * target.l2_bytes, 256 << 20),
+                      capability=10 * target.capability[0] + target.capability[1])
 
 
 def resolve_target(cfg: SearchConfig, *, dry_run: bool = False):
