@@ -19,7 +19,6 @@ import os
 import signal
 import threading
 import time
-from concurrent.futures import FIRST_COMPLETED, wait
 from dataclasses import dataclass
 
 import optuna
@@ -27,10 +26,10 @@ import optuna
 from . import targets
 from .codegen import Variant, kernel_hash
 from .families import get as get_family
-from .measure import Outcome
 from .pipeline import Pipeline
 from .search_plan import PlannedBucket, plan
 from .search_claims import Heartbeat, Liveness, claim, me, same
+from .search_flight import Flight
 from .search_progress import make_progress
 from .search_study import BucketStudy, bucket_label, make_sampler, make_storage, open_study, study_name
 
@@ -211,28 +210,26 @@ def _ctrl_c(stop: threading.Event):
 
 def search_bucket(bs: BucketStudy, pipeline: Pipeline, trials: int, deadline: float | None,
                   progress, *, max_asks: int | None = None, until=None,
-                  stop: threading.Event | None = None) -> str:
+                  stop: threading.Event | None = None, flight: Flight | None = None,
+                  leave_tail: bool = False) -> str:
     """Ask, measure and tell until `trials` distinct variants are measured (by every process
-    sharing the study), the feasible space is exhausted, or the deadline passes."""
+    sharing the study), the feasible space is exhausted, or the deadline passes.
+
+    flight: the process's candidates in flight (flashtune/search_flight.py), which may hold an
+    earlier bucket's last trials: they are told as they come back. leave_tail: return as soon as
+    this bucket's whole budget is in flight, leaving its last trials in `flight` (the caller
+    picks the winner when they are told); without it, wait for them."""
     problem = bs.problem
+    flight = flight if flight is not None else Flight()
     feasible = len(bs.space.feasible) if bs.prune else len(bs.space.variants())
-    inflight: dict = {}        # future -> (trial, variant)
-    waiting: dict = {}         # variant key -> [trials proposing a variant being measured]
     max_asks = max_asks or 20 * trials + 200
     asks, idle_asks = 0, 0
     status = "done"
     others, synced = 0, -1e9   # variants other processes are measuring now (read every 0.25 s)
 
-    def settle(done) -> None:
-        for f in done:
-            trial, variant = inflight.pop(f)
-            outcome = f.result()
-            bs.tell(trial, variant, outcome)
-            for t in waiting.pop(variant.key, []):
-                bs.tell(t, variant, "duplicate" if not outcome.transient else outcome)
+    def told(b) -> None:
+        if b is bs:
             progress.trial(bs.measured(), bs.best_tflops())
-            if not outcome.ok and not outcome.transient:
-                bs.failures.append((variant.name, outcome.stage, outcome.reason))
 
     try:
         while True:
@@ -240,17 +237,20 @@ def search_bucket(bs: BucketStudy, pipeline: Pipeline, trials: int, deadline: fl
                 raise KeyboardInterrupt
             # tell what is done before asking more: the sampler sees results as soon as they
             # exist, and fewer of its proposals are lies (constant liar)
-            settle([f for f in inflight if f.done()])
+            flight.settle_ready(told)
             if time.monotonic() - synced > 0.25:
                 others, synced = bs.sync(), time.monotonic()
-            budget_left = bs.measured() + len(inflight) + others < min(trials, feasible)
+            mine = flight.of(bs)
+            budget_left = bs.measured() + mine + others < min(trials, feasible)
+            taken = not budget_left  # the whole budget measured or in flight
             if until is not None and until(bs):
-                budget_left = False
+                budget_left = taken = False
             if deadline is not None and time.monotonic() > deadline:
                 status = "time budget"
-                budget_left = False
+                budget_left = taken = False
             if idle_asks > 200 or asks >= max_asks:
                 budget_left = False  # the sampler keeps proposing what is known: it has converged
+                taken = True
                 bs.converged = True
             # at most half the budget left in flight (shared among the processes measuring
             # here): the sampler learns from what comes back before it proposes the rest, and
@@ -258,11 +258,11 @@ def search_bucket(bs: BucketStudy, pipeline: Pipeline, trials: int, deadline: fl
             # every timing worker busy
             left = min(trials, feasible) - bs.measured()
             cap = max(pipeline.feed, left // (2 * (1 + bs.sharing)))
-            if budget_left and len(inflight) < min(pipeline.depth, cap):
+            if budget_left and mine < min(pipeline.depth, cap):
                 trial, variant, answer = bs.ask()
                 asks += 1
-                if answer is None and variant.key in waiting:
-                    waiting[variant.key].append(trial)  # same variant in flight: wait for it
+                if answer is None and flight.holds(bs, variant):
+                    flight.wait_for(bs, trial, variant)  # same variant in flight: wait for it
                     continue
                 if answer is not None:
                     bs.tell(trial, variant, answer)
@@ -272,22 +272,17 @@ def search_bucket(bs: BucketStudy, pipeline: Pipeline, trials: int, deadline: fl
                 # trial carries its variant (two processes taking the last slot at once: at
                 # least one sees the other and stands back; never more than the budget)
                 others, synced = bs.others, time.monotonic()  # ask() read them just now
-                if bs.measured() + len(inflight) + others >= min(trials, feasible):
+                if bs.measured() + mine + others >= min(trials, feasible):
                     bs.tell(trial, variant, ("busy", None))
                     continue
                 idle_asks = 0
-                inflight[pipeline.submit(variant, problem)] = (trial, variant)
-                waiting[variant.key] = []
+                flight.add(pipeline.submit(variant, problem), bs, trial, variant)
                 continue
-            if not inflight:
+            if not mine or (taken and leave_tail):
                 break
-            done, _ = wait(list(inflight), timeout=0.5, return_when=FIRST_COMPLETED)
-            settle(done)
+            flight.wait_any(on_told=told)
     except KeyboardInterrupt:
-        for trial, variant in inflight.values():
-            bs.tell(trial, variant, Outcome.fail("interrupted", "Ctrl-C"))
-            for t in waiting.pop(variant.key, []):
-                bs.tell(t, variant, Outcome.fail("interrupted", "Ctrl-C"))
+        flight.interrupt()
         raise _Interrupted() from None
     return status
 
@@ -374,6 +369,8 @@ class _Run:
         self.by = cfg.tag or f"{me()['host']}:{me()['pid']}"
         self._studies: dict[int, BucketStudy] = {}
         self._holders: dict[int, dict] = {}  # bucket -> the process that started it first
+        self.flight = Flight()
+        self._deferred: dict[int, tuple] = {}  # bucket -> (status, t_b, first): last trials in flight
 
     def _free(self, i: int) -> bool:
         """Bucket i is this process's to start: it claims it (once) and holds the claim, or the
@@ -398,13 +395,17 @@ class _Run:
                 if stop.is_set():
                     self.interrupted = True
                 if self.interrupted or (self.cfg.in_order and self._out_of_time()):
-                    return
+                    return self._wind_down()
                 # the first bucket nobody else started, else the first of the others' (shared)
                 i = next((j for j in todo if self._free(j)), todo[0])
                 n_left = len(todo)
                 todo.remove(i)
                 if not self._bucket(i, n_left, stop):
                     left.append(i)
+                left += self._conclude_ready()
+            # the pass's last buckets: their last trials come back, then their winners
+            self.flight.drain()
+            left += self._conclude_ready()
             if left and left == pending:  # no progress: others are measuring their last trials
                 quiet_since = quiet_since or time.monotonic()
                 if time.monotonic() - quiet_since > 2 * self.cfg.trial_timeout_s + 60:
@@ -414,6 +415,15 @@ class _Run:
                 quiet_since = None
             pending = sorted(left)
 
+    def _wind_down(self) -> None:
+        """Stopping between buckets: what is in flight is measured and told (Ctrl-C: failed,
+        transient), and the buckets it belonged to are concluded."""
+        if self.interrupted:
+            self.flight.interrupt()
+        else:
+            self.flight.drain()
+        self._conclude_ready()
+
     def _out_of_time(self) -> bool:
         return self.deadline is not None and time.monotonic() > self.deadline
 
@@ -421,7 +431,7 @@ class _Run:
         """Search bucket i (again); False when others are measuring its last trials, so its
         winner is picked later (by whoever finds it complete)."""
         cfg, pb = self.cfg, self.planned[i]
-        label, name = bucket_label(pb.bucket), study_name(pb.space, pb.bucket)
+        label = bucket_label(pb.bucket)
         bs = self._open(i, pb)
         first = i not in self.results
         if first:
@@ -435,13 +445,37 @@ class _Run:
             bucket_deadline = t_b + (self.deadline - t_b) / n_left
         try:
             status = search_bucket(bs, self.pipeline, cfg.trials, bucket_deadline,
-                                   self.progress, stop=stop)
-            pipeline = self.pipeline
+                                   self.progress, stop=stop, flight=self.flight,
+                                   leave_tail=True)
         except _Interrupted:
             # what is already won is kept: the best measured variant, without re-timing
             self.interrupted = True
             self.pipeline.close(kill=True)
-            status, pipeline = "interrupted", None
+            status = "interrupted"
+        if self.flight.of(bs):  # its last trials are in flight: concluded when they are told
+            self._deferred[i] = (status, t_b, first)
+            return True
+        return self._conclude(i, status, t_b, first)
+
+    def _conclude_ready(self) -> list[int]:
+        """Conclude the buckets whose last trials have all been told; the ones others are
+        still measuring are returned, for a later pass."""
+        later = []
+        for i in [i for i in self._deferred if self.interrupted
+                  or not self.flight.of(self._studies[i])]:
+            status, t_b, first = self._deferred.pop(i)
+            if self.interrupted:
+                status = "interrupted"
+            if not self._conclude(i, status, t_b, first):
+                later.append(i)
+        return later
+
+    def _conclude(self, i: int, status: str, t_b: float, first: bool) -> bool:
+        """Pick bucket i's winner; False when others are measuring its last trials."""
+        cfg, pb = self.cfg, self.planned[i]
+        label, name = bucket_label(pb.bucket), study_name(pb.space, pb.bucket)
+        bs = self._studies[i]
+        pipeline = None if status == "interrupted" else self.pipeline
         feasible = len(bs.space.feasible) if bs.prune else len(bs.space.variants())
         complete = bs.measured() >= min(cfg.trials, feasible) or bs.converged
         if complete and status == "time budget":

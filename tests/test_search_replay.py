@@ -225,3 +225,32 @@ def test_ctrl_c_stops_cleanly_keeps_trials_and_writes_the_best(tmp_path):
     from flashtune.tuned_db import TunedDB
     (r,) = TunedDB(f"sqlite:///{tmp_path}/t.db").records()
     assert r.variant.name in _measured_names(study)
+
+
+def test_next_bucket_starts_while_the_last_trials_finish(tmp_path):
+    """A bucket whose budget is all in flight hands its last trials on (search_flight.Flight):
+    the next bucket's first candidates go in while they finish, and every trial is still told
+    to its own study and every bucket picked from all of its trials."""
+    seqlens = (1024, 2048)
+    path = tmp_path / "rec.jsonl"
+    synthesize(path, H100, [pb.problem for pb in plan_of(SearchConfig(**dict(BASE, seqlens=seqlens)),
+                                                           H100)],
+               fail_rate=0.0, delay_s=0.05, compile_delay_s=0.4)
+    cfg = _cfg(tmp_path, str(path), seqlens=seqlens, trials=8, compile_workers=3)
+    res = run_search(cfg, db=MemDB(), progress=NoProgress())
+    assert [b.status for b in res.buckets] == ["done", "done"] and res.measured == 16
+    storage = make_storage(cfg.storage)
+    spans = []
+    for pb in plan_of(cfg, H100):
+        trials = optuna.load_study(study_name=study_name(pb.space, pb.bucket),
+                                   storage=storage).get_trials(deepcopy=False)
+        measured = [t for t in trials if t.state == TrialState.COMPLETE
+                    and t.user_attrs["result"].get("measured")]
+        assert len(measured) == 8 and not [t for t in trials if t.state == TrialState.RUNNING]
+        # the pick saw every trial: the winner is the fastest measured (or simpler within noise)
+        b = next(b for b in res.buckets if b.study == study_name(pb.space, pb.bucket))
+        assert b.measured == 8 and b.tflops >= max(t.value for t in measured) / 1.02
+        spans.append((min(t.datetime_start for t in measured),
+                      max(t.datetime_complete for t in measured)))
+    (_, end_first), (start_second, _) = sorted(spans)
+    assert start_second < end_first, spans  # overlapped, not one after the other
