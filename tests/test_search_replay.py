@@ -247,6 +247,10 @@ def test_next_bucket_starts_while_the_last_trials_finish(tmp_path):
         measured = [t for t in trials if t.state == TrialState.COMPLETE
                     and t.user_attrs["result"].get("measured")]
         assert len(measured) == 8 and not [t for t in trials if t.state == TrialState.RUNNING]
+        for t in measured:  # where each trial's time went: the replay's 0.4 s compile in it
+            ph = t.user_attrs["result"]["phases"]
+            assert {"compile_wait", "compile", "timing_wait", "timing"} <= set(ph)
+            assert ph["compile"] >= 0.4 and ph["timing"] >= 0.05 and min(ph.values()) >= 0
         # the pick saw every trial: the winner is the fastest measured (or simpler within noise)
         b = next(b for b in res.buckets if b.study == study_name(pb.space, pb.bucket))
         assert b.measured == 8 and b.tflops >= max(t.value for t in measured) / 1.02
