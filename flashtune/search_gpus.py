@@ -16,13 +16,12 @@ in storage, its RUNNING ones are failed by the others and measured again.
 from __future__ import annotations
 
 import dataclasses
-import multiprocessing as mp
 import os
 import queue
 import signal
 import time
 
-from .isolation import _describe_exit
+from .isolation import _context, _describe_exit
 
 
 class QueueProgress:
@@ -123,7 +122,9 @@ def device_ids(gpus) -> list[str]:
     return out
 
 
-def _child(cfg, target, device: str, q) -> None:
+def _child(cfg, target, device: str, q, env: dict) -> None:
+    os.environ.clear()  # the parent's environment, not the fork server's (isolation._context)
+    os.environ.update(env)
     os.environ["CUDA_VISIBLE_DEVICES"] = device  # before anything here touches CUDA
     from .search import run_search
     try:
@@ -185,7 +186,7 @@ def run_on_gpus(cfg, *, target, progress=None):
                             time.monotonic() - t_start, False, 0, 0)
     cw = cfg.compile_workers or max(1, min(16, (os.cpu_count() or 2) // len(gpus) - 1))
     progress = MultiProgress(progress or make_progress(), len(planned), cfg.trials, already)
-    ctx = mp.get_context("spawn")
+    ctx = _context()  # forked from a server with torch imported, as the workers are
     q = ctx.Queue()
     procs = {}
     mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
@@ -196,7 +197,8 @@ def run_on_gpus(cfg, *, target, progress=None):
         child = dataclasses.replace(cfg, gpus=(), workers=1, storage=url, resume=True,
                                     compile_workers=cw, tag=f"gpu{g}", time_budget_s=budget,
                                     seed=None if cfg.seed is None else cfg.seed + k)
-        p = ctx.Process(target=_child, args=(child, target, dev, q), name=f"flashtune-gpu{g}")
+        p = ctx.Process(target=_child, args=(child, target, dev, q, dict(os.environ)),
+                        name=f"flashtune-gpu{g}")
         p.start()
         procs[child.tag] = p
     signal.pthread_sigmask(signal.SIG_SETMASK, mask)
