@@ -44,61 +44,53 @@ def search_args(a, gpus: str, storage: str, db: str) -> list[str]:
     return args
 
 
-def span_of(storage: str) -> tuple[float, int]:
-    """(seconds from the first trial's start to the last measured trial's end, measured)."""
+def trials_of(storage: str) -> list:
+    """Every search trial in the storage (the claims study left out), read once."""
     import optuna
-    from optuna.trial import TrialState
 
     from flashtune.search_claims import CLAIMS_STUDY
     from flashtune.search_study import make_storage
 
     st = make_storage(storage)
-    starts, ends, n = [], [], 0
-    for s in optuna.get_all_study_summaries(st, include_best_trial=False):
-        if s.study_name == CLAIMS_STUDY:
-            continue
-        for t in optuna.load_study(study_name=s.study_name, storage=st).get_trials(deepcopy=False):
-            if t.datetime_start:
-                starts.append(t.datetime_start)
-            r = t.user_attrs.get("result") or {}
-            if t.state == TrialState.COMPLETE and r.get("measured"):
-                ends.append(t.datetime_complete)
-                n += 1
+    return [t for s in optuna.get_all_study_summaries(st, include_best_trial=False)
+            if s.study_name != CLAIMS_STUDY
+            for t in optuna.load_study(study_name=s.study_name, storage=st).get_trials(deepcopy=False)]
+
+
+def _measured(t) -> bool:
+    from optuna.trial import TrialState
+
+    return t.state == TrialState.COMPLETE and bool((t.user_attrs.get("result") or {}).get("measured"))
+
+
+def span_of(trials: list) -> tuple[float, int]:
+    """(seconds from the first trial's start to the last measured trial's end, measured)."""
+    starts = [t.datetime_start for t in trials if t.datetime_start]
+    ends = [t.datetime_complete for t in trials if _measured(t)]
     if not ends:
         return 0.0, 0
-    return (max(ends) - min(starts)).total_seconds(), n
+    return (max(ends) - min(starts)).total_seconds(), len(ends)
 
 
-def profile_of(storage: str) -> dict:
+def profile_of(trials: list) -> dict:
     """Where a run's time went, per search process, from its trials' timestamps: proposals
     (every ask: measured, infeasible, duplicate, busy), measured trials' latency (asked to told:
     compile, gate and timing, with the queues between) and how many were in flight on average
     (their latencies summed over the process's span)."""
-    import optuna
-    from optuna.trial import TrialState
-
-    from flashtune.search_claims import CLAIMS_STUDY
-    from flashtune.search_study import make_storage
-
-    st = make_storage(storage)
     per: dict = {}
-    for s in optuna.get_all_study_summaries(st, include_best_trial=False):
-        if s.study_name == CLAIMS_STUDY:
+    for t in trials:
+        pid = (t.user_attrs.get("owner") or {}).get("pid")
+        if pid is None or not t.datetime_start:
             continue
-        for t in optuna.load_study(study_name=s.study_name, storage=st).get_trials(deepcopy=False):
-            pid = (t.user_attrs.get("owner") or {}).get("pid")
-            if pid is None or not t.datetime_start:
-                continue
-            p = per.setdefault(pid, {"asks": 0, "lat": [], "starts": [], "ends": [],
-                                     "phases": {}})
-            p["asks"] += 1
-            p["starts"].append(t.datetime_start)
-            if t.datetime_complete:
-                p["ends"].append(t.datetime_complete)
-            if t.state == TrialState.COMPLETE and (t.user_attrs.get("result") or {}).get("measured"):
-                p["lat"].append((t.datetime_complete - t.datetime_start).total_seconds())
-                for k, v in (t.user_attrs["result"].get("phases") or {}).items():
-                    p["phases"].setdefault(k, []).append(v)
+        p = per.setdefault(pid, {"asks": 0, "lat": [], "starts": [], "ends": [], "phases": {}})
+        p["asks"] += 1
+        p["starts"].append(t.datetime_start)
+        if t.datetime_complete:
+            p["ends"].append(t.datetime_complete)
+        if _measured(t):
+            p["lat"].append((t.datetime_complete - t.datetime_start).total_seconds())
+            for k, v in (t.user_attrs["result"].get("phases") or {}).items():
+                p["phases"].setdefault(k, []).append(v)
     out = {}
     for pid, p in per.items():
         span = (max(p["ends"] or p["starts"]) - min(p["starts"])).total_seconds()
@@ -123,8 +115,9 @@ def run(a, gpus: str, work: Path, log: Path, env: dict) -> dict:
         tail = log.read_text()[-2000:]
         raise SystemExit(f"--gpus {gpus}: flashtune search exited {p.returncode}\n{tail}")
     summary = json.loads(p.stdout)
-    span, measured = span_of(storage)
-    prof = profile_of(storage)
+    trials = trials_of(storage)
+    span, measured = span_of(trials)
+    prof = profile_of(trials)
     if a.out:  # the storage itself, for a closer look
         import shutil
         shutil.copy(work / "optuna.journal", Path(a.out).parent / f"{log.stem}.journal")

@@ -77,10 +77,16 @@ def _context():
     return _CTX
 
 
+def adopt_env(env: dict) -> None:
+    """A process forked from the server (_context) takes its caller's environment, not the
+    server's (its first caller's)."""
+    os.environ.clear()
+    os.environ.update(env)
+
+
 def _serve(conn, backend, role: str, index: int, env: dict | None = None) -> None:
-    if env is not None:  # the caller's environment at start, not the fork server's
-        os.environ.clear()
-        os.environ.update(env)
+    if env is not None:
+        adopt_env(env)
     # Ctrl-C reaches the whole process group: the driver decides what stops, not the workers
     # (started with SIGINT blocked, so that one during start-up does not kill the import)
     signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -21,7 +21,7 @@ import queue
 import signal
 import time
 
-from .isolation import _context, _describe_exit
+from .isolation import _context, _describe_exit, adopt_env
 
 
 class QueueProgress:
@@ -123,8 +123,7 @@ def device_ids(gpus) -> list[str]:
 
 
 def _child(cfg, target, device: str, q, env: dict) -> None:
-    os.environ.clear()  # the parent's environment, not the fork server's (isolation._context)
-    os.environ.update(env)
+    adopt_env(env)
     os.environ["CUDA_VISIBLE_DEVICES"] = device  # before anything here touches CUDA
     from .search import run_search
     try:
