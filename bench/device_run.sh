@@ -116,6 +116,17 @@ for step in ${STEPS:-fwdtests}; do
               gzip -c "$st/$slug.journal" > "$OUT/tables_state/$slug.journal.gz"
               cp "$st/$slug.db" "$st/$slug.calls" "$OUT/tables_state/"
               echo "calls so far:"; cat "$st/$slug.calls" ;;
+    hoppersearch) # issue 12: the Gluon families' compile-ahead (JIT warm-up on meta tensors): a short
+              # fresh search of one hopper_fwd and one hopper_bwd bucket, then each trial's stage,
+              # first call in the timing worker (~0.02 s when the binary came from the compile
+              # pool, 1-4 s when it was compiled again there) and notes; then the shipped-table test
+              for fam in hopper_fwd hopper_bwd; do
+                timeout 150 flashtune search --gpu auto --family $fam --head-dim 128 --seqlen 2048 \
+                  --causal false --trials ${HS_TRIALS:-12} --fresh --storage /tmp/hs-$fam.journal \
+                  --db sqlite:////tmp/hs.db --progress lines 2>&1 | grep -v "measured so far" | tail -3
+                python3 bench/trial_phases.py /tmp/hs-$fam.journal | tee -a "$OUT/hoppersearch.log" | tail -16
+              done
+              timeout 120 python3 -m pytest -q -m gpu tests/test_tables_gpu.py 2>&1 | tail -4 ;;
     splitkvtests) timeout ${SPLITKV_TIMEOUT:-200} python3 -m pytest -q -x tests/test_splitkv.py \
                 2>&1 | tee "$OUT/splitkvtests.log" | tail -8 ;;
     dsweep)   timeout ${DSWEEP_TIMEOUT:-330} python3 bench/decode_sweep.py --out "$OUT/decode_sweep.jsonl" ${DSWEEP_ARGS:-} \

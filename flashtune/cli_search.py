@@ -87,8 +87,9 @@ def _seconds(text):
               "run on the same --storage to resume (tables built over several calls)")
 @click.option("--top-k", type=click.IntRange(1), default=5, show_default=True,
               help="candidates re-timed interleaved for the final pick")
-@click.option("--trial-timeout", type=float, default=120.0, show_default=True,
-              help="seconds a candidate may take on the GPU before its worker is killed")
+@click.option("--trial-timeout", type=float, default=30.0, show_default=True,
+              help="seconds a candidate may take on the GPU before its worker is killed (the "
+                   "slowest measured trial took 4.6 s; a hung kernel holds the GPU this long)")
 @click.option("--replay", type=click.Path(exists=True, dir_okay=False), default=None,
               help="answer from a recorded sweep (bench/sweep.py) instead of measuring: "
                    "tests and sampler studies without a GPU")

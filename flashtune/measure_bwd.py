@@ -58,17 +58,21 @@ class BwdOps:
         hk = p.heads // p.group
         return (p.batch, p.heads, p.seqlen_q, p.head_dim), (p.batch, hk, p.seqlen_k, p.head_dim)
 
+    launcher = launch_bwd  # the module that launches the family's variants (launch_hopper_bwd)
+
     def compile_ahead(self, variant, p: Problem) -> int:
-        """Compile every kernel of the variant for the GPU present without launching; returns
-        the largest shared memory among them (each kernel must fit on its own)."""
-        qs, ks = self.shapes(p)
+        """Compile every kernel of the variant for the GPU present without launching, for the
+        timed problem and the gate's (as measure_fwd); returns the largest shared memory among
+        them (each kernel must fit on its own)."""
         dt = torch_dtype(p.dtype)
-        q, o, do = (torch.empty(qs, dtype=dt, device="meta") for _ in range(3))
-        k, v = (torch.empty(ks, dtype=dt, device="meta") for _ in range(2))
-        lse = torch.empty(qs[:3], dtype=torch.float32, device="meta")
-        with compile_only(launch_bwd) as h:
-            launch_bwd.backward(do, q, k, v, o, lse, p.causal, None, variant,
-                                representative(p, "cpu"))
+        with compile_only(self.launcher) as h:
+            for gp in dict.fromkeys((p, self.gate_problem(p))):
+                qs, ks = self.shapes(gp)
+                q, o, do = (torch.empty(qs, dtype=dt, device="meta") for _ in range(3))
+                k, v = (torch.empty(ks, dtype=dt, device="meta") for _ in range(2))
+                lse = torch.empty(qs[:3], dtype=torch.float32, device="meta")
+                self.launcher.backward(do, q, k, v, o, lse, gp.causal, None, variant,
+                                       representative(gp, "cpu"))
         return max_shared(h)
 
     def gate_problem(self, p: Problem) -> Problem:
@@ -101,8 +105,8 @@ class BwdOps:
 
     def run(self, variant, p: Problem, inputs):
         q, k, v, o, lse, do = inputs
-        return launch_bwd.backward(do, q, k, v, o, lse, p.causal, None, variant,
-                                   representative(p, q.device.type))
+        return self.launcher.backward(do, q, k, v, o, lse, p.causal, None, variant,
+                                      representative(p, q.device.type))
 
     def gate_view(self, out, p: Problem):
         hk = self._gate_kv_heads(p)

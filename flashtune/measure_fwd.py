@@ -25,15 +25,22 @@ class FwdOps:
         hk = p.heads // p.group
         return (p.batch, p.heads, p.seqlen_q, p.head_dim), (p.batch, hk, p.seqlen_k, p.head_dim)
 
+    launcher = launch  # the module that launches the family's variants (hopper_fwd: launch_hopper)
+
     def compile_ahead(self, variant, p: Problem) -> int:
-        """Compile for the GPU present without launching; returns the kernel's shared memory."""
-        qs, ks = self.shapes(p)
+        """Compile for the GPU present without launching, the binaries the timing worker's
+        launches will look up in Triton's cache (the timed problem's and the gate's: an integer
+        argument's divisibility by 16 may differ between them); returns the kernels' largest
+        shared memory. Each kernel[grid](...) the launcher makes is the JIT's warm-up: meta
+        tensors (a Gluon plan's TMA descriptors take them as their base) and no context."""
         dt = torch_dtype(p.dtype)
-        q = torch.empty(qs, dtype=dt, device="meta")
-        k = torch.empty(ks, dtype=dt, device="meta")
-        with compile_only(launch) as h:
-            launch.forward(q, k, torch.empty_like(k), p.causal, None, variant,
-                           representative(p, "cpu"))
+        with compile_only(self.launcher) as h:
+            for gp in dict.fromkeys((p, self.gate_problem(p))):
+                qs, ks = self.shapes(gp)
+                q = torch.empty(qs, dtype=dt, device="meta")
+                k = torch.empty(ks, dtype=dt, device="meta")
+                self.launcher.forward(q, k, torch.empty_like(k), gp.causal, None, variant,
+                                      representative(gp, "cpu"))
         return max_shared(h)
 
     def gate_problem(self, p: Problem) -> Problem:
@@ -63,7 +70,7 @@ class FwdOps:
     def run(self, variant, p: Problem, inputs):
         q, k, v = inputs
         masks = representative(p, q.device.type)
-        return launch.forward(q, k, v, p.causal, None, variant, masks)[0]
+        return self.launcher.forward(q, k, v, p.causal, None, variant, masks)[0]
 
     def reference(self, p: Problem, inputs):
         """Float64 reference and PyTorch's same-dtype math, of the heads gate_view keeps."""

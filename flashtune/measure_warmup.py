@@ -16,9 +16,9 @@ _patch_lock = threading.Lock()
 class _Warmup:
     """Stands in for a generated module; `compiled` lists every kernel the launcher compiled."""
 
-    def __init__(self, module):
+    def __init__(self, module, compiled: list):
         self._module = module
-        self.compiled = []
+        self.compiled = compiled
 
     def __getattr__(self, name):
         fn = getattr(self._module, name)
@@ -37,15 +37,15 @@ class _Warmup:
 @contextlib.contextmanager
 def compile_only(launcher):
     """Route `launcher.load` (the module a launcher gets its kernels from) to a _Warmup, so the
-    launcher stays the one place that knows the kernels' arguments. Yields a dict whose "w" is
-    the _Warmup once the launcher has loaded its variant."""
-    holder = {}
+    launcher stays the one place that knows the kernels' arguments. Yields a dict whose
+    "compiled" lists every kernel compiled, from each module the launcher loaded (hopper_bwd's
+    plan loads its own and the generic bwd's preprocess)."""
+    holder = {"compiled": []}
     with _patch_lock:
         real = launcher.load
 
         def fake(variant):
-            holder["w"] = _Warmup(real(variant))
-            return holder["w"]
+            return _Warmup(real(variant), holder["compiled"])
         launcher.load = fake
         try:
             yield holder
@@ -55,4 +55,4 @@ def compile_only(launcher):
 
 def max_shared(holder) -> int:
     """The largest metadata.shared among the kernels compiled (each must fit on its own)."""
-    return max((int(getattr(k.metadata, "shared", 0)) for k in holder["w"].compiled), default=0)
+    return max((int(getattr(k.metadata, "shared", 0)) for k in holder["compiled"]), default=0)

@@ -58,7 +58,7 @@ class SearchConfig:
     top_k: int = 5                 # re-timed interleaved at the end
     retime_rounds: int = 5
     noise: float = 0.01            # "within noise": prefer the simpler config this close
-    trial_timeout_s: float = 120.0
+    trial_timeout_s: float = 30.0
     prune: bool = True             # False sends even infeasible variants to the compiler
     write_db: bool = True
     enqueue_default: bool = True   # measure the built-in default first (a good first point)

@@ -211,11 +211,15 @@ def test_plan_falls_back_to_the_generic_default_off_hopper(device):
         assert_matches_reference(q, k, v, causal=True)
 
 
-def test_one_stage_without_a_loader_is_refused_before_launch(device):
-    # its loading consumer would wait on its own stage: a clear error, never a hang
+@pytest.mark.parametrize("name", ["hopper_fwd-m64-n64-w4-s1", "hopper_fwd-m64-n64-w4-s1-lr24",
+                                  "hopper_fwd-m64-n128-w4-s1-pingpong=true-lr32"])
+def test_one_stage_is_refused_before_launch(device, name):
+    # a consumer holds block j-1's V stage while it waits for block j's K in the next one: with
+    # one stage it waits on itself (every such loader variant hung a search trial on the H200),
+    # so the name is refused -- a clear error, never a hang
     q, k, v = qkv(1, 2, 2, 16, 16, 64, torch.float16, device)
-    with flashtune.force("hopper_fwd-m64-n64-w4-s1"):
-        with pytest.raises(ValueError, match="needs num_stages >= 2"):
+    with pytest.raises(ValueError, match="num_stages=1 does not fit family 'hopper_fwd'"):
+        with flashtune.force(name):
             flashtune.attention(q, k, v)
 
 

@@ -201,9 +201,8 @@ def test_plan_refuses_a_variant_that_does_not_render_the_calls_masks():
     bm = BlockMask.from_dense(torch.ones(1, 1, dtype=torch.bool), (64, 64), block_size=64)
     with pytest.raises(ValueError, match="carries masks"):  # a block mask needs block_sparse
         HopperFwdPlan(q, k, v, False, None, win, Masks((4, 4), None, bm))
-    one_stage = Variant.parse("hopper_fwd-m64-n64-w4-s1-window=true")
-    with pytest.raises(ValueError, match="needs num_stages >= 2"):
-        HopperFwdPlan(q, k, v, False, None, one_stage, Masks((4, 4)))
+    with pytest.raises(ValueError, match="num_stages=1 does not fit"):
+        Variant.parse("hopper_fwd-m64-n64-w4-s1-window=true")
 
 
 def test_mask_twin_follows_the_family_registry():

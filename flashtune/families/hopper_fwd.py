@@ -38,7 +38,8 @@ FAMILY = Family(
     rules=(("num_warps", (4, 8), "a consumer partition is one or two warpgroups"),
            ("block_m", (64, 128), "64 query rows per consumer warpgroup (wgmma M), at most 2"),
            ("block_n", (32, 64, 128, 256), "the wgmma N of QK^T: 32..256"),
-           ("num_stages", (1, 2, 3, 4), "the K/V ring: 1..4 stages"),
+           ("num_stages", (2, 3, 4), "the K/V ring: 2..4 stages (a consumer holds block j-1's "
+            "V stage while it waits for block j's K in the next one: one stage waits on itself)"),
            ("loader_regs", (0, 24, 32, 40, 48, 56),
             "setmaxnreg of the loader: 24..56, step 8; 0: no loader partition")),
 )

@@ -1,0 +1,84 @@
+"""The search's compile-ahead for the Gluon families (hopper_fwd, hopper_bwd): the launcher runs
+on meta tensors and every kernel[grid](...) goes to the JIT's warm-up, with the TMA descriptors
+the launch makes (over meta bases), so the timing worker finds the binaries in Triton's cache
+instead of compiling each candidate again (1-4 s a trial on the H200, serial). The warm-up needs
+a GPU driver: it is stood in for here and checked on the device (first calls, trial phases)."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from flashtune.codegen import Variant
+from flashtune.gluon_compat import missing
+from flashtune.search_plan import standard_problem
+
+pytestmark = pytest.mark.skipif(bool(missing()), reason="this Triton has no Gluon")
+
+
+class _Jit:
+    def __init__(self, name, calls):
+        self.name, self.calls = name, calls
+
+    def warmup(self, *args, grid, **kw):
+        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+        assert not any(isinstance(a, torch.Tensor) for a in args)  # nothing launches
+        descs = [a for a in args if isinstance(a, TensorDescriptor)]
+        assert descs and all(d.base.device.type == "meta" for d in descs)
+        self.calls.append(SimpleNamespace(name=self.name, args=args, grid=grid, kw=kw,
+                                          blocks=[d.block_shape for d in descs]))
+        return SimpleNamespace(metadata=SimpleNamespace(shared=1000 * len(self.calls)))
+
+
+def _stub(monkeypatch, module, names):
+    calls = []
+    monkeypatch.setattr(module, "load", lambda v: SimpleNamespace(
+        **{n: _Jit(n, calls) for n in names}))
+    return calls
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_hopper_fwd_compile_ahead_warms_the_launch_binary(monkeypatch, persistent):
+    from flashtune import launch_hopper
+    from flashtune.measure_hopper import OPS
+    calls = _stub(monkeypatch, launch_hopper, ["attn_fwd_hopper"])
+    v = Variant("hopper_fwd", block_m=64, block_n=128, num_warps=4, num_stages=3, pingpong=True,
+                persistent=persistent, loader_regs=24)
+    p = standard_problem("fwd", "bfloat16", 128, True, 2048)
+    assert OPS.compile_ahead(v, p) == 2000  # the larger of the two warm-ups' shared memory
+    timed, gate = calls  # the timed problem, then the gate's (one batch)
+    for c, b in ((timed, p.batch), (gate, 1)):
+        assert c.blocks == [[1, 64, 128], [1, 128, 128], [1, 128, 128], [1, 64, 128]]  # q k v o
+        n_tiles = -(-p.seqlen_q // 128) * b * p.heads  # two ping-pong consumers of 64 rows
+        assert c.args[-4:] == (p.heads, p.seqlen_q, p.seqlen_k, n_tiles)
+        assert c.kw["STAGES"] == 3 and c.kw["IS_CAUSAL"] and c.kw["LOADER_REGS"] == 24
+        assert c.grid == (n_tiles,)  # persistent too: no SM count asked (no CUDA context)
+
+
+def test_hopper_bwd_compile_ahead_warms_the_preprocess_and_the_kernel(monkeypatch):
+    from flashtune import launch_hopper_bwd
+    from flashtune.measure_hopper_bwd import OPS
+    names = ["attn_bwd_preprocess", "attn_bwd_hopper"]  # delta = rowsum(dO * O) first
+    calls = []
+    real = launch_hopper_bwd.load
+
+    def load(v):  # the Gluon kernel stood in for; the generic preprocess is a Triton kernel
+        if v.family == "hopper_bwd":
+            return SimpleNamespace(attn_bwd_hopper=_Jit("attn_bwd_hopper", calls))
+        fn = getattr(real(v), "attn_bwd_preprocess")
+
+        class Pre:
+            def warmup(self, *args, grid, **kw):
+                assert not any(isinstance(a, torch.Tensor) for a in args)
+                calls.append(SimpleNamespace(name="attn_bwd_preprocess", kw=kw))
+                return SimpleNamespace(metadata=SimpleNamespace(shared=0))
+        assert fn is not None
+        return SimpleNamespace(attn_bwd_preprocess=Pre())
+    monkeypatch.setattr(launch_hopper_bwd, "load", load)
+    v = Variant("hopper_bwd", block_m=64, block_n=128, num_warps=8, num_stages=2)
+    p = standard_problem("bwd", "bfloat16", 64, False, 1024)
+    assert OPS.compile_ahead(v, p) > 0
+    assert [c.name for c in calls] == names * 2  # the timed problem's, then the gate's
+    assert calls[1].blocks == [[1, 64, 64], [1, 128, 64], [1, 128, 64], [1, 64, 64],
+                               [1, 128, 64], [1, 128, 64]]  # q k v dO dK dV
