@@ -258,3 +258,29 @@ def test_next_bucket_starts_while_the_last_trials_finish(tmp_path):
                       max(t.datetime_complete for t in measured)))
     (_, end_first), (start_second, _) = sorted(spans)
     assert start_second < end_first, spans  # overlapped, not one after the other
+
+
+def test_a_bucket_measures_its_searched_neighbours_winners_first(tmp_path):
+    """A bucket started after others of its kernel class were searched measures their winners
+    with its default, before TPE proposes anything (search.neighbour_winners): its record is no
+    slower than a neighbour's config, whatever TPE's trials find."""
+    seqlens = (1024, 2048, 4096)
+    path = tmp_path / "rec.jsonl"
+    synthesize(path, H100, [pb.problem for pb in plan_of(SearchConfig(**dict(BASE, seqlens=seqlens)),
+                                                           H100)], fail_rate=0.0)
+    first = run_search(_cfg(tmp_path, str(path), seqlens=(4096, 1024), trials=12),
+                       db=MemDB(), progress=NoProgress())
+    winners = {b.study.split(".")[0]: b.winner for b in first.buckets}
+    default = flashtune.defaults.default_variant("fwd", 64, "bfloat16").name
+    theirs = set(winners.values()) - {default}
+    assert len(winners) == 2 and all(winners.values()) and theirs, winners
+    cfg = _cfg(tmp_path, str(path), seqlens=seqlens, trials=6, enqueue_default=True)
+    run_search(cfg, db=MemDB(), progress=NoProgress())  # 1024 and 4096 are done: 2048 is new
+    pb = next(pb for pb in plan_of(cfg, H100) if pb.bucket.seqlen_q == 2048)
+    trials = sorted(optuna.load_study(study_name=study_name(pb.space, pb.bucket),
+                                      storage=make_storage(cfg.storage)).get_trials(deepcopy=False),
+                    key=lambda t: t.number)
+    firsts = [t.user_attrs.get("variant") for t in trials[:3]]
+    # the default, then the neighbours' winners (both 3 octaves away: either order)
+    assert firsts[0] == default and set(firsts[1:1 + len(theirs)]) == theirs, (firsts, winners)
+    assert sum(t.user_attrs.get("result", {}).get("measured", False) for t in trials) == 6
