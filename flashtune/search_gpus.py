@@ -183,7 +183,9 @@ def run_on_gpus(cfg, *, target, progress=None):
             _write(cfg, None, [r for r, _ in recs if r])
         return SearchResult(target.short, tuple(res for _, res in recs),
                             time.monotonic() - t_start, False, 0, 0)
-    cw = cfg.compile_workers or max(1, min(16, (os.cpu_count() or 2) // len(gpus) - 1))
+    # each process's share of the cores less its driver and timing worker
+    cw = cfg.compile_workers or max(1, min(16, ((os.cpu_count() or 2) - 2 * len(gpus))
+                                              // len(gpus)))
     progress = MultiProgress(progress or make_progress(), len(planned), cfg.trials, already)
     ctx = _context()  # forked from a server with torch imported, as the workers are
     q = ctx.Queue()
