@@ -1,5 +1,6 @@
 """Shipped tables: format, stable bytes, bad files; the db CLI: show, export -> import, diff."""
 import dataclasses
+import collections
 import json
 
 import pytest
@@ -174,13 +175,18 @@ def test_show_lists_the_shipped_table_that_serves_the_gpu(no_user_db):
     res = _cli("db", "show", "--gpu", "H100")
     assert res.exit_code == 0, res.output
     assert f"gpu-table  {shipped}: {n} record(s)" in res.output and f"{n} record(s)" in res.output
-    assert res.output.count(f"gpu-table  {shipped.name}") == n  # each row names its table
+    own = [line.split()[:2] for line in res.output.splitlines() if line.startswith("gpu-table ")]
+    assert own == [["gpu-table", shipped.name]] * n  # each row names its table
+    # then the other shipped tables of its architecture (the H200's), each row with its source
+    h200 = TABLES_DIR / "nvidia-h200.json"
+    m = len(read_table(h200).records)
     rows = json.loads(_cli("db", "show", "--gpu", "H100", "--format", "json").output)["records"]
-    assert len(rows) == n and {(r["level"], r["source"]) for r in rows} == {
-        ("gpu-table", str(shipped))}
-    # an H200 has no table of its own: the H100's serves it, as a table of the same architecture
+    by = collections.Counter((r["level"], r["source"]) for r in rows)
+    assert by == {("gpu-table", str(shipped)): n, ("arch-table", str(h200)): m}
+    # an H200 is served by its own table first, the H100's after it (same architecture)
     rows = json.loads(_cli("db", "show", "--gpu", "H200", "--format", "json").output)["records"]
-    assert len(rows) == n and {r["level"] for r in rows} == {"arch-table"}
+    by = collections.Counter((r["level"], r["source"]) for r in rows)
+    assert by == {("gpu-table", str(h200)): m, ("arch-table", str(shipped)): n}
 
 
 def test_show_orders_the_levels_and_marks_what_serves(tmp_path, no_user_db):
