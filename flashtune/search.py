@@ -202,10 +202,10 @@ def neighbour_winners(storage, planned: list, pb: PlannedBucket, k: int) -> list
     found = sorted((rivals[s.study_name].bucket.log_distance(pb.bucket), s.user_attrs["winner"])
                    for s in optuna.get_all_study_summaries(storage, include_best_trial=False)
                    if s.study_name in rivals and s.user_attrs.get("winner"))
-    known, out = set(pb.space.variants()), []
+    out = []
     for _, name in found:
         v = _with_masks(pb, Variant.parse(name))
-        if v in known and v not in out:
+        if pb.space.contains(v) and v not in out:
             out.append(v)
         if len(out) == k:
             break
@@ -363,9 +363,8 @@ def open_bucket(cfg: SearchConfig, storage, pb: PlannedBucket, liveness=None) ->
     bs = BucketStudy(study, pb.space, pb.problem, prune=cfg.prune, liveness=liveness)
     bs.reap_abandoned()
     if cfg.enqueue_default and not study.trials:
-        known = set(pb.space.variants())
         for v in _first_points(pb):
-            if v in known:
+            if pb.space.contains(v):
                 bs.enqueue(v)
     return bs
 

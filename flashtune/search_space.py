@@ -232,6 +232,14 @@ class Space:
         """Ask an Optuna trial for one value per active param (define-by-run)."""
         return self.variant(self._walk(lambda p: p.suggest(trial)))
 
+    def contains(self, variant: Variant) -> bool:
+        """Whether `variant` is one of variants() (before constraints), without listing them
+        (bwd's space has ~55k): each active param's value is one of its values, the inactive
+        ones and the pinned fields their defaults."""
+        values = self._walk(lambda p: getattr(variant, p.name))
+        return (all(values[p.name] in p.values for p in self.params if self._active(p, values))
+                and self.variant(values) == variant)
+
     def optuna_params(self, variant: Variant) -> dict:
         """The trial params that propose `variant` (for enqueue_trial)."""
         values = self._walk(lambda p: getattr(variant, p.name))

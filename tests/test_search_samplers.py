@@ -30,3 +30,31 @@ def test_trace_is_reproducible_and_bounded(recording):
     assert a == b and 1 <= a.trials <= a.exhaustive
     grid = trials_to_best(path, p, "grid", seed=1)
     assert grid.trials <= grid.exhaustive
+
+
+@pytest.mark.parametrize("family", ["fwd", "bwd", "splitkv"])
+def test_space_contains_exactly_its_variants(family):
+    """Space.contains answers what membership in variants() would, without listing them."""
+    import dataclasses
+
+    from flashtune import targets
+    from flashtune.search_plan import plan
+    from flashtune.search_space import Space
+    t = targets.get("H100")
+    for pb in plan(t, (family,), ("bfloat16",), (64, 128), (False, True), seqlens=(1024,)):
+        space: Space = pb.space
+        listed = space.variants()
+        sample = listed[:: max(1, len(listed) // 300)]
+        assert all(space.contains(v) for v in sample)
+        known = set(listed)
+        off = 0
+        for v in sample[:40]:  # one field off its values (or its default): not in the space
+            for f, bad in (("num_warps", 32), ("num_stages", 7), ("block_n", 1024),
+                           ("block_m", 512)):
+                try:
+                    w = dataclasses.replace(v, **{f: bad})
+                except ValueError:  # not even a Variant
+                    continue
+                assert not space.contains(w) and w not in known
+                off += 1
+        assert off
