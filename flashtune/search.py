@@ -15,6 +15,7 @@ import contextlib
 import dataclasses
 import datetime
 import json
+import logging
 import os
 import signal
 import threading
@@ -32,6 +33,8 @@ from .search_claims import Heartbeat, Liveness, claim, me, same
 from .search_flight import Flight
 from .search_progress import make_progress
 from .search_study import BucketStudy, bucket_label, make_sampler, make_storage, open_study, study_name
+
+log = logging.getLogger("flashtune.search")
 
 
 @dataclass(frozen=True)
@@ -63,6 +66,8 @@ class SearchConfig:
     write_db: bool = True
     enqueue_default: bool = True   # measure the built-in default first (a good first point)
     neighbour_seeds: int = 3       # and the winners of this many nearest searched buckets (below)
+    table_seeds: int = 3           # and each shipped same-arch table's best this many (below)
+    tables_dir: str | None = None  # where those tables are (default: the shipped tuned_db/tables)
     replay: str | None = None      # answer from a recording instead of the GPU
     masks: tuple = ((),)           # mask specs (Problem fields as pairs; () = dense), --mask
 
@@ -209,6 +214,40 @@ def neighbour_winners(storage, planned: list, pb: PlannedBucket, k: int) -> list
             out.append(v)
         if len(out) == k:
             break
+    return out
+
+
+def table_winners(pb: PlannedBucket, k: int, tables_dir=None) -> list[Variant]:
+    """The best `k` variants (winner, then runner-ups) that each shipped table of pb's
+    architecture recorded for pb's bucket, this GPU's own table first: measured first with the
+    default, so a GPU searched again, or a new GPU of a tuned architecture, starts from what
+    won there (the H200's 160 buckets took 1,259 s of 40 trials each; a sibling's winners let
+    fewer trials keep most of the value). Stale records count: only the name is used."""
+    if k <= 0:
+        return []
+    from .tuned_db.io import read_header, read_table, shipped_tables
+    target = pb.space.target
+    paths = sorted(shipped_tables(tables_dir), key=lambda p: p.stem != target.slug)
+    out = []
+    for path in paths:
+        try:
+            if read_header(path).arch != target.arch:
+                continue
+            records = read_table(path, strict=False).records
+        except Exception as e:  # noqa: BLE001 -- a broken table costs seeds, never the search
+            log.warning("search: seeds from %s skipped: %s", path, e)
+            continue
+        for r in records:
+            if r.bucket != pb.bucket:
+                continue
+            names = [r.variant.name] + [n for n, _ in r.runner_ups]
+            for name in names[:k]:
+                try:
+                    v = _with_masks(pb, Variant.parse(name))
+                except ValueError:
+                    continue
+                if pb.space.contains(v) and v not in out:
+                    out.append(v)
     return out
 
 
@@ -411,8 +450,9 @@ class _Run:
         if i not in self._studies:
             bs = open_bucket(self.cfg, self.storage, pb, self.liveness)
             if self.cfg.enqueue_default and not bs.measured():
-                for v in neighbour_winners(self.storage, self.planned, pb,
-                                           self.cfg.neighbour_seeds):
+                for v in (table_winners(pb, self.cfg.table_seeds, self.cfg.tables_dir)
+                          + neighbour_winners(self.storage, self.planned, pb,
+                                              self.cfg.neighbour_seeds)):
                     bs.enqueue(v)
             self._studies[i] = bs
         return self._studies[i]

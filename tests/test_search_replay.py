@@ -274,7 +274,8 @@ def test_a_bucket_measures_its_searched_neighbours_winners_first(tmp_path):
     default = flashtune.defaults.default_variant("fwd", 64, "bfloat16").name
     theirs = set(winners.values()) - {default}
     assert len(winners) == 2 and all(winners.values()) and theirs, winners
-    cfg = _cfg(tmp_path, str(path), seqlens=seqlens, trials=6, enqueue_default=True)
+    cfg = _cfg(tmp_path, str(path), seqlens=seqlens, trials=6, enqueue_default=True,
+               table_seeds=0)
     run_search(cfg, db=MemDB(), progress=NoProgress())  # 1024 and 4096 are done: 2048 is new
     pb = next(pb for pb in plan_of(cfg, H100) if pb.bucket.seqlen_q == 2048)
     trials = sorted(optuna.load_study(study_name=study_name(pb.space, pb.bucket),
@@ -284,3 +285,32 @@ def test_a_bucket_measures_its_searched_neighbours_winners_first(tmp_path):
     # the default, then the neighbours' winners (both 3 octaves away: either order)
     assert firsts[0] == default and set(firsts[1:1 + len(theirs)]) == theirs, (firsts, winners)
     assert sum(t.user_attrs.get("result", {}).get("measured", False) for t in trials) == 6
+
+
+def test_a_new_bucket_measures_the_same_architectures_table_winners_first(tmp_path):
+    """A bucket searched for the first time measures, after its default, the winner and
+    runner-ups each shipped table of its architecture recorded for it (search.table_winners):
+    an H100 search starts from the H200 table's picks; an A100 table (sm_80) is not read."""
+    from flashtune.tuned_db.io import table_path, write_table
+    from flashtune.tuned_db.record import Provenance, Record
+    rec = _recording(tmp_path)
+    pb = plan_of(SearchConfig(**BASE), H100)[0]
+    default = flashtune.defaults.default_variant("fwd", 64, "bfloat16").name
+    others = [v.name for v in pb.space.feasible if v.name != default]
+    x, y, z, w, a100 = others[3], others[7], others[11], others[15], others[19]
+    prov = Provenance("NVIDIA H200", "9.0", 132, "580", "13.0", "2.11", "3.6.0", "0.1.0",
+                      "0" * 16, "2026-11-24T00:00:00+00:00", "search")
+    tables = tmp_path / "tables"
+    tables.mkdir()
+    for gpu, name, ups in (("H200", x, ((y, 1.1), (z, 1.2), (w, 1.3))), ("A100", a100, ())):
+        slug = table_path(gpu).stem
+        write_table(table_path(gpu, tables), gpu,
+                    [Record(slug, pb.bucket, Variant.parse(name), 1.0, 100.0, "TFLOP/s", 1e-3,
+                            prov, ups)])
+    cfg = _cfg(tmp_path, rec, trials=5, enqueue_default=True, tables_dir=str(tables),
+               neighbour_seeds=0)
+    run_search(cfg, db=MemDB(), progress=NoProgress())
+    trials = sorted(_study(cfg).get_trials(deepcopy=False), key=lambda t: t.number)
+    firsts = [t.user_attrs.get("variant") for t in trials[:4]]
+    assert firsts == [default, x, y, z], firsts  # the winner and 2 runner-ups: table_seeds=3
+    assert a100 not in firsts
