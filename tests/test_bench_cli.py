@@ -5,6 +5,7 @@ import importlib.util
 import inspect
 import json
 import math
+import os
 
 import pytest
 import torch
@@ -84,6 +85,15 @@ class _Raises(Peer):
         raise RuntimeError("kernel exploded")
 
 
+class _Wrong(Peer):
+    """Fast and wrong (cuDNN's varlen output in torch 2.11 on the H100): no time to count."""
+    name = "wrong"
+    doc = "garbage"
+
+    def prepare(self, case, inp):
+        return lambda q, k, v: (q + k + v) * 1e23
+
+
 class _Absent(Peer):
     name = "absent"
     doc = "never here"
@@ -95,15 +105,20 @@ class _Absent(Peer):
 def test_a_failing_peer_is_a_reported_cell_not_a_crash(capsys, tmp_path):
     shapes = grid.Shapes(head_dims=(16,), seqlens=(32,), tokens=64, hidden=32,
                          modes=("fwd", "fwd+bwd"), causals=(True,))
-    doc = runner.run(shapes, ("dense",), [_Ref(), _Raises(), _Absent()], "cpu",
+    doc = runner.run(shapes, ("dense",), [_Ref(), _Raises(), _Absent(), _Wrong()], "cpu",
                      progress="lines", checkpoint=tmp_path / "partial.json")
     # what a run cut short would leave: every finished case, marked partial
     saved = json.loads((tmp_path / "partial.json").read_text())
     assert saved["partial"] is True and saved["rows"] == doc["rows"]
-    assert [r["peer"] for r in doc["rows"]] == ["flashtune", "broken", "absent"] * 2
+    assert [r["peer"] for r in doc["rows"]] == ["flashtune", "broken", "absent", "wrong"] * 2
     assert all(r["throughput"] > 0 for r in _rows(doc, peer="flashtune"))
     assert all(r["error"] == "RuntimeError: kernel exploded" for r in _rows(doc, peer="broken"))
     assert all(r["skipped"] == "not installed" for r in _rows(doc, peer="absent"))
+    wrong = _rows(doc, peer="wrong")
+    assert all(r["error"].startswith("wrong result") and "throughput" not in r
+               and r["wrong_ms"] > 0 for r in wrong)
+    # fwd+bwd: its gradients are wrong too
+    assert {r["mode"] for r in wrong} == {"fwd", "fwd+bwd"}
     md = report.markdown(doc)
     assert "broken **failed**: `RuntimeError: kernel exploded` (2 cells" in md
     assert "absent: not installed (2 cells)" in md
@@ -247,14 +262,19 @@ _LAYOUT_CASES = [
 
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 @pytest.mark.parametrize("case", _LAYOUT_CASES, ids=lambda c: c.label)
-@pytest.mark.parametrize("peer", ["sdpa", "flex"])
+@pytest.mark.parametrize("peer", ["sdpa", "flex", "flashtune"])
 def test_peers_compute_the_case_in_its_layout(case, peer, monkeypatch):
     """What the GPU run times is the case's attention, in the case's layout: SDPA (the CPU's
     default backend) and FlexAttention (eager) checked on the CPU against float64."""
     from flashtune.bench import peers
     from flashtune.bench.peers import Flex, Sdpa, Unavailable, make_inputs
     inp = make_inputs(case, "cpu")
-    if peer == "flex":
+    if peer == "flashtune":  # the interpreter: what the GPU run hands flashtune
+        from flashtune.bench.peers import Flashtune
+        if not os.environ.get("TRITON_INTERPRET"):
+            pytest.skip("flashtune on the CPU needs TRITON_INTERPRET=1")
+        p = Flashtune(True)
+    elif peer == "flex":
         from torch.nn.attention.flex_attention import flex_attention
         monkeypatch.setattr(peers, "compiled_flex", lambda dynamic=False: flex_attention)
         p = Flex()

@@ -20,6 +20,18 @@ def test_a_real_slowdown_never_wins_however_noisy_the_retime():
     assert win[0] == SIMPLE
 
 
+def test_the_default_wins_every_tie_within_noise():
+    # a simpler record 1.8% slower than the default is within noise of it, but tuning must
+    # never ship something measured slower than what runs untuned
+    win = pick([(COMPLEX, 1.000, 0.0), (SIMPLE, 1.018, 0.0)], noise=0.02, default=COMPLEX)
+    assert win[0] == COMPLEX
+    win = pick([(COMPLEX, 1.000, 0.0), (SIMPLE, 1.018, 0.0)], noise=0.02)
+    assert win[0] == SIMPLE
+    # the default out of the band loses to what beat it beyond noise
+    win = pick([(COMPLEX, 1.05, 0.0), (SIMPLE, 1.000, 0.0)], noise=0.02, default=COMPLEX)
+    assert win[0] == SIMPLE
+
+
 def test_failed_retimes_are_skipped():
     assert pick([(COMPLEX, None, None), (SIMPLE, 2.0, 0.0)], noise=0.01)[0] == SIMPLE
     assert pick([(COMPLEX, None, None)], noise=0.01) is None

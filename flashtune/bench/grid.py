@@ -134,8 +134,16 @@ class BlockSparseMask(Mask):
     block: int = MASK_BLOCK
     stride: int = 4
 
-    def visible(self, qb: int, kb: int) -> bool:
-        return qb == kb or kb % self.stride == 0
+    def visible(self, qb, kb):
+        """Ints or broadcasting tensors of block indices."""
+        return (qb == kb) | (kb % self.stride == 0)
+
+    def blocks(self, c):
+        """bool (query blocks, key blocks): the blocks computed."""
+        import torch
+        qb = torch.arange(-(-c.seqlen_q // self.block))[:, None]
+        kb = torch.arange(-(-c.seqlen_k // self.block))[None, :]
+        return self.visible(qb, kb)
 
     def kept(self, c):
         b = self.block
@@ -148,7 +156,7 @@ class BlockSparseMask(Mask):
         return total
 
     def flashtune_kwargs(self, c):
-        return {}  # the BlockMask object itself is built by the peer (peers.py)
+        return {}  # the BlockMask is built on the case's device by the peer (peers.py)
 
 
 MASKS = {

@@ -113,7 +113,10 @@ class Flashtune(Peer):
             mask = MASKS[case.mask]
             kw = mask.flashtune_kwargs(case)
             if isinstance(mask, BlockSparseMask):
-                kw["block_mask"] = flex_block_mask(case, mask, inp.tensors[0].device)
+                # flashtune's own BlockMask from the same blocks (Flex's is not its type)
+                kw["block_mask"] = flashtune.BlockMask.from_dense(
+                    mask.blocks(case).to(inp.tensors[0].device),
+                    (case.seqlen_q, case.seqlen_k), mask.block)
         return lambda q, k, v: flashtune.attention(q, k, v, causal=c, **kw)
 
 

@@ -64,6 +64,19 @@ def _max_diff(a: tuple, b: tuple) -> float | None:
     return max((x.float() - y.float()).abs().max().item() for x, y in zip(a, b))
 
 
+WRONG = 0.1  # of the reference's largest magnitude: far past bf16 rounding, a wrong answer
+
+
+def _wrong(diff: float, ref: tuple) -> str | None:
+    """Why a peer's result is not flashtune's (float64-tested) answer to the case, if it is not."""
+    scale = max(1.0, max(t.float().abs().max().item() for t in ref))
+    if diff == diff and diff <= WRONG * scale:
+        return None
+    # one text for every such cell (the report groups errors by text); max_abs_diff says how far
+    return (f"wrong result: differs from flashtune's by more than {WRONG:g} x its largest "
+            "|value| (see the agreement section); its time is left out")
+
+
 def _error(e: BaseException) -> str:
     text = " ".join(str(e).split())
     return f"{type(e).__name__}: {text[:300]}"
@@ -110,6 +123,11 @@ def run_case(case: Case, peer: Peer, inp: Inputs, device: str, budget_ms: float,
                 diff = None if ref is None else _max_diff(out, ref)
                 if diff is not None:
                     row["max_abs_diff"] = diff  # of the output (fwd) or the gradients
+                    wrong = _wrong(diff, ref)
+                    if wrong:  # a time for another answer is no time: out of the ratios
+                        row["error"] = wrong
+                        row["wrong_ms"] = row.pop("ms")
+                        row.pop("throughput")
     except Unavailable as e:
         row["skipped"] = str(e)
     except torch.cuda.OutOfMemoryError:
