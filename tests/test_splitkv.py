@@ -419,3 +419,25 @@ def test_split_start_from_a_stale_longest_length(paged, device):
     for host_max in (64, 24, 1):  # exact, stale (shorter than two sequences), nearly nothing
         out, lse = plan.run(q, kk, vv, sl, bt, host_max)
         check(q, kc, vc, lengths, out, lse=lse)
+
+
+def test_a_far_record_does_not_outbid_an_exact_one(monkeypatch):
+    """A decode step through the dense API on the H100: its fwd record is the nearest one, 11.5
+    octaves away (Nq~512), whose TFLOP/s scaled to one query row said ~1.5 us against the exact
+    splitkv record's 39 us, and the split-Q kernel ran the decode. Records compete only when
+    both are of the problem's own bucket; otherwise the families' heuristic decides."""
+    from flashtune import dispatch
+    from flashtune.problem import Problem
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # as on the GPU machine (nothing runs here)
+    dispatch.configure(gpu="H100")  # the shipped H100 table, no user DB in the way
+    try:
+        p = Problem("fwd", "bfloat16", 128, False, 8, 64, 8, 1, 2048)
+        ex = dispatch.explain(p)
+        assert ex.variant.family == "splitkv", str(ex)
+        assert not any("tuned records" in n for n in ex.notes), ex.notes
+        # a training shape keeps its exact record (fwd's or hopper_fwd's, by their records)
+        t = Problem("fwd", "bfloat16", 128, False, 1, 8, 16, 2048, 2048)
+        ex = dispatch.explain(t)
+        assert ex.variant.family != "splitkv" and ex.distance == 0, str(ex)
+    finally:
+        dispatch.configure()
