@@ -314,6 +314,15 @@ class Flex(Peer):
             return f"no FlexAttention in this torch: {e}"
         return None
 
+    def context(self, case: Case):
+        # the bwd pass times the backward alone, again and again on one saved graph
+        # (retain_graph), which a compiled backward with donated buffers refuses (H100, D=128,
+        # N=16k); donating saves no time, only memory, so the memory table keeps it
+        if case.section == "memory":
+            return contextlib.nullcontext()
+        from torch._functorch import config
+        return config.patch(donated_buffer=False)
+
     def prepare(self, case, inp):
         from torch.nn.attention.flex_attention import create_block_mask
         flex = compiled_flex(self.dynamic)
