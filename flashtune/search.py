@@ -42,7 +42,7 @@ class SearchConfig:
     gpu: str = "auto"
     families: tuple = ("fwd",)     # the CLI's default: every family with a search space
     dtypes: tuple = ("bfloat16",)
-    head_dims: tuple = (64, 128)
+    head_dims: tuple = ()          # () = each family's own (Family.head_dims)
     causal: tuple = (False, True)
     seqlens: tuple = ()            # () = each family's own grid (search_plan, families/)
     batches: tuple = ()            # () = the standard grid's batch (16k tokens)

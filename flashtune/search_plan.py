@@ -42,16 +42,16 @@ def standard_grid(family: str, dtype: str, head_dim: int, causal: bool, seqlens=
 def plan(target: Target, families, dtypes, head_dims, causal, seqlens=(), batches=(),
          masks=((),)) -> list[PlannedBucket]:
     """One entry per distinct bucket, in the order given (problems that share a bucket are
-    tuned once, with the first). Empty seqlens/batches: each family's own grid. masks: Problem
-    mask fields per mask spec (masks.parse_spec, as (name, value) pairs; () = no mask): every
-    grid problem is tuned once per spec its family can take."""
+    tuned once, with the first). Empty head_dims/seqlens/batches: each family's own grid.
+    masks: Problem mask fields per mask spec (masks.parse_spec, as (name, value) pairs; () = no
+    mask): every grid problem is tuned once per spec its family can take."""
     from .families import get
     from .problem import head_dim_bucket
     out: dict[str, PlannedBucket] = {}
     for fam in families:
         grid = get(fam).grid_of
         for dt in dtypes:
-            for d in head_dims:
+            for d in head_dims or get(fam).head_dims:
                 for c in causal:
                     # measure the bucket's own head dim: D=96 shares the D=128 bucket (one
                     # BLOCK_D), so asking for 96 tunes exactly what 128 tunes instead of

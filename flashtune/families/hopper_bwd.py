@@ -17,6 +17,7 @@ from . import Family
 
 FAMILY = Family(
     name="hopper_bwd",
+    head_dims=(64, 128),
     doc="Hopper backward in Gluon: K/V once by TMA, Q/dO ring on mbarriers, async wgmma, "
         "atomic dQ",
     template="attn_hopper_bwd.py.tmpl",

@@ -11,6 +11,7 @@ from . import Family
 
 FAMILY = Family(
     name="splitkv",
+    head_dims=(64, 128),
     doc="Flash-Decoding: keys split over programs, exact combine; GQA heads share tile rows",
     template="attn_splitkv.py.tmpl",
     kernels=("attn_splitkv_partial", "attn_splitkv_combine"),
