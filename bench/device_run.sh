@@ -24,7 +24,7 @@ for step in ${STEPS:-fwdtests}; do
               # Flex (compiled, same mask) and SDPA (explicit mask); dense rows for before/after
               timeout ${MASKS_TIMEOUT:-540} python3 bench/mask_bench.py ${MASKS_ARGS:-} 2>&1 \
                 | tee "$OUT/masks.log" | tail -60 ;;
-    gputests) timeout 300 python3 -m pytest -q -m gpu tests 2>&1 | tee "$OUT/gputests.log" | tail -30 ;;
+    gputests) timeout ${GPUTESTS_TIMEOUT:-300} python3 -m pytest -q -m gpu ${GPUTESTS_ARGS:-tests} 2>&1 | tee "$OUT/gputests.log" | tail -30 ;;
     dispatch) timeout 120 python3 bench/dispatch_overhead.py 2>&1 | tee "$OUT/dispatch.log" | tail -22 ;;
     sweep)    timeout 290 python3 bench/sweep.py --budget 240 2>&1 | tee "$OUT/sweep.log" | tail -8 ;;
     faults)   timeout 180 python3 bench/faults.py 2>&1 | tee "$OUT/faults.log" | tail -14 ;;

@@ -46,8 +46,7 @@ def _seconds(text):
               callback=comma_list(DTYPE), help=f"{DTYPE_HELP} (repeat or comma-separate)")
 @click.option("--head-dim", "head_dims", multiple=True, default=(), callback=comma_list(HEAD_DIM),
               help=f"{HEAD_DIM_HELP} (repeat or comma-separate); buckets pad it to a power of two "
-                   "(default: each family's grid -- fwd, bwd 64,128,256; splitkv and the Hopper "
-                   "families 64,128)")
+                   "(default: each family's grid -- 64,128,256; splitkv 64,128)")
 @click.option("--causal", type=click.Choice(["both", "true", "false"]), default="both",
               show_default=True, help="causal buckets, non-causal ones, or both")
 @click.option("--seqlen", "seqlens", multiple=True, default=(),

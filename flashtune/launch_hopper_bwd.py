@@ -18,7 +18,8 @@ from .launch_hopper import _device_blocker, _view3, addressable, tile_layouts
 from .launch_hopper import unsupported as _unsupported
 from .masks import NONE, Masks
 
-HEAD_DIMS = (64, 128)   # D=256: dK and dV alone would fill every register (the generic bwd serves)
+HEAD_DIMS = (64, 128, 256)  # D=256: two warpgroups split D for dK / dV (the template's SPLIT)
+D256_TILE = (64, 64, 8)     # (block_m, block_n, num_warps): the one D=256 tile that fits
 
 
 def unsupported(head_dim: int, dtype: torch.dtype) -> str:
@@ -64,6 +65,10 @@ class HopperBwdPlan:
         self.generic = _generic_variant(d, q.dtype)  # its preprocess (no masks in 16 bits)
         self.fallback = None  # the generic bwd's plan, built when first needed
         self.why = unsupported(d, q.dtype) or _device_blocker(q.device)
+        if not self.why and d > 128 and (variant.block_m, variant.block_n,
+                                         variant.num_warps) != D256_TILE:
+            self.why = (f"{variant.name} cannot hold D={d}: only m64-n64-w8 does (two "
+                        "warpgroups split D for dK and dV)")
         if not self.why and not all(_view3(t) for t in (q, k, v)):
             self.why = "strides TMA cannot describe as (B*H, N, D)"
         if self.why:

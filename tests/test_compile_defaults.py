@@ -64,7 +64,8 @@ def test_defaults_spill_free_bf16(gpu):
 
 
 def _takes(fam, d) -> bool:
-    """Whether the family's kernels take head dim d (hopper_bwd: not 256; no row for it)."""
+    """Whether the family's kernels take head dim d (a family whose support() refuses it has no
+    row for it)."""
     from flashtune.families import _resolve
     from flashtune.problem import Problem
     p = Problem("bwd", "bfloat16", d, False, 1, 1, 1, 128, 128)

@@ -44,7 +44,7 @@ def test_registered_as_a_gluon_family_serving_backwards_without_a_heuristic():
     assert FAM.serves == ("bwd",) and not FAM.interpreter and not FAM.heuristic
     assert FAM.min_capability == FAM.max_capability == 90 and FAM.flops_factor == 2.5
     assert not FAM.prefers(_problem())  # never chosen untuned
-    for d in (64, 128):
+    for d in (64, 128, 256):
         for dt in ("bfloat16", "float16"):
             v = FAM.default(d, dt)
             assert v.family == "hopper_bwd" and v.name in VARIANTS[d]
@@ -75,7 +75,7 @@ def test_search_space_admits_the_defaults():
 
     from flashtune import targets
     from flashtune.search_space import Space
-    for d in (64, 128):
+    for d in (64, 128, 256):
         p = dataclasses.replace(_problem(d=d), family="hopper_bwd")
         space = Space.build("hopper_bwd", targets.get("H100"), p)
         assert space.check(FAM.default(d, "bfloat16")).ok
@@ -85,15 +85,27 @@ def test_search_space_admits_the_defaults():
 
 def test_search_grid_leaves_out_what_the_kernel_cannot_compute():
     # else a search would time the generic fallback under hopper_bwd's name
-    assert FAM.grid_of("bfloat16", 256, False) == [] and FAM.grid_of("float32", 128, True) == []
-    grid = FAM.grid_of("float16", 128, True)
-    assert grid and all(p.family == "hopper_bwd" and p.head_dim == 128 for p in grid)
+    assert FAM.grid_of("float32", 128, True) == []
+    for d in (128, 256):
+        grid = FAM.grid_of("float16", d, True)
+        assert grid and all(p.family == "hopper_bwd" and p.head_dim == d for p in grid)
+
+
+def test_d256_space_is_the_one_tile_two_warpgroups_can_hold():
+    # dK and dV of 64 keys at D=256 fill one warpgroup's registers: two warpgroups split D
+    import dataclasses
+
+    from flashtune import targets
+    from flashtune.search_space import Space
+    p = dataclasses.replace(_problem(d=256), family="hopper_bwd")
+    names = {v.name for v in Space.build("hopper_bwd", targets.get("H100"), p).feasible}
+    assert names == {"hopper_bwd-m64-n64-w8-s1", "hopper_bwd-m64-n64-w8-s2"}
 
 
 @pytest.mark.parametrize("arch,problem,why", [
     ("sm_80", _problem(), "need sm_90"),
     ("", _problem(), "no GPU"),
-    ("sm_90", _problem(d=256), "head dim 256"),
+    ("sm_90", _problem(d=192), "head dim 192"),
     ("sm_90", _problem(d=96), "head dim 96"),
     ("sm_90", _problem(dtype="float32"), "float32"),
 ])
@@ -166,7 +178,8 @@ SHAPES = [  # (B, H, Hk, Nq, Nk): odd lengths, one query, GQA, Nq > Nk (rows tha
     (2, 2, 2, 300, 100), (1, 8, 2, 515, 2051), (1, 2, 2, 1, 130)]
 VARIANTS = {64: ["hopper_bwd-m64-n128-w8-s2", "hopper_bwd-m64-n64-w4-s3",
                  "hopper_bwd-m64-n128-w4-s1"],
-            128: ["hopper_bwd-m64-n128-w8-s2", "hopper_bwd-m64-n64-w4-s2"]}
+            128: ["hopper_bwd-m64-n128-w8-s2", "hopper_bwd-m64-n64-w4-s2"],
+            256: ["hopper_bwd-m64-n64-w8-s2", "hopper_bwd-m64-n64-w8-s1"]}
 
 
 @pytest.mark.gpu

@@ -47,8 +47,8 @@ class Family:
     # "module:fn": (family, dtype, head_dim, causal, seqlens, batches) -> the problems a search
     # tunes (empty seqlens/batches: the family's own grid)
     grid: str = "flashtune.search_plan:standard_grid"
-    # the head dims a search tunes unless told (its grid's: the bench's standard grid is
-    # D 64, 128, 256; the Gluon families and the decode grid take 64 and 128)
+    # the head dims a search tunes unless told (the bench's standard grid is D 64, 128, 256; the
+    # decode grid takes 64 and 128)
     head_dims: tuple = (64, 128, 256)
     # other families' problems this one can also compute (splitkv: dense forwards), with the
     # launch plan for them ("module:Class", built like launch.FwdPlan from (q, k, v, causal, scale,

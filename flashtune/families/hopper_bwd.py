@@ -8,7 +8,7 @@ It serves backward calls (`serves=("bwd",)`), dense, causal, with a sliding wind
 (`serve_masks`: its window/softcap renders; block masks stay with the generic family), but has no
 heuristic: the dispatcher picks it only when forced (flashtune.force) or when tuned records of
 both families for the bucket say it is faster (dispatch._compete). Where it cannot run -- not
-sm_90, a Triton without Gluon, Triton's interpreter, a head dim other than 64/128, float32 -- the
+sm_90, a Triton without Gluon, Triton's interpreter, a head dim other than 64/128/256, float32 -- the
 generic bwd family serves the call and `flashtune.explain` says why (`cannot_serve`);
 deterministic calls go to the generic bwd too (ops.select_bwd: its dQ is atomic)."""
 from __future__ import annotations
@@ -17,7 +17,6 @@ from . import Family
 
 FAMILY = Family(
     name="hopper_bwd",
-    head_dims=(64, 128),
     doc="Hopper backward in Gluon: K/V once by TMA, Q/dO ring on mbarriers, async wgmma, "
         "atomic dQ",
     template="attn_hopper_bwd.py.tmpl",
@@ -51,12 +50,16 @@ FAMILY = Family(
 DEFAULTS = {
     64: dict(block_m=64, block_n=128, num_warps=8, num_stages=2),
     128: dict(block_m=64, block_n=128, num_warps=8, num_stages=2),
+    # D=256: the one tile whose dK / dV fit (two warpgroups on 64 keys, each with half of D); the
+    # two-stage ring fills 200 KB of shared memory (s1: 136 KB). Not measured yet.
+    256: dict(block_m=64, block_n=64, num_warps=8, num_stages=2),
 }
 
 
 def default(head_dim: int, dtype: str, *, arch=None):
     from ..codegen import Variant
-    return Variant("hopper_bwd", **DEFAULTS[64 if head_dim <= 64 else 128])
+    d = 64 if head_dim <= 64 else 128 if head_dim <= 128 else 256
+    return Variant("hopper_bwd", **DEFAULTS[d])
 
 
 def cannot_serve(p) -> str:
@@ -69,7 +72,7 @@ def cannot_serve(p) -> str:
 
 
 def grid(family: str, dtype: str, head_dim: int, causal: bool, seqlens=(), batches=()) -> list:
-    """The standard grid, less what the kernel cannot compute (D=256, float32): a search would
+    """The standard grid, less what the kernel cannot compute (float32): a search would
     otherwise time the generic bwd the launcher falls back to under this family's name."""
     from ..search_plan import standard_grid
     return [p for p in standard_grid(family, dtype, head_dim, causal, seqlens, batches)
@@ -99,7 +102,7 @@ def compile_check(variant, head_dim: int, dtype: str, causal: bool, tails: bool,
     """The kernel compiled for `cap` without a GPU, with the launcher's constexprs (tails: GQA 4;
     the causal/tail masks are run-time branches, compiled in either way; a window/softcap
     variant's bounds and cap are run-time arguments too). float32 and head dims other than
-    64/128 have no kernel (the generic bwd serves them)."""
+    64/128/256 have no kernel (the generic bwd serves them)."""
     from ..launch_hopper_bwd import HEAD_DIMS
     if dtype == "float32" or cap < 90 or head_dim not in HEAD_DIMS:
         return {}

@@ -17,7 +17,6 @@ from . import Family
 
 FAMILY = Family(
     name="hopper_fwd",
-    head_dims=(64, 128),
     doc="Hopper forward in Gluon: TMA ring + mbarriers, async wgmma, loader warp, ping-pong",
     template="attn_hopper_fwd.py.tmpl",
     kernels=("attn_fwd_hopper",),
