@@ -113,6 +113,8 @@ for step in ${STEPS:-fwdtests}; do
               flashtune search --gpu auto --status --trials ${TRIALS:-40} --storage "$st/$slug.journal" ${TABLES_ARGS:-} \
                 > "$OUT/tables_status.txt"; tail -2 "$OUT/tables_status.txt"
               flashtune db export --gpu "$name" --db "sqlite:///$st/$slug.db" -o "$OUT/tables/$slug.json" 2>&1 | tail -2
+              # TABLES_INSTALL=1: later steps of this call (bench, tuningvalue) dispatch through it
+              [ -n "${TABLES_INSTALL:-}" ] && cp "$OUT/tables/$slug.json" tuned_db/tables/
               gzip -c "$st/$slug.journal" > "$OUT/tables_state/$slug.journal.gz"
               cp "$st/$slug.db" "$st/$slug.calls" "$OUT/tables_state/"
               echo "calls so far:"; cat "$st/$slug.calls" ;;

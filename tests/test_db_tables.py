@@ -304,12 +304,12 @@ def test_a_template_edit_that_leaves_a_variants_code_alone_keeps_its_record_fres
 
 
 def test_the_shipped_h100_table_is_fresh():
-    # every family's grid, searched 2026-11-24 (24 fwd, 24 bwd, 64 splitkv, 24 hopper_fwd,
-    # 24 hopper_bwd: docs/benchmarks.md session 9) and the 4 D=256 fwd records of the table
-    # before it; a template change to that code must show up here
+    # every family's grid, searched 2026-11-24 (D=64/128: 24 fwd, 24 bwd, 64 splitkv, 24
+    # hopper_fwd, 24 hopper_bwd, docs/benchmarks.md session 9; D=256: 12 each of fwd, bwd,
+    # hopper_fwd, hopper_bwd, session 10); a template change to that code must show up here
     from flashtune.tuned_db import lookup
     from flashtune.tuned_db.io import TABLES_DIR, read_table
     recs = read_table(TABLES_DIR / "nvidia-h100-80gb-hbm3.json").records
     fams = collections.Counter(r.bucket.family for r in recs)
-    assert fams == {"fwd": 28, "bwd": 24, "splitkv": 64, "hopper_fwd": 24, "hopper_bwd": 24}
+    assert fams == {"fwd": 36, "bwd": 36, "splitkv": 64, "hopper_fwd": 36, "hopper_bwd": 36}
     assert all(lookup.staleness(r) == () for r in recs)
