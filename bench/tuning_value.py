@@ -66,10 +66,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 # -- measuring ------------------------------------------------------------------------------------
-def bucket_configs(tuned, default, winners) -> dict:
-    """{variant key: (variant, roles)}: each config once, with every role it plays."""
+def bucket_configs(tuned, default, winners, against=None) -> dict:
+    """{variant key: (variant, roles)}: each config once, with every role it plays (against:
+    another table's record of the bucket)."""
     out: dict = {}
-    for v, role in [(tuned, "tuned"), (default, "default")] + [(w, "candidate") for w in winners]:
+    for v, role in ([(tuned, "tuned"), (default, "default"), (against, "against")]
+                    + [(w, "candidate") for w in winners]):
         if v is not None:
             out.setdefault(v.key, (v, []))[1].append(role)
     return out
@@ -136,8 +138,10 @@ class FamilyPlan:
         return sum(len(c) for _, c in self.work)
 
 
-def plan_family(name, table, target, args, replay: bool) -> FamilyPlan:
-    """The buckets `flashtune search` tunes for `name` that the table has a record for."""
+def plan_family(name, table, target, args, replay: bool, against=None) -> FamilyPlan:
+    """The buckets `flashtune search` tunes for `name` that the table has a record for (with
+    `against`, another table, its record of each bucket too; without single-best candidates
+    when args.no_single)."""
     from flashtune.families import get
     from flashtune.search import default_for
     from flashtune.search_plan import plan
@@ -147,7 +151,9 @@ def plan_family(name, table, target, args, replay: bool) -> FamilyPlan:
     recs = sorted((r for r in table.records if r.bucket.family == name), key=bucket_order)
     by_bucket = {r.bucket.key: r for r in recs}
     # masked records' variants carry mask code: the dense grid's candidates are the dense winners
-    winners = list(dict.fromkeys(r.variant for r in recs if not r.bucket.mask))
+    winners = ([] if getattr(args, "no_single", False) else
+               list(dict.fromkeys(r.variant for r in recs if not r.bucket.mask)))
+    theirs = {r.bucket.key: r.variant for r in (against.records if against else ())}
     head_dims = tuple(args.head_dim) or tuple(sorted({r.bucket.head_dim for r in recs}))
     dtypes = tuple(sorted({r.bucket.dtype for r in recs}))
     planned = plan(target, (name,), dtypes, head_dims, (False, True), tuple(args.seqlen))
@@ -161,7 +167,8 @@ def plan_family(name, table, target, args, replay: bool) -> FamilyPlan:
         if why:
             fp.skipped[_label(pb.bucket)] = f"cannot run here: {why}"
             continue
-        fp.work.append((pb, bucket_configs(rec.variant, default_for(pb), winners)))
+        fp.work.append((pb, bucket_configs(rec.variant, default_for(pb), winners,
+                                           theirs.get(pb.bucket.key))))
     on_grid = {pb.bucket.key for pb in planned}
     fp.records_off_grid = sum(r.bucket.key not in on_grid for r in recs)
     return fp
@@ -252,6 +259,11 @@ def summarize(family: str, buckets: dict, skipped: dict, noise: float, unit: str
             slower.append({"bucket": label, "tuned": t["variant"], "tuned_ms": t["ms"],
                            "default": d["variant"], "default_ms": d["ms"],
                            "slowdown": t["ms"] / d["ms"] - 1, "noise": band})
+    vs_against = {}
+    for label, rows in buckets.items():
+        t, o = _role(rows, "tuned"), _role(rows, "against")
+        if t is not None and o is not None and t["ok"] and o["ok"]:
+            vs_against[label] = o["ms"] / t["ms"]
     best, scores = single_best(buckets)
     vs_single, single_failed = {}, []
     for label, rows in buckets.items():
@@ -268,6 +280,7 @@ def summarize(family: str, buckets: dict, skipped: dict, noise: float, unit: str
             "single_best": {"variant": best, "score": scores.get(best),
                             "failed_in": single_failed, "scores": scores},
             "tuned_vs_single": _ratios(vs_single),
+            "tuned_vs_against": _ratios(vs_against),
             "slower_than_default": slower, "tuned_failed": failed, "noise": noise}
 
 
@@ -287,6 +300,16 @@ def print_table(summaries: list, out=sys.stdout) -> None:
               f"{x(g['worst']):>7}  {s['single_best']['variant'] or '-'}"
               + (f" (failed in {len(s['single_best']['failed_in'])})"
                  if s['single_best']['failed_in'] else ""), file=out)
+    if any(s["tuned_vs_against"]["buckets"] for s in summaries):
+        print(f"\n{'family':<11} {'tuned/against':>13} {'worst':>7} {'bucket':<44} "
+              f"{'best':>7} {'bucket':<44}", file=out)
+        for s in summaries:
+            g = s["tuned_vs_against"]
+            if g["buckets"]:
+                best = max(g["per_bucket"], key=lambda b: (g["per_bucket"][b], b))
+                print(f"{s['family']:<11} {x(g['geomean']):>13} {x(g['worst']):>7} "
+                      f"{g['worst_bucket']:<44} {x(g['per_bucket'][best]):>7} {best:<44}",
+                      file=out)
     for s in summaries:
         for r in s["slower_than_default"]:
             print(f"  {s['family']}: tuned slower than the default beyond noise in {r['bucket']}: "
@@ -301,8 +324,8 @@ def print_table(summaries: list, out=sys.stdout) -> None:
         if why:
             print(f"  {s['family']}: skipped " + ", ".join(f"{n} ({w})" for w, n in why.items()),
                   file=out)
-    print("speedups are time ratios (default or single best / tuned): above 1, the tuned "
-          "record is faster", file=out)
+    print("speedups are time ratios (default, single best or the --against table's record / "
+          "tuned): above 1, the tuned record is faster", file=out)
 
 
 # -- main -----------------------------------------------------------------------------------------
@@ -313,6 +336,10 @@ def _parser():
                     help="kernel family (repeat); default: every family the table has records of")
     ap.add_argument("--table", help="a tuned table (default: the shipped table of the GPU present,"
                     " or of the recording's GPU with --replay)")
+    ap.add_argument("--against", help="another tuned table: its record of each bucket is timed "
+                    "beside the table's (e.g. the H200 table against the H100 table on an H200)")
+    ap.add_argument("--no-single", action="store_true",
+                    help="leave out the single-best candidates (time tuned, default, --against)")
     ap.add_argument("--head-dim", type=int, action="append", default=[],
                     help="head dims (repeat); default: those of the table's records per family")
     ap.add_argument("--seqlen", type=int, action="append", default=[],
@@ -350,6 +377,8 @@ def main(argv=None) -> int:
         ap.error(f"--replay {a.replay}: no such file")
     if a.table and not Path(a.table).is_file():
         ap.error(f"--table {a.table}: no such file")
+    if a.against and not Path(a.against).is_file():
+        ap.error(f"--against {a.against}: no such file")
 
     from flashtune import targets
     from flashtune.pipeline import Pipeline
@@ -387,7 +416,13 @@ def main(argv=None) -> int:
     if not fams:
         ap.error(f"--table {path} has no records")
 
-    plans = [plan_family(n, table, target, a, bool(a.replay)) for n in fams]
+    against = None
+    if a.against:
+        try:
+            against = read_table(a.against)
+        except TableError as e:
+            ap.error(f"--against {a.against}: {e}")
+    plans = [plan_family(n, table, target, a, bool(a.replay), against) for n in fams]
     out = Path(a.out) if a.out else Path(os.environ.get("OUT") or ".") / "tuning_value.jsonl"
     out.parent.mkdir(parents=True, exist_ok=True)
     if a.replay:
@@ -401,6 +436,7 @@ def main(argv=None) -> int:
     try:
         pipe.start()
         meta = {"kind": "meta", "gpu": target.short, **pipe.info, "table": str(path),
+                "against": a.against, "single": not a.no_single,
                 "table_gpu": table.gpu, "table_arch": table.arch, "families": fams,
                 "planned": {p.name: {"buckets": len(p.work), "configs": p.configs}
                             for p in plans},

@@ -153,9 +153,40 @@ def test_budget_cut_keeps_what_it_measured(tmp_path):
     assert sorted(cut) == sorted(labels[n] for n in (1024, 2048, 4096))
 
 
+def test_against_another_table_times_its_record_beside(tmp_path, capsys):
+    """--against: the other table's record of each bucket is timed too, tuned vs it per bucket
+    (its time / the tuned time); --no-single leaves the single-best candidates out."""
+    table, rec, labels = _setup(tmp_path)
+    planned = {pb.problem.seqlen_q: pb for pb in plan(H100, ("fwd",), ("bfloat16",), (64,),
+                                                      (False,), ())}
+    # the other table: B at 512 (slower than the tuned A), A at 1024 (faster than the tuned B),
+    # nothing at 2048, B (the tuned record itself) at 4096
+    theirs = {512: B, 1024: A, 4096: B}
+    other = write_table(tmp_path / "other.json", "H100",
+                        [_record(planned[n].bucket, v) for n, v in theirs.items()])
+    out = tmp_path / "tv.jsonl"
+    seqlens = [a for n in CASES for a in ("--seqlen", str(n))]
+    assert _script().main(["--replay", rec, "--table", table, "--against", str(other),
+                           "--no-single", "--out", str(out), *seqlens]) == 0
+    lines = [json.loads(x) for x in out.read_text().splitlines()]
+    assert lines[0]["against"] == str(other) and lines[0]["single"] is False
+    rows = [x for x in lines if x["kind"] == "row"]
+    assert not any("candidate" in r["roles"] for r in rows)
+    assert {r["bucket"] for r in rows if "against" in r["roles"]} == {labels[n] for n in theirs}
+    (s,) = [x for x in lines if x["kind"] == "summary"]
+    ms = {n: {v: t[0] for v, t in times.items() if t} for n, (_, times) in CASES.items()}
+    want = {labels[n]: ms[n][v] / ms[n][CASES[n][0]] for n, v in theirs.items()}
+    g = s["tuned_vs_against"]
+    assert g["per_bucket"] == pytest.approx(want) and g["buckets"] == 3
+    assert g["worst_bucket"] == labels[1024] and g["worst"] == pytest.approx(2.0 / 2.2)
+    assert g["per_bucket"][labels[4096]] == pytest.approx(1.0)  # the same variant: itself
+    assert "tuned/against" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("args, message", [
     (["--family", "nope"], "--family 'nope': unknown kernel family"),
     (["--table", "/nonexistent/t.json"], "--table /nonexistent/t.json: no such file"),
+    (["--against", "/nonexistent/a.json"], "--against /nonexistent/a.json: no such file"),
     (["--family", "bwd"], "--family bwd: the table"),
     (["--rounds", "0"], "--rounds 0"),
     (["--seqlen", "-4"], "--seqlen -4: expected a positive integer"),
