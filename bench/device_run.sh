@@ -187,6 +187,16 @@ sys.exit(pytest.main(['-q', '-x', '--tb=long', 'tests/test_transformers_backend.
               timeout ${HOPPERTILES_TIMEOUT:-235} python3 bench/hopper_check.py --set tiles --skip-check \
                 --baselines cudnn,flash --bench-dims 128,256,64 ${HOPPERTILES_ARGS:---budget 220} 2>&1 \
                 | tee "$OUT/hopperfwdtiles_bench.log" | tail -30 ;;
+    hopperqbuf) # issue 10: hopper_fwd with a second Q buffer per consumer (q_buffers 2: the loader runs a tile
+              # ahead of a persistent program's consumers): its forced GPU tests over many tiles (bf16 and fp16,
+              # causal or not, window/softcap), then the persistent winners with 1 and 2 Q buffers on the
+              # standard grid beside cuDNN and the generic fwd default in the same run -> hopper_fwd.jsonl
+              timeout ${HOPPERQBUF_TESTS_TIMEOUT:-200} python3 -m pytest -q -m gpu tests/test_hopper.py \
+                -k "two_q_buffers" 2>&1 | tee "$OUT/hopperqbuf_tests.log" | tail -8
+              timeout ${HOPPERQBUF_TIMEOUT:-330} python3 bench/hopper_check.py --set qbuf --skip-check \
+                --baselines cudnn,fwd --head-dims 64,128,256 --bench-dims 128,64,256 \
+                --seqlens ${HOPPERQBUF_SEQLENS:-512,1024,2048,8192} --budget ${HOPPERQBUF_BUDGET:-310} 2>&1 \
+                | tee "$OUT/hopperqbuf_bench.log" | tail -20 ;;
     hopperdefaults) # issue 10: hopper_fwd's D=64/128 defaults (the 128-key ping-pong, s3): their forced GPU
               # tests (bf16 and fp16, causal or not), then the standard grid beside cuDNN, SDPA flash and
               # the generic fwd's default in the same run -> hopper_fwd.jsonl

@@ -61,7 +61,22 @@ TILES = {
     256: ["hopper_fwd-m64-n64-w4-s2-pingpong=true-lr24",
           "hopper_fwd-m64-n64-w4-s2-causal_split=false-pingpong=true-lr24"],
 }
-SETS = {"loader": CANDIDATES, "no_loader": NO_LOADER, "tiles": TILES}
+# a second Q buffer per consumer (q_buffers 2, persistent with a loader): the tuned tables'
+# persistent winners, each with one and two Q buffers (s2 where s3's ring leaves no room)
+QBUF = {
+    64: ["hopper_fwd-m64-n128-w4-s3-pingpong=true-persistent=true-lr24",
+         "hopper_fwd-m64-n128-w4-s3-pingpong=true-persistent=true-lr24-qb2",
+         "hopper_fwd-m128-n64-w4-s3-pingpong=true-persistent=true-lr24",
+         "hopper_fwd-m128-n64-w4-s3-pingpong=true-persistent=true-lr24-qb2"],
+    128: ["hopper_fwd-m64-n128-w4-s3-pingpong=true-persistent=true-lr24",
+          "hopper_fwd-m64-n128-w4-s2-pingpong=true-persistent=true-lr24-qb2",
+          "hopper_fwd-m64-n64-w4-s3-pingpong=true-persistent=true-lr24",
+          "hopper_fwd-m64-n64-w4-s3-pingpong=true-persistent=true-lr24-qb2",
+          "hopper_fwd-m64-n64-w4-s4-pingpong=true-persistent=true-lr24-qb2"],
+    256: ["hopper_fwd-m64-n32-w4-s3-pingpong=true-persistent=true-lr24",
+          "hopper_fwd-m64-n32-w4-s3-pingpong=true-persistent=true-lr24-qb2"],
+}
+SETS = {"loader": CANDIDATES, "no_loader": NO_LOADER, "tiles": TILES, "qbuf": QBUF}
 # (B, H, Hk, Nq, Nk, causal): odd lengths, a single key/query, GQA, Nq > Nk causal (the first
 # Nq - Nk rows see no key), a multi-tile causal case
 CHECK_SHAPES = [(1, 2, 2, 1, 1, False), (2, 3, 3, 37, 37, True), (1, 4, 2, 113, 203, False),
@@ -199,7 +214,8 @@ def main():
     ap.add_argument("--per-dim", type=int, default=0, help="only the first N candidates per D")
     ap.add_argument("--set", choices=sorted(SETS), default="loader",
                     help="the candidate list (no_loader: loader_regs 0; tiles: 128-key steps "
-                         "with a loader; both with each D's default beside)")
+                         "with a loader; qbuf: persistent winners with 1 and 2 Q buffers; each "
+                         "with its D's default beside)")
     a = ap.parse_args()
     seqlens = [int(x) for x in a.seqlens.split(",")]
     if a.mode == "check":

@@ -16,7 +16,7 @@ DQ_SCHEMES = ("none", "separate", "atomic", "fused")
 # Short spellings used in variant names: fwd-m128-n64-w8-s3
 _ABBREV = {"block_m": "m", "block_n": "n", "num_warps": "w", "num_stages": "s",
            "block_m2": "mq", "block_n2": "nq", "num_warps2": "wq", "num_stages2": "sq",
-           "num_splits": "sp", "loader_regs": "lr"}
+           "num_splits": "sp", "loader_regs": "lr", "q_buffers": "qb"}
 _FROM_ABBREV = {v: k for k, v in _ABBREV.items()}
 _ALWAYS = ("family", "block_m", "block_n", "num_warps", "num_stages")  # in every name and dict
 
@@ -64,6 +64,9 @@ class Variant:
     pingpong: bool = False
     persistent: bool = False
     loader_regs: int = 0
+    # hopper_fwd only: Q tiles per consumer (each its tile's O staging buffer): 2 lets the loader
+    # fetch the next tile's Q and K/V while a persistent program's consumers finish the current one
+    q_buffers: int = 1
     # structural, masks beyond causal (flashtune/masks.py; only the variants that take them carry
     # their code): local attention with runtime (left, right) bounds; tanh softcapping of the
     # scores; block-sparse key iteration over a flashtune.BlockMask's lists
@@ -94,6 +97,8 @@ class Variant:
                 raise ValueError(f"Variant.{f} must be 0 or a power of two, got {v!r}")
         if not isinstance(self.loader_regs, int) or self.loader_regs < 0:
             raise ValueError(f"Variant.loader_regs must be an int >= 0, got {self.loader_regs!r}")
+        if not isinstance(self.q_buffers, int) or self.q_buffers < 1:
+            raise ValueError(f"Variant.q_buffers must be an int >= 1, got {self.q_buffers!r}")
         if not isinstance(self.num_splits, int) or self.num_splits < 0:
             raise ValueError(f"Variant.num_splits must be an int >= 0, got {self.num_splits!r}")
         # which fields a family owns and their rules (bwd's dq, splitkv's num_splits and paged):

@@ -136,7 +136,8 @@ class HopperFwdPlan:
         self.consts = dict(HEAD_DIM=d, BLOCK_M=variant.block_m, BLOCK_N=variant.block_n,
                            STAGES=variant.num_stages, GROUP=h // k.shape[1], IS_CAUSAL=causal,
                            LOADER_REGS=variant.loader_regs, CONSUMER_REGS=consumer_regs(variant),
-                           num_warps=variant.num_warps, **mask_params(masks))
+                           Q_BUFS=variant.q_buffers, num_warps=variant.num_warps,
+                           **mask_params(masks))
 
     def run(self, q, k, v):
         if self.fallback is not None:

@@ -118,6 +118,36 @@ def test_variant_names_round_trip_and_rules():
         Variant.parse("fwd-m64-n64-w4-s2-pingpong=true")
 
 
+def test_q_buffers_is_a_field_with_its_shared_memory():
+    from flashtune.families.hopper_fwd import smem_bytes
+    v = Variant.parse("hopper_fwd-m64-n64-w4-s3-pingpong=true-persistent=true-lr24-qb2")
+    assert v.q_buffers == 2 and v.name.endswith("-qb2") and Variant.parse(v.name) == v
+    assert Variant.from_dict(json.loads(v.to_json())) == v
+    v1 = Variant.parse("hopper_fwd-m64-n64-w4-s3-pingpong=true-persistent=true-lr24")
+    assert v1.q_buffers == 1 and "qb" not in v1.name and "q_buffers" not in v1.to_json()
+    # two more 64 x D tiles, one per ping-pong consumer
+    assert smem_bytes(v, 128) - smem_bytes(v1, 128) == 2 * 2 * 64 * 128
+    with pytest.raises(ValueError, match="q_buffers"):
+        Variant.parse("hopper_fwd-m64-n64-w4-s3-pingpong=true-lr24-qb3")
+    with pytest.raises(ValueError, match="q_buffers"):  # another family's field
+        Variant.parse("fwd-m64-n64-w4-s2-qb2")
+    # one text for both: Q_BUFS is a constexpr the launcher passes
+    assert render(v).splitlines()[1:] == render(v1).splitlines()[1:]
+
+
+def test_search_offers_two_q_buffers_to_persistent_loader_schedules_only():
+    import dataclasses
+    from flashtune.search_space import Space
+    from flashtune.targets import get as get_target
+    space = Space.build("hopper_fwd", get_target("H100"),
+                        dataclasses.replace(_problem(causal=True, nq=1024), family="hopper_fwd"))
+    assert [p.values for p in space.params if p.name == "q_buffers"] == [(1, 2)]
+    two = [v for v in space.feasible if v.q_buffers == 2]
+    assert two and all(v.persistent and v.loader_regs for v in two)
+    why = space.check(Variant.parse("hopper_fwd-m64-n64-w4-s3-pingpong=true-lr24-qb2")).reason
+    assert "q_buffers" in why
+
+
 def test_version_shim_resolves_this_triton():
     from flashtune import gluon_compat
     assert gluon_compat.missing() == ""
@@ -241,6 +271,20 @@ def test_defaults_compile_for_sm90():
 
 
 @pytest.mark.slow
+def test_two_q_buffers_compile_for_sm90_without_spills():
+    """The persistent ping-pong winners with a second Q buffer fit shared memory (D=256 m64-n32-s3:
+    224 KB of 227) and spill nothing, causal (the costlier render)."""
+    from test_compile_sm90 import kernels_check
+    for d, names in QBUF.items():
+        r = kernels_check("--gpu", "H100", "--dtype", "bf16", "--head-dim", str(d), "--format",
+                          "json", "--causal", *names)
+        rows = json.loads(r.stdout) if r.stdout.startswith("[") else []
+        assert len(rows) == len(names), r.stdout[-2000:] + r.stderr[-2000:]
+        for x in rows:
+            assert x["fits"] and x["spill_bytes"] == 0, x
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("causal", [False, True])
 def test_128_key_steps_compile_for_sm90_without_spills(causal):
     """D=128 ping-pong with a loader and 128-key steps: under the consumers' setmaxnreg (240)
@@ -282,6 +326,42 @@ TILES = {64: ["hopper_fwd-m64-n128-w4-s3-pingpong=true-lr24"],
                "hopper_fwd-m64-n128-w4-s2-causal_split=false-pingpong=true-lr24",
                "hopper_fwd-m128-n128-w8-s2-lr24"],
          256: ["hopper_fwd-m64-n64-w4-s2-pingpong=true-lr24"]}
+
+
+# two Q buffers per consumer (persistent, with a loader): the programs must loop over several
+# tiles to reuse a buffer, so these shapes have 4-16x more tiles than the 132 programs
+QBUF = {64: ["hopper_fwd-m64-n128-w4-s3-pingpong=true-persistent=true-lr24-qb2"],
+        128: ["hopper_fwd-m64-n64-w4-s3-pingpong=true-persistent=true-lr24-qb2",
+              "hopper_fwd-m64-n128-w4-s2-pingpong=true-persistent=true-lr24-qb2",
+              "hopper_fwd-m128-n64-w8-s2-persistent=true-lr24-qb2"],
+        256: ["hopper_fwd-m64-n32-w4-s3-pingpong=true-persistent=true-lr24-qb2"]}
+MANY_TILES = [(4, 16, 4, 1000, 1000), (2, 24, 8, 777, 1537), (16, 16, 16, 512, 512)]
+
+
+@pytest.mark.gpu
+@hopper_gpu
+@pytest.mark.parametrize("d,name", [(d, n) for d, ns in QBUF.items() for n in ns])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape", MANY_TILES)
+def test_two_q_buffers_match_reference_over_many_tiles(d, name, dtype, causal, shape):
+    _check_forced(d, name, dtype, causal, shape)
+
+
+@pytest.mark.gpu
+@hopper_gpu
+@pytest.mark.parametrize("kw", [dict(window=(200, 0), causal=True),
+                                dict(window=(300, 100), softcap=20.0)], ids=["window", "softcap"])
+def test_two_q_buffers_with_masks_over_many_tiles(kw):
+    from flashtune.accuracy import compare
+    from flashtune.reference import reference, same_dtype_math
+    q, k, v = qkv(4, 16, 4, 1000, 1000, 128, torch.bfloat16, "cuda")
+    name = "hopper_fwd-m64-n64-w4-s3-pingpong=true-persistent=true-lr24-qb2"
+    with flashtune.force(name):
+        assert flashtune.explain(q, k, v, **kw).variant.q_buffers == 2
+        o = flashtune.attention(q, k, v, **kw)
+    rep = compare(o, reference(q, k, v, **kw), same_dtype_math(q, k, v, **kw))
+    assert rep.ok, str(rep)
 
 
 @pytest.mark.gpu

@@ -20,7 +20,7 @@ FAMILY = Family(
     doc="Hopper forward in Gluon: TMA ring + mbarriers, async wgmma, loader warp, ping-pong",
     template="attn_hopper_fwd.py.tmpl",
     kernels=("attn_fwd_hopper",),
-    fields=("pingpong", "persistent", "loader_regs", "causal_split", "window", "softcap",
+    fields=("pingpong", "persistent", "loader_regs", "q_buffers", "causal_split", "window", "softcap",
             "block_sparse"),
     defaults="flashtune.families.hopper_fwd:default",
     measure="flashtune.measure_hopper:OPS",
@@ -41,7 +41,9 @@ FAMILY = Family(
            ("num_stages", (2, 3, 4), "the K/V ring: 2..4 stages (a consumer holds block j-1's "
             "V stage while it waits for block j's K in the next one: one stage waits on itself)"),
            ("loader_regs", (0, 24, 32, 40, 48, 56),
-            "setmaxnreg of the loader: 24..56, step 8; 0: no loader partition")),
+            "setmaxnreg of the loader: 24..56, step 8; 0: no loader partition"),
+           ("q_buffers", (1, 2), "Q tiles per consumer: 1, or 2 for the loader to run a tile "
+            "ahead")),
 )
 
 # Defaults: the fastest spill-free candidates measured on the H100 (bench/hopper_check.py, bf16,
@@ -140,10 +142,10 @@ def prefer_for_dense(p) -> bool:
 
 
 def smem_bytes(variant, head_dim: int, elem: int = 2) -> int:
-    """Q tile(s) + the K/V ring (+ 1 KB for barriers and alignment)."""
+    """Q tiles (q_buffers per consumer) + the K/V ring (+ 1 KB for barriers and alignment)."""
     consumers = 2 if variant.pingpong else 1
-    return elem * head_dim * (consumers * variant.block_m + 2 * variant.num_stages
-                              * variant.block_n) + 1024
+    return elem * head_dim * (consumers * variant.q_buffers * variant.block_m
+                              + 2 * variant.num_stages * variant.block_n) + 1024
 
 
 def resources(variant, problem, target) -> tuple:
@@ -183,7 +185,7 @@ def compile_check(variant, head_dim: int, dtype: str, causal: bool, tails: bool,
     consts = dict(HEAD_DIM=head_dim, BLOCK_M=variant.block_m, BLOCK_N=variant.block_n,
                   STAGES=variant.num_stages, GROUP=4 if tails else 1, IS_CAUSAL=causal,
                   LOADER_REGS=variant.loader_regs, CONSUMER_REGS=consumer_regs(variant),
-                  num_warps=variant.num_warps)
+                  Q_BUFS=variant.q_buffers, num_warps=variant.num_warps)
     consts.update(example_masks(variant, causal))
     if variant.block_sparse:
         consts["BS_Q"] = max(consts["BS_Q"], variant.block_m * (2 if variant.pingpong else 1))
