@@ -5,7 +5,9 @@ pick).
 - **Owner**: a process is {host, pid}. One of this host is alive while its pid is; one of
   another host while its heartbeat (a user attr of the claims study, written every
   HEARTBEAT_S by a thread of each searching process) is younger than STALE_S. A process
-  that never wrote one (an older flashtune) counts as alive.
+  that never wrote one (an older flashtune) counts as alive. A RUNNING trial with no owner yet
+  was asked a moment ago (ask() and the owner's write are two storage calls): one older than
+  ORPHAN_GRACE_S was asked by a process killed between them.
 - **Claims**: `claim(storage, key)` enqueues a WAITING trial carrying the key in the claims
   study (one storage write, atomic on RDB and journal storages, numbered in commit order), then
   reads the claims of that key back: the lowest-numbered claim of a live owner wins. Two
@@ -26,6 +28,7 @@ from optuna.trial import TrialState
 CLAIMS_STUDY = "flashtune.claims"
 HEARTBEAT_S = 10.0
 STALE_S = 60.0
+ORPHAN_GRACE_S = 5.0
 
 
 @lru_cache(maxsize=1)

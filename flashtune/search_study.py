@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from datetime import datetime
 from functools import lru_cache, partial
 
 import optuna
@@ -19,7 +20,7 @@ from .codegen import Variant
 from .families import get as get_family
 from .measure import Outcome
 from .problem import Bucket, Problem
-from .search_claims import Liveness, me, same
+from .search_claims import ORPHAN_GRACE_S, Liveness, me, same
 from .search_space import Space
 
 SAMPLERS = ("tpe", "cmaes", "random", "grid")
@@ -225,13 +226,17 @@ class BucketStudy:
         """FAIL a RUNNING trial whose owner is dead (kill -9, power loss, a lost host), so that
         it neither blocks nor counts and its variant is measured again if proposed again."""
         owner = t.user_attrs.get("owner") or {}
-        if same(owner, self.owner) or self.liveness.alive(owner):
+        if not owner:  # between a process's ask() and its owner write, or killed there
+            start = t.datetime_start
+            if start is None or (datetime.now() - start).total_seconds() < ORPHAN_GRACE_S:
+                return False
+        elif same(owner, self.owner) or self.liveness.alive(owner):
             return False
         trial = optuna.trial.Trial(self.study, t._trial_id)
         try:
-            trial.set_user_attr("result", {"measured": False, "stage": "lost",
-                                           "reason": f"abandoned by process {owner.get('pid')} "
-                                                     f"on {owner.get('host')}"})
+            why = (f"abandoned by process {owner.get('pid')} on {owner.get('host')}" if owner
+                   else "abandoned by a process that died before writing its owner")
+            trial.set_user_attr("result", {"measured": False, "stage": "lost", "reason": why})
             self.study.tell(t.number, state=TrialState.FAIL, skip_if_finished=True)
         except optuna.exceptions.UpdateFinishedTrialError:
             pass  # another process reaped it first
