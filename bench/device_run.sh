@@ -118,6 +118,20 @@ for step in ${STEPS:-fwdtests}; do
               gzip -c "$st/$slug.journal" > "$OUT/tables_state/$slug.journal.gz"
               cp "$st/$slug.db" "$st/$slug.calls" "$OUT/tables_state/"
               echo "calls so far:"; cat "$st/$slug.calls" ;;
+    masksearch) # issue 11: tune the bench's masked buckets (D=128, N=4k/16k: the causal 256-key window, the
+              # non-causal block mask of density ~1/4) for every family into /tmp/ms.db (a fresh tuned DB);
+              # FLASHTUNE_DB=sqlite:////tmp/ms.db makes a later bench step of this call dispatch through them;
+              # the records come back in $OUT/tables/masked.json (merged into the shipped table by hand)
+              name=$(python3 -c "import torch;print(torch.cuda.get_device_name())")
+              for spec in "window=256 true" "density=0.25 false"; do
+                set -- $spec
+                timeout ${MASKSEARCH_TIMEOUT:-200} flashtune search --gpu auto --family ${MASKSEARCH_FAMILIES:-fwd,bwd,hopper_fwd,hopper_bwd} \
+                  --head-dim 128 --seqlen 4096,16384 --mask "$1" --causal "$2" --trials ${TRIALS:-40} \
+                  --time-budget ${MASKSEARCH_BUDGET:-170} --in-order --storage /tmp/ms.journal --db sqlite:////tmp/ms.db \
+                  --progress lines 2>&1 | tee -a "$OUT/masksearch.log" | grep -v "measured so far\|^\[all\]" | tail -12
+              done
+              mkdir -p "$OUT/tables"
+              flashtune db export --gpu "$name" --db sqlite:////tmp/ms.db -o "$OUT/tables/masked.json" 2>&1 | tail -1 ;;
     hoppersearch) # issue 12: the Gluon families' compile-ahead (JIT warm-up on meta tensors): a short
               # fresh search of one hopper_fwd and one hopper_bwd bucket, then each trial's stage,
               # first call in the timing worker (~0.02 s when the binary came from the compile

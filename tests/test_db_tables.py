@@ -306,10 +306,17 @@ def test_a_template_edit_that_leaves_a_variants_code_alone_keeps_its_record_fres
 def test_the_shipped_h100_table_is_fresh():
     # every family's grid, searched 2026-11-24 (D=64/128: 24 fwd, 24 bwd, 64 splitkv, 24
     # hopper_fwd, 24 hopper_bwd, docs/benchmarks.md session 9; D=256: 12 each of fwd, bwd,
-    # hopper_fwd, hopper_bwd, session 10); a template change to that code must show up here
+    # hopper_fwd, hopper_bwd, session 10; hopper_fwd N <= 2048 partly re-searched in session 11);
+    # a template change to that code must show up here
     from flashtune.tuned_db import lookup
     from flashtune.tuned_db.io import TABLES_DIR, read_table
     recs = read_table(TABLES_DIR / "nvidia-h100-80gb-hbm3.json").records
-    fams = collections.Counter(r.bucket.family for r in recs)
+    fams = collections.Counter(r.bucket.family for r in recs if not r.bucket.mask)
     assert fams == {"fwd": 36, "bwd": 36, "splitkv": 64, "hopper_fwd": 36, "hopper_bwd": 36}
+    # and the bench's masked buckets (D=128, N=4k/16k: the causal 256-key window, the block mask
+    # of density ~1/4), searched 2026-11-25 (session 11; hopper_bwd has no block_sparse render)
+    masked = collections.Counter((r.bucket.family, r.bucket.mask) for r in recs if r.bucket.mask)
+    assert masked == {("fwd", "window256"): 2, ("fwd", "block16"): 2, ("bwd", "window256"): 2,
+                      ("bwd", "block16"): 2, ("hopper_fwd", "window256"): 2,
+                      ("hopper_fwd", "block16"): 2, ("hopper_bwd", "window256"): 2}
     assert all(lookup.staleness(r) == () for r in recs)
