@@ -118,6 +118,16 @@ for step in ${STEPS:-fwdtests}; do
               gzip -c "$st/$slug.journal" > "$OUT/tables_state/$slug.journal.gz"
               cp "$st/$slug.db" "$st/$slug.calls" "$OUT/tables_state/"
               echo "calls so far:"; cat "$st/$slug.calls" ;;
+    timeragree) # issue 12: the bench's timer vs tuning_value's interleaved re-timing on the hopper_fwd
+              # records tuning_value read below their default (bench/timer_agreement.py): the shipped
+              # record, the family default, the re-search's winner and the generic default, per bucket
+              timeout 120 python3 bench/timer_agreement.py --d 128 --n 1024 --causal 0 \
+                hopper_fwd-m64-n128-w4-s3-causal_split=false-pingpong=true-persistent=true-lr40 \
+                hopper_fwd-m64-n128-w4-s3-pingpong=true-lr24 \
+                hopper_fwd-m64-n128-w4-s3-pingpong=true-persistent=true-lr32 fwd-m64-n64-w4-s3 2>&1 | tail -32
+              timeout 120 python3 bench/timer_agreement.py --d 128 --n 512 --causal 1 \
+                hopper_fwd-m64-n64-w4-s4-causal_split=false-pingpong=true-lr24 \
+                hopper_fwd-m64-n128-w4-s3-pingpong=true-lr24 fwd-m64-n64-w4-s3 2>&1 | tail -26 ;;
     masksearch) # issue 11: tune the bench's masked buckets (D=128, N=4k/16k: the causal 256-key window, the
               # non-causal block mask of density ~1/4) for every family into /tmp/ms.db (a fresh tuned DB);
               # FLASHTUNE_DB=sqlite:////tmp/ms.db makes a later bench step of this call dispatch through them;

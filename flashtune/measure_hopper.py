@@ -10,6 +10,7 @@ from .measure_fwd import FwdOps
 class HopperFwdOps(FwdOps):
     family = "hopper_fwd"
     launcher = launch_hopper
+    plan_class = "HopperFwdPlan"
 
 
 OPS = HopperFwdOps()

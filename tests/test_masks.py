@@ -17,7 +17,7 @@ from flashtune.masks import UNBOUNDED, dense_mask, window_range
 from flashtune.problem import Bucket, Problem
 from flashtune.reference import reference, same_dtype_math
 
-from _check import qkv
+from _check import assert_matches_reference, qkv
 
 FWD = "fwd-m16-n16-w4-s1"  # small tiles: several blocks in every loop at these sizes
 BWD = {"atomic": "bwd-m16-n32-w4-s1-dq=atomic",
@@ -418,3 +418,31 @@ def test_block_mask_under_torch_compile(device):
     g2 = torch.autograd.grad(want.sum(), (q, k, v))
     for a, b in zip(g1, g2):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+
+
+def test_the_search_times_a_kept_plan_not_its_construction(monkeypatch):
+    """FwdOps.run builds a variant's launch plan once per (variant, problem, inputs), as the
+    dispatcher memoizes a call's: the timed runs are the launches."""
+    from flashtune import launch
+    from flashtune.measure_fwd import OPS as FWD_OPS
+    built = []
+    real = launch.FwdPlan
+
+    class Counting(real):
+        __slots__ = ()
+
+        def __init__(self, *a, **kw):
+            built.append(1)
+            super().__init__(*a, **kw)
+    monkeypatch.setattr(launch, "FwdPlan", Counting)
+    monkeypatch.setattr(FWD_OPS, "_plans", {}, raising=False)
+    p = Problem("fwd", "float32", 16, True, 1, 2, 2, 40, 40)
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 2, 40, 16, generator=g) for _ in range(3))
+    var = Variant.parse("fwd-m16-n16-w4-s1")
+    outs = [FWD_OPS.run(var, p, (q, k, v)) for _ in range(3)]
+    assert len(built) == 1 and all(torch.equal(o, outs[0]) for o in outs)
+    assert_matches_reference(q, k, v, causal=True, out=outs[0])
+    q2 = torch.randn_like(q)  # other inputs: another plan
+    FWD_OPS.run(var, p, (q2, k, v))
+    assert len(built) == 2
