@@ -15,7 +15,7 @@ import torch
 from . import launch, launch_bwd
 from .accuracy import compare
 from .masks import representative
-from .measure_fwd import reference_masks
+from .measure_fwd import kept_plan, reference_masks
 from .defaults import default_variant
 from .measure_warmup import compile_only, max_shared
 from .problem import Problem, torch_dtype
@@ -103,10 +103,13 @@ class BwdOps:
         o, lse = launch.forward(q, k, v, p.causal, None, fwd, masks)
         return q, k, v, o, lse, do
 
+    def plan(self, variant, p: Problem, inputs):
+        q, k = inputs[:2]
+        return self.launcher.plan(q, k, p.causal, None, variant, representative(p, q.device.type))
+
     def run(self, variant, p: Problem, inputs):
         q, k, v, o, lse, do = inputs
-        return self.launcher.backward(do, q, k, v, o, lse, p.causal, None, variant,
-                                      representative(p, q.device.type))
+        return kept_plan(self, variant, p, inputs).run(do, q, k, v, o, lse)
 
     def gate_view(self, out, p: Problem):
         hk = self._gate_kv_heads(p)

@@ -17,6 +17,21 @@ from .problem import Problem, torch_dtype
 from .reference import reference, same_dtype_math
 
 
+def kept_plan(ops, variant, p: Problem, inputs):
+    """ops.plan(variant, p, inputs), built on the first run of (variant, problem, inputs) and
+    kept, as ops.run_forward / run_backward memoize a real call's: the timed runs are the
+    launches alone. Building a plan per run (a Gluon plan's layouts, the grids, the mask
+    arguments) costs the host more than the L2 flush before each run gives it, which put host
+    time into short kernels' timings (docs/benchmarks.md, session 11)."""
+    plans = ops.__dict__.setdefault("_plans", {})
+    key = (variant, p, inputs[0].data_ptr(), inputs[0].device.type)
+    plan = plans.get(key)
+    if plan is None:
+        if len(plans) >= 16:  # a few problems' worth: the search moves on bucket by bucket
+            plans.clear()
+        plan = plans[key] = ops.plan(variant, p, inputs)
+    return plan
+
 
 class FwdOps:
     family = "fwd"
@@ -69,21 +84,14 @@ class FwdOps:
 
     plan_class = "FwdPlan"  # the launcher's plan class (hopper_fwd: HopperFwdPlan)
 
-    def run(self, variant, p: Problem, inputs):
-        """O of `variant` on `inputs`. Its launch plan is built on the first run of (variant,
-        problem, inputs) and kept, as ops.run_forward memoizes a real call's, so the timed runs
-        are the launch alone: building a Gluon plan (layouts, grid) costs the host more than the
-        L2 flush before each run gives it, which put host time into short kernels' timings."""
+    def plan(self, variant, p: Problem, inputs):
         q, k, v = inputs
-        plans = self.__dict__.setdefault("_plans", {})
-        key = (variant, p, q.data_ptr(), q.device.type)
-        plan = plans.get(key)
-        if plan is None:
-            if len(plans) >= 16:  # a few problems' worth: the search moves on bucket by bucket
-                plans.clear()
-            plan = plans[key] = getattr(self.launcher, self.plan_class)(
-                q, k, v, p.causal, None, variant, representative(p, q.device.type))
-        return plan.run(q, k, v)[0]
+        return getattr(self.launcher, self.plan_class)(q, k, v, p.causal, None, variant,
+                                                       representative(p, q.device.type))
+
+    def run(self, variant, p: Problem, inputs):
+        q, k, v = inputs
+        return kept_plan(self, variant, p, inputs).run(q, k, v)[0]
 
     def reference(self, p: Problem, inputs):
         """Float64 reference and PyTorch's same-dtype math, of the heads gate_view keeps."""

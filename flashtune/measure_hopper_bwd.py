@@ -4,12 +4,18 @@ through launch_hopper_bwd."""
 from __future__ import annotations
 
 from . import launch_hopper_bwd
+from .masks import representative
 from .measure_bwd import BwdOps
 
 
 class HopperBwdOps(BwdOps):
     family = "hopper_bwd"
     launcher = launch_hopper_bwd
+
+    def plan(self, variant, p, inputs):
+        q, k, v = inputs[:3]
+        return launch_hopper_bwd.HopperBwdPlan(q, k, v, p.causal, None, variant,
+                                               representative(p, q.device.type))
 
 
 OPS = HopperBwdOps()

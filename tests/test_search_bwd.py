@@ -248,6 +248,13 @@ def test_bwd_measuring_ops_in_the_interpreter():
     dq, dk, dv = out
     bad = bwd.check((dq, dk * 1.1, dv), gp, ref)
     assert not bad.ok and str(bad).startswith("dk FAIL")
+    # the timed runs reuse the plan built by the first (as the dispatcher's memo): same
+    # gradients, no second plan for the same variant, problem and inputs
+    v = Variant.parse("bwd-m16-n32-w4-s1-dq=atomic")
+    plan = bwd._plans[(v, gp, inputs[0].data_ptr(), "cpu")]
+    again = bwd.run(v, gp, inputs)
+    assert bwd._plans[(v, gp, inputs[0].data_ptr(), "cpu")] is plan
+    assert bwd.check(again, gp, ref).ok
 
 
 def test_sweep_reads_bwd_buckets():
