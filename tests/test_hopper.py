@@ -338,12 +338,23 @@ QBUF = {64: ["hopper_fwd-m64-n128-w4-s3-pingpong=true-persistent=true-lr24-qb2"]
 MANY_TILES = [(4, 16, 4, 1000, 1000), (2, 24, 8, 777, 1537), (16, 16, 16, 512, 512)]
 
 
-@pytest.mark.gpu
-@hopper_gpu
-@pytest.mark.parametrize("d,name", [(d, n) for d, ns in QBUF.items() for n in ns])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("shape", MANY_TILES)
+def forced_grid(variants: dict, shapes: list):
+    """A forced-variant GPU test's grid: each (D, variant name), bf16 and fp16, causal or not,
+    each shape."""
+    marks = (pytest.mark.gpu, hopper_gpu,
+             pytest.mark.parametrize("d,name", [(d, n) for d, ns in variants.items() for n in ns]),
+             pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"]),
+             pytest.mark.parametrize("causal", [False, True]),
+             pytest.mark.parametrize("shape", shapes))
+
+    def deco(fn):
+        for mark in reversed(marks):
+            fn = mark(fn)
+        return fn
+    return deco
+
+
+@forced_grid(QBUF, MANY_TILES)
 def test_two_q_buffers_match_reference_over_many_tiles(d, name, dtype, causal, shape):
     _check_forced(d, name, dtype, causal, shape)
 
@@ -364,22 +375,12 @@ def test_two_q_buffers_with_masks_over_many_tiles(kw):
     assert rep.ok, str(rep)
 
 
-@pytest.mark.gpu
-@hopper_gpu
-@pytest.mark.parametrize("d,name", [(d, n) for d, ns in VARIANTS.items() for n in ns])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("shape", SHAPES)
+@forced_grid(VARIANTS, SHAPES)
 def test_matches_reference(d, name, dtype, causal, shape):
     _check_forced(d, name, dtype, causal, shape)
 
 
-@pytest.mark.gpu
-@hopper_gpu
-@pytest.mark.parametrize("d,name", [(d, n) for d, ns in TILES.items() for n in ns])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("shape", SHAPES)
+@forced_grid(TILES, SHAPES)
 def test_tiles_match_reference(d, name, dtype, causal, shape):
     _check_forced(d, name, dtype, causal, shape)
 
