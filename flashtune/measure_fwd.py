@@ -82,12 +82,9 @@ class FwdOps:
         dt = torch_dtype(p.dtype)
         return tuple(torch.randn(s, dtype=dt, device="cuda", generator=g) for s in (qs, ks, ks))
 
-    plan_class = "FwdPlan"  # the launcher's plan class (hopper_fwd: HopperFwdPlan)
-
     def plan(self, variant, p: Problem, inputs):
         q, k, v = inputs
-        return getattr(self.launcher, self.plan_class)(q, k, v, p.causal, None, variant,
-                                                       representative(p, q.device.type))
+        return launch.FwdPlan(q, k, v, p.causal, None, variant, representative(p, q.device.type))
 
     def run(self, variant, p: Problem, inputs):
         q, k, v = inputs

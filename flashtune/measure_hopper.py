@@ -4,13 +4,18 @@ through launch_hopper."""
 from __future__ import annotations
 
 from . import launch_hopper
+from .masks import representative
 from .measure_fwd import FwdOps
 
 
 class HopperFwdOps(FwdOps):
     family = "hopper_fwd"
     launcher = launch_hopper
-    plan_class = "HopperFwdPlan"
+
+    def plan(self, variant, p, inputs):
+        q, k, v = inputs
+        return launch_hopper.HopperFwdPlan(q, k, v, p.causal, None, variant,
+                                           representative(p, q.device.type))
 
 
 OPS = HopperFwdOps()
