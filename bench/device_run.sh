@@ -97,9 +97,10 @@ for step in ${STEPS:-fwdtests}; do
                   | tee -a "$OUT/proposal_cost.log" | grep drivers
               done ;;
     tables)   # every family on its grid, resumable over calls: the Optuna journal and the tuned DB live
-              # in $TABLES_STATE (default tables_state/); they come back in $OUT/tables_state/ -- copy
-              # them into tables_state/ and pass carry=["tables_state"] to the next call, which resumes
-              st=$(realpath -m "${TABLES_STATE:-tables_state}"); mkdir -p "$st" "$OUT/tables" "$OUT/tables_state"
+              # in $TABLES_STATE (default tables_state/); they come back as one file, $OUT/tables_state.tgz
+              # (a call returns at most 8 files) -- `tar -xzf tables_state.tgz -C tables_state && gzip -f
+              # tables_state/*.journal` here, then carry=["tables_state"] to the next call, which resumes
+              st=$(realpath -m "${TABLES_STATE:-tables_state}"); mkdir -p "$st" "$OUT/tables"
               name=$(python3 -c "import torch;print(torch.cuda.get_device_name())")
               slug=$(python3 -c "from flashtune import targets;print(targets.slug_of('$name'))")
               gpus=${TABLES_GPUS:-$(python3 -c "import torch;print(','.join(map(str,range(torch.cuda.device_count()))))")}
@@ -115,8 +116,7 @@ for step in ${STEPS:-fwdtests}; do
               flashtune db export --gpu "$name" --db "sqlite:///$st/$slug.db" -o "$OUT/tables/$slug.json" 2>&1 | tail -2
               # TABLES_INSTALL=1: later steps of this call (bench, tuningvalue) dispatch through it
               [ -n "${TABLES_INSTALL:-}" ] && cp "$OUT/tables/$slug.json" tuned_db/tables/
-              gzip -c "$st/$slug.journal" > "$OUT/tables_state/$slug.journal.gz"
-              cp "$st/$slug.db" "$st/$slug.calls" "$OUT/tables_state/"
+              tar -C "$st" -czf "$OUT/tables_state.tgz" "$slug.journal" "$slug.db" "$slug.calls"
               echo "calls so far:"; cat "$st/$slug.calls" ;;
     timeragree) # issue 12: the bench's timer vs tuning_value's interleaved re-timing on the hopper_fwd
               # records tuning_value read below their default (bench/timer_agreement.py): the shipped
