@@ -202,8 +202,12 @@ def export(gpu, output, db_url):
 @click.argument("files", nargs=-1, required=True, type=click.Path(dir_okay=False))
 @click.option("--mark-imported", is_flag=True,
               help="set provenance.source to 'import' (default: keep how each was found)")
+@click.option("--keep-faster", is_flag=True,
+              help="leave a bucket's record in the DB where it is at least as fast as the "
+                   "file's (merging a partial re-search into a table: a bucket measured in a "
+                   "slow moment does not replace a better record)")
 @_db_option
-def import_(files, mark_imported, db_url):
+def import_(files, mark_imported, keep_faster, db_url):
     """Upsert table files into the DB.
 
     Every record of FILES is checked before any is written."""
@@ -216,10 +220,23 @@ def import_(files, mark_imported, db_url):
             recs = [dataclasses.replace(r, provenance=dataclasses.replace(
                 r.provenance, source="import")) for r in recs]
         db_ = _open(db_url)
+        kept = []
+        if keep_faster:
+            old = {(r.gpu, r.bucket): r for r in db_.records()}
+            faster = [r for r in recs if (r.gpu, r.bucket) in old
+                      and old[(r.gpu, r.bucket)].throughput >= r.throughput]
+            kept = [(old[(r.gpu, r.bucket)], r) for r in faster]
+            recs = [r for r in recs if r not in faster]
         n = db_.put_many(recs)
     except TunedDBError as e:
         _fail(e)
-    click.echo(f"imported {n} record(s) into {db_.display_url}")
+    from .search_study import bucket_label
+    for o, r in kept:
+        if (o.variant, o.median_ms) != (r.variant, r.median_ms):  # the same timing is no news
+            click.echo(f"kept {bucket_label(o.bucket)}: {o.variant.name} {o.throughput:.1f} "
+                       f"{o.unit} (the file's {r.variant.name}: {r.throughput:.1f})")
+    click.echo(f"imported {n} record(s) into {db_.display_url}"
+               + (f"; kept {len(kept)} faster record(s)" if keep_faster else ""))
 
 
 @db.command("diff")

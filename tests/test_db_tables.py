@@ -148,6 +148,24 @@ def test_import_mark_imported_and_bad_file(tmp_path):
     assert res.exit_code == 1 and str(bad) in res.output and "corrupt" in res.output
 
 
+def test_import_keep_faster_merges_only_the_faster_records(tmp_path):
+    dst = f"sqlite:///{tmp_path / 'b.db'}"
+    TunedDB(dst).put_many([make_record(sq=1024, ms=1.0), make_record(sq=2048, ms=2.0)])
+    new = write_table(tmp_path / "new.json", "H100", [
+        make_record(sq=1024, ms=1.5, variant="fwd-m64-n64-w4-s2"),   # slower: the DB's stays
+        make_record(sq=2048, ms=1.0, variant="fwd-m64-n64-w4-s2"),   # faster: replaces it
+        make_record(sq=4096, ms=3.0)])                               # a new bucket: added
+    res = _cli("db", "import", str(new), "--keep-faster", "--db", dst)
+    assert res.exit_code == 0, res.output
+    assert "imported 2 record(s)" in res.output and "kept 1 faster record(s)" in res.output
+    got = {r.bucket.seqlen_q: (r.variant.name, r.median_ms) for r in TunedDB(dst).records()}
+    assert got == {1024: ("fwd-m128-n64-w4-s3", 1.0), 2048: ("fwd-m64-n64-w4-s2", 1.0),
+                   4096: ("fwd-m128-n64-w4-s3", 3.0)}
+    # without the flag every record of the file is upserted
+    _cli("db", "import", str(new), "--db", dst)
+    assert TunedDB(dst).get("H100", make_record(sq=1024).bucket).median_ms == 1.5
+
+
 def test_show_table_and_json(tmp_path):
     url = f"sqlite:///{tmp_path / 'a.db'}"
     TunedDB(url).put_many(_recs())
