@@ -17,17 +17,19 @@ from .problem import Problem, torch_dtype
 from .reference import reference, same_dtype_math
 
 
-def kept_plan(ops, variant, p: Problem, inputs):
+def kept_plan(ops, variant, p: Problem, inputs, keep: int = 16):
     """ops.plan(variant, p, inputs), built on the first run of (variant, problem, inputs) and
     kept, as ops.run_forward / run_backward memoize a real call's: the timed runs are the
     launches alone. Building a plan per run (a Gluon plan's layouts, the grids, the mask
     arguments) costs the host more than the L2 flush before each run gives it, which put host
-    time into short kernels' timings (docs/benchmarks.md, session 11)."""
+    time into short kernels' timings (docs/benchmarks.md, session 11). keep: how many plans
+    to hold before starting over (a few problems' worth: the search moves on bucket by
+    bucket; splitkv keeps more, since a CUDA-graphed timing replays its plan's buffers)."""
     plans = ops.__dict__.setdefault("_plans", {})
     key = (variant, p, inputs[0].data_ptr(), inputs[0].device.type)
     plan = plans.get(key)
     if plan is None:
-        if len(plans) >= 16:  # a few problems' worth: the search moves on bucket by bucket
+        if len(plans) >= keep:
             plans.clear()
         plan = plans[key] = ops.plan(variant, p, inputs)
     return plan

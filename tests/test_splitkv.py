@@ -329,6 +329,28 @@ def test_search_space_builds():
     assert ("loads", "descriptor", "tma") in Space.build("splitkv", get("A100"), p).dropped
 
 
+
+def test_measure_runs_keep_their_plan():
+    """The search's timed runs reuse the plan of the first run (kept_plan): same output,
+    no second plan for the same variant, problem and inputs."""
+    from flashtune.codegen import Variant
+    from flashtune.measure_splitkv import SplitKVOps
+    from flashtune.problem import Problem
+    ops = SplitKVOps(device="cpu")
+    p = Problem("splitkv", "float16", 32, False, 2, 2, 4, 1, 70)
+    gp = ops.gate_problem(p)
+    inputs = ops.inputs(gp, seed=0)
+    ref = ops.reference(gp, inputs)
+    v = Variant.parse("splitkv-m16-n32-w4-s1-sp2")
+    out = ops.run(v, gp, inputs)
+    assert ops.check(out, gp, ref).ok
+    key = (v, gp, inputs[0].data_ptr(), "cpu")
+    plan = ops._plans[key]
+    again = ops.run(v, gp, inputs)
+    assert ops._plans[key] is plan and len(ops._plans) == 1
+    assert ops.check(again, gp, ref).ok
+    assert not ops.check(out * 1.1, gp, ref).ok
+
 # -- splitkv serving dense forwards (families compete in the dispatcher) -------------------------
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("nq,h,hk", [(1, 8, 2), (3, 4, 4), (2, 6, 1)])
