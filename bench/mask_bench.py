@@ -90,8 +90,10 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--head-dim", type=int, default=128)
-    ap.add_argument("--windows", default="128,256,512,1024,2048,4096,8192,16384")
-    ap.add_argument("--densities", default="5,10,20,30,50,75,100")
+    ap.add_argument("--windows", default="128,256,512,1024,2048,4096,8192,16384",
+                    help="comma-separated; \"none\" skips the window sweep")
+    ap.add_argument("--densities", default="5,10,20,30,50,75,100",
+                    help="percent, comma-separated; \"none\" skips the density sweep")
     ap.add_argument("--bwd", action="store_true", help="also time forward + backward")
     ap.add_argument("--quick", action="store_true", help="N=4096, three points per sweep")
     ap.add_argument("--no-peers", action="store_true")
@@ -139,7 +141,8 @@ def main(argv=None) -> int:
             f.flush()
             print(json.dumps(row), flush=True)
 
-    env = dict(kind="env", torch=torch.__version__,
+    import triton
+    env = dict(kind="env", torch=torch.__version__, triton=triton.__version__,
                device=torch.cuda.get_device_name() if dev == "cuda" else "cpu",
                N=n, B=b, H=h, D=d, dtype="bfloat16")
     f.write(json.dumps(env) + "\n")
@@ -155,7 +158,7 @@ def main(argv=None) -> int:
 
     def sliding(bb, hh, qi, ki):
         return (qi >= ki) & (qi - ki <= w_now)
-    for w in (int(x) for x in args.windows.split(",") if int(x) <= n):
+    for w in (int(x) for x in args.windows.split(",") if x.isdigit() and int(x) <= n):
         pairs = window_keys(n, n, True, (w, 0)) * n
         record("window", w, "flashtune",
                lambda q, k, v, w=w: flashtune.attention(q, k, v, causal=True, window=(w, 0)),
@@ -179,7 +182,7 @@ def main(argv=None) -> int:
 
     def kept(bb, hh, qi, ki):
         return blocks_now[qi // 128, ki // 128]
-    for pct in (int(x) for x in args.densities.split(",")):
+    for pct in (int(x) for x in args.densities.split(",") if x.isdigit()):
         blocks = random_blocks(nb, pct / 100, seed=pct).to(dev)
         bm = flashtune.BlockMask.from_dense(blocks, (n, n), block_size=128)
         pairs = bm.density() * n * n
