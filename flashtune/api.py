@@ -75,7 +75,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
 
 def check_masks(q, k, causal, window, softcap, block_mask) -> Masks:
     """Validated masks of a dense call (errors name the argument), before any launch."""
-    window = check_window(window, causal)
+    window = check_window(window, causal, q.shape[-2], k.shape[-2])
     softcap = check_softcap(softcap)
     if block_mask is not None:
         if not isinstance(block_mask, BlockMask):
@@ -116,7 +116,8 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     sequence's own lengths).
     """
     check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale)
-    window, softcap = check_window(window, causal), check_softcap(softcap)
+    window = check_window(window, causal, max_seqlen_q, max_seqlen_k)
+    softcap = check_softcap(softcap)
     masks = Masks(window, softcap) if window is not None or softcap is not None else NONE
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")

@@ -341,7 +341,8 @@ def explain(problem, k=None, v=None, *, causal: bool = False, family: str = "fwd
     (mask_twin), and a note says which it was chosen as."""
     from .masks import NONE, Masks, check_softcap, check_window, representative
     if not isinstance(problem, Problem):
-        masks = Masks(check_window(window, causal), check_softcap(softcap), block_mask)
+        masks = Masks(check_window(window, causal, problem.shape[-2], k.shape[-2]),
+                      check_softcap(softcap), block_mask)
         problem = Problem.of_call(family, problem, k, causal, masks)
     else:
         masks = representative(problem, "cpu") if problem.mask_kinds else NONE

@@ -51,7 +51,12 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                                           causal, scale, return_lse)
     masks = NONE
     if window is not None or softcap is not None:
-        window, softcap = check_window(window, causal), check_softcap(softcap)
+        # a window is trimmed against the cache's capacity, not this call's lengths: a CUDA
+        # graph replayed after the caches grew runs the same kernels
+        capacity = (block_table.shape[1] * k_cache.shape[1] if block_table is not None
+                    else k_cache.shape[1])
+        window = check_window(window, causal, q.shape[1], capacity)
+        softcap = check_softcap(softcap)
         if window is not None or softcap is not None:
             masks = Masks(window, softcap)
     paged = block_table is not None

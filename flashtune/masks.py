@@ -22,9 +22,13 @@ __all__ = ["Masks", "check_window", "check_softcap", "window_range", "dense_mask
 UNBOUNDED = 1 << 30
 
 
-def check_window(window, causal: bool) -> tuple | None:
+def check_window(window, causal: bool, nq: int | None = None, nk: int | None = None
+                 ) -> tuple | None:
     """The window as the kernels take it, or None when it masks nothing beyond `causal`.
-    Raises naming `window` for anything but a pair of ints >= -1."""
+    Raises naming `window` for anything but a pair of ints >= -1. nq, nk: the most query and
+    key positions a sequence of the call may have; a side reaching past them cuts nothing and
+    becomes unbounded (-1), so a window as wide as the keys runs the dense kernels (a causal
+    16k call with window (16384, 0) ran the masked kernels at 0.6x the causal ones, H100)."""
     if window is None:
         return None
     if (not isinstance(window, (tuple, list)) or len(window) != 2
@@ -35,6 +39,12 @@ def check_window(window, causal: bool) -> tuple | None:
         raise ValueError(f"window sizes must be >= 0, or -1 for unbounded; got window={window!r}")
     if causal:
         right = 0
+    # query i sees keys [i + nk - nq - left, i + nk - nq + right]: every key from left >= nk - 1,
+    # up to the last from right >= nq - 1
+    if nk is not None and left >= nk - 1:
+        left = -1
+    if nq is not None and not causal and right >= nq - 1:
+        right = -1
     if left == -1 and right == -1:
         return None
     if left == -1 and causal:

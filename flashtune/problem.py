@@ -137,23 +137,45 @@ class Bucket:
 
     def same_kernel_class(self, other: "Bucket") -> bool:
         """Whether a config tuned for `other` may serve `self`: the fields that decide which
-        tiles fit (family, dtype, padded head dim) and the masking (causal) must agree."""
-        return (self.family == other.family and self.dtype == other.dtype
-                and self.head_dim == other.head_dim and self.causal == other.causal
-                and _mask_parts(self.mask).keys() == _mask_parts(other.mask).keys())
+        tiles fit (family, dtype, padded head dim) and the masking (causal, softcap) must agree;
+        a record without a window or a block mask may serve a bucket with one (the mask
+        rendered in: a window as wide as the keys, a block mask kept whole, is the dense
+        problem), never the reverse."""
+        if not (self.family == other.family and self.dtype == other.dtype
+                and self.head_dim == other.head_dim and self.causal == other.causal):
+            return False
+        mine, theirs = _mask_parts(self.mask).keys(), _mask_parts(other.mask).keys()
+        return theirs <= mine and mine - theirs <= _DENSE_EQUIVALENT.keys()
 
     def log_distance(self, other: "Bucket") -> float:
         """How far apart two buckets are: octaves of seqlen_q + seqlen_k + batch*heads, plus half
-        an octave if one shares K/V heads and the other does not. inf if `other` cannot serve."""
+        an octave if one shares K/V heads and the other does not; a window's keys per query and
+        a block mask's density add their octaves too (a record without that mask counts as all
+        the keys a query sees, as every block kept: a 256-key window's record serves a
+        1024-key window before the dense causal one does, a 4096-key window's after). inf if
+        `other` cannot serve."""
         if not self.same_kernel_class(other):
             return math.inf
         d = sum(abs(math.log2(a) - math.log2(b)) for a, b in (
             (self.seqlen_q, other.seqlen_q), (self.seqlen_k, other.seqlen_k),
             (self.batch_heads, other.batch_heads)))
-        if self.mask:  # a window's keys per query, a block mask's density: octaves apart
+        if self.mask:
             a, b = _mask_parts(self.mask), _mask_parts(other.mask)
-            d += sum(abs(math.log2(a[n]) - math.log2(b[n])) for n in a if a[n] and b[n])
+            for n in a:
+                if not a[n]:  # softcap: no size
+                    continue
+                theirs = b[n] if n in b else _DENSE_EQUIVALENT[n](other)
+                d += abs(math.log2(a[n]) - math.log2(theirs))
         return d + (0.5 if self.gqa != other.gqa else 0.0)
+
+
+# a mask part's value for a record without that mask: a window of every key a query sees (half
+# the keys when causal: DESIGN's FLOP convention, as Problem.window counts them), every one of
+# the 64ths of blocks kept
+_DENSE_EQUIVALENT = {
+    "window": lambda b: max(1, b.seqlen_k // 2 if b.causal else b.seqlen_k),
+    "block": lambda b: 64,
+}
 
 
 def mask_of(p: Problem) -> str:

@@ -140,6 +140,24 @@ def test_missing_bucket_takes_the_nearest_by_log_distance(tables):
     assert "nearest bucket" in str(ex) and "2 octaves" in str(ex)
 
 
+
+def test_a_window_takes_the_dense_record_where_it_is_nearer(tables):
+    """A window of 4096 keys a query (causal, 16k: 1 octave from the dense problem's 8192) is
+    served by the dense causal record, not by a 256-key window's record 4 octaves away (its
+    small tiles ran a wide window's backward at 0.87x Flex on the H100); a 512-key window takes
+    the 256-key window's record."""
+    dense = make_record(sq=16384, variant=V_TABLE)
+    win = make_record(sq=16384, variant="fwd-m16-n16-w2-s1-window=true")
+    win = dataclasses.replace(win, bucket=dataclasses.replace(win.bucket, mask="window256"))
+    ship(tables, H200, dense, win)
+    base = prob(nq=16384)
+    ex = dispatch.explain(dataclasses.replace(base, window=4096))
+    assert ex.record.bucket.mask == "" and ex.distance == 1
+    assert ex.variant.name == V_TABLE + "-window=true"
+    ex = dispatch.explain(dataclasses.replace(base, window=512))
+    assert ex.record.bucket.mask == "window256" and ex.distance == 1
+    assert dispatch.explain(base).record.bucket.mask == ""   # never the reverse
+
 def test_nearest_never_crosses_dtype_head_dim_or_causality(tables):
     ship(tables, H200, make_record(dtype="bfloat16"), make_record(d=64), make_record(causal=False))
     assert dispatch.explain(prob()).level == "default"

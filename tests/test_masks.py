@@ -4,6 +4,7 @@ the window arithmetic the kernels share with flashtune/masks.py; that a variant 
 renders no mask code (dense kernels unchanged); Bucket keys; bad input."""
 import contextlib
 import dataclasses
+import math
 import os
 
 import pytest
@@ -13,7 +14,7 @@ import flashtune
 from flashtune import BlockMask
 from flashtune.accuracy import compare
 from flashtune.codegen import Variant, kernel_hash, render
-from flashtune.masks import UNBOUNDED, dense_mask, window_range
+from flashtune.masks import UNBOUNDED, check_window, dense_mask, window_range
 from flashtune.problem import Bucket, Problem
 from flashtune.reference import reference, same_dtype_math
 
@@ -244,15 +245,44 @@ def test_buckets_key_on_masks():
     bw, bs = Bucket.of(win), Bucket.of(sparse)
     assert bw.mask == "window1024" and bs.mask.startswith("block")
     assert len({Bucket.of(p).key, bw.key, bs.key}) == 3
-    # a dense record cannot serve a masked bucket; another window size can, octaves away
-    assert bw.log_distance(Bucket.of(p)) == float("inf")
+    # another window size serves it, octaves away; so does the dense record, as a window of
+    # every key (16k keys a query here: 4 octaves from 1024), never the reverse
     other = Bucket.of(dataclasses.replace(p, window=4096))
     assert bw.log_distance(other) == pytest.approx(2.0)
+    assert bw.log_distance(Bucket.of(p)) == pytest.approx(4.0)
+    assert Bucket.of(p).log_distance(bw) == float("inf")
+    # a block mask: the dense record counts as every block kept (64/64)
+    assert bs.log_distance(Bucket.of(p)) == pytest.approx(math.log2(64 / int(bs.mask[5:])))
+    # softcap changes the kernel: a record without it never serves a softcapped bucket
+    capped = Bucket.of(dataclasses.replace(p, window=1024, softcap=True))
+    assert capped.log_distance(bw) == float("inf")
+    assert capped.log_distance(Bucket.of(dataclasses.replace(p, softcap=True))) == 4.0
     # the dense key is what it was before masks existed (the mask field is left out at "")
     from flashtune._keys import as_dict
     assert "mask" not in as_dict(Bucket.of(p)) and "window" not in as_dict(p)
     assert win.flops() < p.flops() and sparse.flops() == pytest.approx(0.1 * p.flops())
 
+
+
+def test_a_window_wider_than_the_keys_is_no_window():
+    """A side reaching past every key a query has cuts nothing: unbounded, and a window
+    unbounded on both sides (causal: on the left) is dropped, so the dense kernels run."""
+    assert check_window((4096, 0), True, 4096, 4096) is None
+    assert check_window((4095, 0), True, 4096, 4096) is None
+    assert check_window((4094, 0), True, 4096, 4096) == (4094, 0)
+    assert check_window((7, 99), False, 100, 300) == (7, -1)      # right >= Nq - 1
+    assert check_window((299, 98), False, 100, 300) == (-1, 98)   # left >= Nk - 1
+    assert check_window((299, 99), False, 100, 300) is None
+    assert check_window((7, 99), False) == (7, 99)                # no lengths: as given
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_trimmed_window_runs_the_unmasked_kernel(causal, device):
+    q, k, v = qkv(1, 2, 1, 40, 70, 32, torch.float16, device)
+    wide = flashtune.attention(q, k, v, causal=causal, window=(69, 39))
+    assert torch.equal(wide, flashtune.attention(q, k, v, causal=causal))
+    check(q, k, v, grads=False, window=(69, 39), causal=causal)
+    check(q, k, v, grads=False, window=(68, 38), causal=causal)  # one key short: masked
 
 # -- bad input -------------------------------------------------------------------------------------
 @pytest.mark.parametrize("kw,exc,words", [
