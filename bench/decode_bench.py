@@ -36,6 +36,7 @@ import time
 
 import torch
 import triton
+import triton.language as tl
 
 import flashtune
 import flashtune.defaults
@@ -125,6 +126,41 @@ def sdpa_peer(backend_name, q, kc, vc):
         return run, "repeat_interleave"
 
 
+@triton.jit
+def _stream_read(X, Y, OUT, n, per_prog, BLOCK: tl.constexpr):
+    # every element of X and Y read once, as a decode step reads K and V: the read ceiling
+    pid = tl.program_id(0)
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for off in range(pid * per_prog, pid * per_prog + per_prog, BLOCK):
+        idx = off + tl.arange(0, BLOCK)
+        ok = idx < n
+        acc += (tl.load(X + idx, mask=ok, other=0.0).to(tl.float32)
+                + tl.load(Y + idx, mask=ok, other=0.0).to(tl.float32))
+    tl.store(OUT + pid, tl.sum(acc, 0))
+
+
+def read_ceiling(kcs, vcs, nl: int, sms: int) -> tuple:
+    """(ms per layer, programs) of the fastest plain streaming read of the same caches (K and V
+    of each layer, one kernel per layer, timed as the decode steps are): what the device reads
+    bytes of this size at, launch and ramp included. Best over 1..8 programs per SM."""
+    block = 2048
+    best = None
+    for per_sm in (1, 2, 4, 8):
+        progs = sms * per_sm
+        n = kcs[0].numel()
+        per_prog = triton.cdiv(triton.cdiv(n, progs), block) * block
+        progs = triton.cdiv(n, per_prog)
+        outs = [torch.empty(progs, dtype=torch.float32, device=DEVICE) for _ in range(nl)]
+
+        def make(i, progs=progs, per_prog=per_prog):
+            return lambda: _stream_read[(progs,)](kcs[i], vcs[i], outs[i], n, per_prog,
+                                                  BLOCK=block, num_warps=8, num_stages=3)
+        ms = bench_ms(layered(make, nl)) / nl
+        if best is None or ms < best[0]:
+            best = (ms, progs)
+    return best
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True, help="JSON lines file to write")
@@ -160,6 +196,9 @@ def main(argv=None):
                     help="seconds of GPU work before the first shape: a cold GPU clocks higher, "
                          "and the first rows measured were up to 8%% faster than the same "
                          "kernels timed right after them (B=1, GQA, 2k keys: 9.3 vs 10.0 us)")
+    ap.add_argument("--read-ceiling", action="store_true",
+                    help="also time a plain streaming read of the same K and V (read-ceiling "
+                         "rows): the bandwidth bytes of this size are read at, launch included")
     ap.add_argument("--device", default="cuda",
                     help="cpu: smoke-test this script (TRITON_INTERPRET=1, tiny sizes)")
     args = ap.parse_args(argv)
@@ -317,6 +356,15 @@ def main(argv=None):
                         row = {"kind": "error", **cfg, "impl": name,
                                "error": f"{type(e).__name__}: {str(e)[:200]}"}
                     results[name] = row
+                if args.read_ceiling and DEVICE == "cuda":
+                    try:
+                        ms, progs = read_ceiling(kcs, vcs, nl, props.multi_processor_count)
+                        results["read-ceiling"] = {"kind": "result", **cfg, "impl": "read-ceiling",
+                                                   "ms": ms, "gbps": kv_bytes / ms / 1e6,
+                                                   "programs": progs}
+                    except Exception as e:  # noqa: BLE001
+                        results["read-ceiling"] = {"kind": "error", **cfg, "impl": "read-ceiling",
+                                                   "error": f"{type(e).__name__}: {str(e)[:200]}"}
                 best_peer = max((r["gbps"] for n, r in results.items()
                                  if n.startswith("sdpa") and "gbps" in r), default=None)
                 for name, row in results.items():

@@ -159,6 +159,22 @@ for step in ${STEPS:-fwdtests}; do
                 2>&1 | tee "$OUT/splitkvtests.log" | tail -8 ;;
     dsweep)   timeout ${DSWEEP_TIMEOUT:-330} python3 bench/decode_sweep.py --out "$OUT/decode_sweep.jsonl" ${DSWEEP_ARGS:-} \
                 --budget ${DSWEEP_BUDGET:-300} 2>&1 | tee "$OUT/decode_sweep.log" | tail -20 ;;
+    hopperncu) # issue 10: one launch of each worst-bucket kernel (and a good bucket) under Nsight Compute,
+              # flashtune as dispatched beside cuDNN (bench/hopper_ncu.py): sections first, then the
+              # warp stall reasons and the tensor pipe as raw metrics (a second pass: a metric name this
+              # ncu lacks fails only that pass)
+              timeout ${HOPPERNCU_TIMEOUT:-240} ncu --clock-control none --profile-from-start off \
+                --section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats \
+                --section Occupancy --section LaunchStats --section SchedulerStats --csv --page details \
+                python3 bench/hopper_ncu.py ${HOPPERNCU_ARGS:-} > "$OUT/hopper_ncu.csv" 2> "$OUT/hopper_ncu.err"
+              tail -3 "$OUT/hopper_ncu.err"
+              timeout ${HOPPERNCU_TIMEOUT:-240} ncu --clock-control none --profile-from-start off \
+                --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio,regex:sm__pipe_tensor_op_gmma_cycles_active.*,gpu__time_duration.sum" \
+                --csv --page details python3 bench/hopper_ncu.py ${HOPPERNCU_ARGS:-} \
+                > "$OUT/hopper_ncu_stalls.csv" 2> "$OUT/hopper_ncu_stalls.err"
+              tail -3 "$OUT/hopper_ncu_stalls.err"
+              python3 bench/hopper_ncu.py --summary "$OUT/hopper_ncu.csv" | tail -40
+              python3 bench/hopper_ncu.py --summary "$OUT/hopper_ncu_stalls.csv" | tail -40 ;;
     dncu)     timeout 200 ncu --clock-control none -k "regex:splitkv|sdpa|fmha|cudnn|attn" \
                 --metrics gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,dram__bytes_read.sum,launch__grid_size,launch__registers_per_thread,sm__warps_active.avg.pct_of_peak_sustained_active,launch__occupancy_limit_shared_mem,launch__occupancy_limit_registers \
                 --csv python3 bench/decode_sweep.py --ncu > "$OUT/decode_ncu.csv" 2> "$OUT/decode_ncu.err"
@@ -256,6 +272,11 @@ sys.exit(pytest.main(['-q', '-x', '--tb=long', 'tests/test_transformers_backend.
               timeout ${HOPPERBLOCKSPARSE_TIMEOUT:-120} python3 bench/hopper_sparse_bench.py \
                 --out "$OUT/hopper_sparse.jsonl" ${HOPPERBLOCKSPARSE_ARGS:-} 2>&1 \
                 | tee "$OUT/hopperblocksparse_bench.log" | tail -30 ;;
+    sparseprof16k) # issue 11: the 16k density sweep's 5% and 10% block masks (mask_bench's patterns) and
+              # the dense call under torch.profiler: which kernel keeps the 5% backward at the 10% one's time
+              timeout ${SPARSEPROF_TIMEOUT:-180} python3 bench/sparse_profile.py --n 16384 --densities 5,10 \
+                --only dense,sweep --steps 5 --out "$OUT/sparse_profile16k.jsonl" 2>&1 \
+                | grep -v "^USDT\|profiler_st" | tee "$OUT/sparse_profile16k.log" | tail -40 ;;
     sparseprof) # issue 11: where a masked fwd+bwd spends its time (torch.profiler kernel table: no mask,
               # block masks 100% and 10%, window 1024, softcap, block 10% + causal + softcap, Flex on
               # the 100% mask; N=4k, D=128, bf16; host runtime calls per step), then the host time

@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 
 import flashtune  # noqa: E402
-from mask_bench import fwd_bwd  # noqa: E402
+from mask_bench import fwd_bwd, random_blocks  # noqa: E402
 
 
 def profile(run, steps: int, cuda: bool) -> dict:
@@ -76,6 +76,11 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--smoke", action="store_true", help="CPU: N=256, H=2, D=32, float16")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--densities", default="",
+                    help="also block masks of these percents, mask_bench.py's random blocks "
+                         "(same seeds: the sweep's patterns), e.g. 5,10")
+    ap.add_argument("--only", default="",
+                    help="comma-separated case-name prefixes to run (default: every case)")
     args = ap.parse_args(argv)
     cuda = torch.cuda.is_available() and not args.smoke
     dev = "cuda" if cuda else "cpu"
@@ -92,6 +97,9 @@ def main(argv=None) -> int:
                                                               device=dev), (n, n), block_size=128),
         "block10": flashtune.BlockMask.from_dense(sparse.to(dev), (n, n), block_size=128),
     }
+    for pct in (int(x) for x in args.densities.split(",") if x.isdigit()):
+        masks[f"sweep{pct}"] = flashtune.BlockMask.from_dense(
+            random_blocks(nb, pct / 100, seed=pct).to(dev), (n, n), block_size=128)
     cases = {"dense": lambda q, k, v: flashtune.attention(q, k, v),
              "window1024": lambda q, k, v: flashtune.attention(q, k, v, causal=True,
                                                              window=(1024, 0)),
@@ -119,8 +127,11 @@ def main(argv=None) -> int:
             cases["flex_block100"] = lambda q, k, v: flex(q, k, v, block_mask=fbm)
         except Exception as e:  # noqa: BLE001 -- a missing peer is a line, not a crash
             print(f"flex unavailable: {type(e).__name__}: {e}")
+    only = tuple(x for x in args.only.split(",") if x)
     out = open(args.out, "w") if args.out else None
     for name, fn in cases.items():
+        if only and not name.startswith(only):
+            continue
         try:
             row = {"case": name, "N": n, "H": h, "D": d,
                    **profile(fwd_bwd(fn, q, k, v), args.steps, cuda)}
