@@ -160,21 +160,19 @@ for step in ${STEPS:-fwdtests}; do
     dsweep)   timeout ${DSWEEP_TIMEOUT:-330} python3 bench/decode_sweep.py --out "$OUT/decode_sweep.jsonl" ${DSWEEP_ARGS:-} \
                 --budget ${DSWEEP_BUDGET:-300} 2>&1 | tee "$OUT/decode_sweep.log" | tail -20 ;;
     hopperncu) # issue 10: one launch of each worst-bucket kernel (and a good bucket) under Nsight Compute,
-              # flashtune as dispatched beside cuDNN (bench/hopper_ncu.py): sections first, then the
-              # warp stall reasons and the tensor pipe as raw metrics (a second pass: a metric name this
-              # ncu lacks fails only that pass)
+              # flashtune as dispatched, hopper_fwd forced, cuDNN (bench/hopper_ncu.py): the sections' details,
+              # then the raw page of the warp-state and compute sections (every stall reason, the pipes' use)
               timeout ${HOPPERNCU_TIMEOUT:-240} ncu --clock-control none --profile-from-start off \
                 --section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats \
                 --section Occupancy --section LaunchStats --section SchedulerStats --csv --page details \
                 python3 bench/hopper_ncu.py ${HOPPERNCU_ARGS:-} > "$OUT/hopper_ncu.csv" 2> "$OUT/hopper_ncu.err"
               tail -3 "$OUT/hopper_ncu.err"
               timeout ${HOPPERNCU_TIMEOUT:-240} ncu --clock-control none --profile-from-start off \
-                --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio,regex:sm__pipe_tensor_op_gmma_cycles_active.*,gpu__time_duration.sum" \
-                --csv --page details python3 bench/hopper_ncu.py ${HOPPERNCU_ARGS:-} \
-                > "$OUT/hopper_ncu_stalls.csv" 2> "$OUT/hopper_ncu_stalls.err"
-              tail -3 "$OUT/hopper_ncu_stalls.err"
+                --section WarpStateStats --section ComputeWorkloadAnalysis --csv --page raw \
+                python3 bench/hopper_ncu.py ${HOPPERNCU_ARGS:-} > "$OUT/hopper_ncu_raw.csv" 2> "$OUT/hopper_ncu_raw.err"
+              tail -3 "$OUT/hopper_ncu_raw.err"
               python3 bench/hopper_ncu.py --summary "$OUT/hopper_ncu.csv" | tail -40
-              python3 bench/hopper_ncu.py --summary "$OUT/hopper_ncu_stalls.csv" | tail -40 ;;
+              python3 bench/hopper_ncu.py --stalls "$OUT/hopper_ncu_raw.csv" | tail -40 ;;
     dncu)     timeout 200 ncu --clock-control none -k "regex:splitkv|sdpa|fmha|cudnn|attn" \
                 --metrics gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,dram__bytes_read.sum,launch__grid_size,launch__registers_per_thread,sm__warps_active.avg.pct_of_peak_sustained_active,launch__occupancy_limit_shared_mem,launch__occupancy_limit_registers \
                 --csv python3 bench/decode_sweep.py --ncu > "$OUT/decode_ncu.csv" 2> "$OUT/decode_ncu.err"

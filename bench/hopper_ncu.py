@@ -7,7 +7,8 @@ flashtune as dispatched beside SDPA's cuDNN backend on the same inputs.
         python3 bench/hopper_ncu.py > ncu.csv
     python3 bench/hopper_ncu.py --summary ncu.csv      # a table per kernel (no GPU needed)
 
-Every case is run (and compiled) a few times before the profiled call, which alone lies between
+Implementations: flashtune as dispatched, hopper_fwd forced to its own record (forward cases),
+cuDNN. Every case is run (and compiled) a few times before the profiled call, which alone lies between
 cudaProfilerStart and cudaProfilerStop, so `--profile-from-start off` profiles exactly one
 launch of each kernel of each case. Cases: the standard grid's worst buckets against cuDNN
 (docs/benchmarks.md, sessions 10-11: forward D=256 causal N=512 at 0.69x, D=128 causal N=1k at
@@ -55,7 +56,19 @@ def run_cases(names) -> None:
         def cudnn():
             with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
                 return sdpa(q, k, v, is_causal=causal)
-        for impl, fn in (("flashtune", ours), ("cudnn", cudnn)):
+        impls = [("flashtune", ours), ("cudnn", cudnn)]
+        if mode == "fwd":
+            # the Hopper family's own record, forced: on short causal tiles the dispatcher
+            # serves the generic family, which its record beats there
+            from flashtune import dispatch
+            from flashtune.problem import Problem
+            hv = dispatch.select(Problem("hopper_fwd", "bfloat16", d, causal, 1, b, h, n, n))
+
+            def hopper(hv=hv):
+                with flashtune.force(hv):
+                    return flashtune.attention(q, k, v, causal=causal)
+            impls.insert(1, ("hopper_fwd", hopper))
+        for impl, fn in impls:
             if mode == "fwd":
                 def step(fn=fn):
                     with torch.no_grad():
@@ -102,11 +115,46 @@ def summary(path: str) -> None:
             print("      stalls: " + ", ".join(f"{n} {x:g}" for x, n in stalls[:6]))
 
 
+def stalls(path: str) -> None:
+    """ncu's --csv --page raw output (a row per kernel, a column per metric; the second row holds
+    units) -> per kernel its duration, the tensor pipe's use and the warp stall reasons that
+    take over 5% of the cycles between a warp's instructions, largest first."""
+    lines = [ln for ln in open(path) if ln.startswith('"')]
+    rows = list(csv.DictReader(lines))
+    if rows and not rows[0].get("ID", "").strip().isdigit():
+        rows = rows[1:]  # the units row
+    for r in rows:
+        def num(name):
+            try:
+                return float(str(r.get(name, "")).replace(",", ""))
+            except ValueError:
+                return None
+        per = {k[len("smsp__average_warps_issue_stalled_"):-len("_per_issue_active.ratio")]: num(k)
+               for k in r if k.startswith("smsp__average_warps_issue_stalled_")
+               and k.endswith("_per_issue_active.ratio")}
+        per = {k: v for k, v in per.items() if v}
+        total = sum(per.values()) or 1.0
+        pipes = {k: num(k) for k in r if "pipe_tensor" in k and "pct" in k}
+        pipe = ", ".join(f"{k.split('__')[1][:40]} {v:.1f}%" for k, v in pipes.items()
+                         if v is not None)
+        print(f"{r['ID']:>3} {r['Kernel Name'][:60]}  {num('gpu__time_duration.sum') or ''}")
+        if pipe:
+            print(f"      tensor pipe: {pipe}")
+        print("      stalls (cycles per issued instruction): " + ", ".join(
+            f"{k} {v:.2f}" for k, v in sorted(per.items(), key=lambda x: -x[1])
+            if v / total > 0.05))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--cases", default="", help="comma-separated case names (default: all)")
     ap.add_argument("--summary", default=None, help="summarise an ncu CSV instead of running")
+    ap.add_argument("--stalls", default=None,
+                    help="the stall reasons of an ncu --page raw CSV instead of running")
     args = ap.parse_args(argv)
+    if args.stalls:
+        stalls(args.stalls)
+        return 0
     if args.summary:
         summary(args.summary)
         return 0
