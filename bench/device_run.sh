@@ -237,6 +237,15 @@ sys.exit(pytest.main(['-q', '-x', '--tb=long', 'tests/test_transformers_backend.
                 --baselines cudnn,fwd --head-dims 64,128,256 --bench-dims 128,64,256 \
                 --seqlens ${HOPPERQBUF_SEQLENS:-512,1024,2048,8192} --budget ${HOPPERQBUF_BUDGET:-310} 2>&1 \
                 | tee "$OUT/hopperqbuf_bench.log" | tail -20 ;;
+    hopperl2) # issue 10: hopper_fwd's causal tile order in L2-sized sections of heads (l2_order): its forced GPU
+              # tests over several sections (bf16 and fp16, persistent and not), then the H100 table's short
+              # causal records and the defaults without and with it beside cuDNN and the generic fwd default
+              timeout ${HOPPERL2_TESTS_TIMEOUT:-200} python3 -m pytest -q -m gpu tests/test_hopper.py \
+                -k "l2_order" 2>&1 | tee "$OUT/hopperl2_tests.log" | tail -8
+              timeout ${HOPPERL2_TIMEOUT:-300} python3 bench/hopper_check.py --set l2order --skip-check \
+                --baselines cudnn,fwd --head-dims 64,128,256 --bench-dims 128,256,64 \
+                --seqlens ${HOPPERL2_SEQLENS:-512,1024,2048,4096,16384} --budget ${HOPPERL2_BUDGET:-280} 2>&1 \
+                | tee "$OUT/hopperl2_bench.log" | tail -40 ;;
     hopperdefaults) # issue 10: hopper_fwd's D=64/128 defaults (the 128-key ping-pong, s3): their forced GPU
               # tests (bf16 and fp16, causal or not), then the standard grid beside cuDNN, SDPA flash and
               # the generic fwd's default in the same run -> hopper_fwd.jsonl

@@ -76,7 +76,22 @@ QBUF = {
     256: ["hopper_fwd-m64-n32-w4-s3-pingpong=true-persistent=true-lr24",
           "hopper_fwd-m64-n32-w4-s3-pingpong=true-persistent=true-lr24-qb2"],
 }
-SETS = {"loader": CANDIDATES, "no_loader": NO_LOADER, "tiles": TILES, "qbuf": QBUF}
+# the causal tile order in L2-sized sections of heads (l2_order): the H100 table's short causal
+# records and the defaults, each without and with it (ncu, causal D=128 N=1k: DRAM 84% busy
+# re-reading K/V the tiles in flight had evicted from L2)
+L2ORDER = {
+    64: ["hopper_fwd-m64-n128-w4-s3-pingpong=true-lr24",
+         "hopper_fwd-m64-n128-w4-s3-pingpong=true-lr24-l2_order=true"],
+    128: ["hopper_fwd-m64-n64-w4-s4-causal_split=false-pingpong=true-persistent=true-lr32-qb2",
+          "hopper_fwd-m64-n64-w4-s4-causal_split=false-pingpong=true-persistent=true-lr32-qb2"
+          "-l2_order=true",
+          "hopper_fwd-m64-n128-w4-s3-pingpong=true-lr24",
+          "hopper_fwd-m64-n128-w4-s3-pingpong=true-lr24-l2_order=true"],
+    256: ["hopper_fwd-m64-n32-w4-s4-causal_split=false-pingpong=true-lr40",
+          "hopper_fwd-m64-n32-w4-s4-causal_split=false-pingpong=true-lr40-l2_order=true"],
+}
+SETS = {"loader": CANDIDATES, "no_loader": NO_LOADER, "tiles": TILES, "qbuf": QBUF,
+        "l2order": L2ORDER}
 # (B, H, Hk, Nq, Nk, causal): odd lengths, a single key/query, GQA, Nq > Nk causal (the first
 # Nq - Nk rows see no key), a multi-tile causal case
 CHECK_SHAPES = [(1, 2, 2, 1, 1, False), (2, 3, 3, 37, 37, True), (1, 4, 2, 113, 203, False),

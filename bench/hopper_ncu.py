@@ -134,12 +134,12 @@ def stalls(path: str) -> None:
                and k.endswith("_per_issue_active.ratio")}
         per = {k: v for k, v in per.items() if v}
         total = sum(per.values()) or 1.0
-        pipes = {k: num(k) for k in r if "pipe_tensor" in k and "pct" in k}
-        pipe = ", ".join(f"{k.split('__')[1][:40]} {v:.1f}%" for k, v in pipes.items()
-                         if v is not None)
+        pipe = ", ".join(f"{k.split('.')[-1]} {num(k):.1f}%" for k in r
+                         if k.startswith("sm__pipe_tensor_cycles_active.avg.pct_of_peak")
+                         and num(k) is not None)
         print(f"{r['ID']:>3} {r['Kernel Name'][:60]}  {num('gpu__time_duration.sum') or ''}")
         if pipe:
-            print(f"      tensor pipe: {pipe}")
+            print(f"      tensor pipe busy: {pipe}")
         print("      stalls (cycles per issued instruction): " + ", ".join(
             f"{k} {v:.2f}" for k, v in sorted(per.items(), key=lambda x: -x[1])
             if v / total > 0.05))

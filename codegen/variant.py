@@ -67,6 +67,9 @@ class Variant:
     # hopper_fwd only: Q tiles per consumer (each its tile's O staging buffer): 2 lets the loader
     # fetch the next tile's Q and K/V while a persistent program's consumers finish the current one
     q_buffers: int = 1
+    # hopper_fwd only (structural): causal tiles ordered in sections of heads whose K/V fit in
+    # L2, longest first within a section (the template's _tile_coords)
+    l2_order: bool = False
     # structural, masks beyond causal (flashtune/masks.py; only the variants that take them carry
     # their code): local attention with runtime (left, right) bounds; tanh softcapping of the
     # scores; block-sparse key iteration over a flashtune.BlockMask's lists
@@ -179,7 +182,7 @@ class Variant:
         """The fields that change the rendered text (the template's `#%if` conditions read these)."""
         return {"causal_split": self.causal_split, "loads": self.loads, "dq": self.dq,
                 "varlen": self.varlen, "paged": self.paged, "pingpong": self.pingpong,
-                "loader": self.loader_regs > 0,
+                "loader": self.loader_regs > 0, "l2_order": self.l2_order,
                 "window": self.window,
                 "softcap": self.softcap, "block_sparse": self.block_sparse,
                 # any mask beyond causal: the window's bounds and loops (softcap alone runs them

@@ -135,6 +135,26 @@ def test_q_buffers_is_a_field_with_its_shared_memory():
     assert render(v).splitlines()[1:] == render(v1).splitlines()[1:]
 
 
+def test_l2_order_is_structural_and_searched_for_causal_problems_only():
+    import dataclasses
+    from flashtune.search_space import Space
+    from flashtune.targets import get as get_target
+    v = Variant.parse("hopper_fwd-m64-n64-w4-s3-pingpong=true-persistent=true-lr24-l2_order=true")
+    off = dataclasses.replace(v, l2_order=False)
+    assert v.l2_order and Variant.parse(v.name) == v and "l2_order" not in off.name
+    # the sections' code only in its renders: every other variant's text (and record) unchanged
+    assert "sec * num_m" in render(v) and "sec * num_m" not in render(off)
+    with pytest.raises(ValueError, match="l2_order"):  # another family's field
+        Variant.parse("fwd-m64-n64-w4-s2-l2_order=true")
+    h100 = get_target("H100")
+    for causal, offered in ((True, (False, True)), (False, None)):
+        space = Space.build("hopper_fwd", h100, dataclasses.replace(
+            _problem(causal=causal, nq=1024), family="hopper_fwd"))
+        got = [p.values for p in space.params if p.name == "l2_order"]
+        assert got == ([offered] if offered else [])
+        assert any(v.l2_order for v in space.feasible) == bool(offered)
+
+
 def test_search_offers_two_q_buffers_to_persistent_loader_schedules_only():
     import dataclasses
     from flashtune.search_space import Space
@@ -337,6 +357,16 @@ QBUF = {64: ["hopper_fwd-m64-n128-w4-s3-pingpong=true-persistent=true-lr24-qb2"]
         256: ["hopper_fwd-m64-n32-w4-s3-pingpong=true-persistent=true-lr24-qb2"]}
 MANY_TILES = [(4, 16, 4, 1000, 1000), (2, 24, 8, 777, 1537), (16, 16, 16, 512, 512)]
 
+# the causal tile order in L2-sized sections of heads: the shapes' long key sequences make the
+# sections a few heads (32 MB / (4 B x D x Nk): D=64 4 and 6, D=128 2 and 3, D=256 1), the last
+# one short (10 heads: 3 + 3 + 3 + 1 at D=128), persistent and not; a many-tile shape in one
+L2ORDER = {64: ["hopper_fwd-m64-n128-w4-s3-pingpong=true-persistent=true-lr24-qb2-l2_order=true"],
+           128: ["hopper_fwd-m64-n64-w4-s4-causal_split=false-pingpong=true-persistent=true-lr32"
+                 "-qb2-l2_order=true",
+                 "hopper_fwd-m64-n128-w4-s3-pingpong=true-lr24-l2_order=true"],
+           256: ["hopper_fwd-m64-n32-w4-s4-causal_split=false-pingpong=true-lr40-l2_order=true"]}
+SECTIONS = [(1, 6, 6, 200, 32768), (2, 5, 1, 300, 20000), (4, 16, 4, 1000, 1000)]
+
 
 def forced_grid(variants: dict, shapes: list):
     """A forced-variant GPU test's grid: each (D, variant name), bf16 and fp16, causal or not,
@@ -356,6 +386,11 @@ def forced_grid(variants: dict, shapes: list):
 
 @forced_grid(QBUF, MANY_TILES)
 def test_two_q_buffers_match_reference_over_many_tiles(d, name, dtype, causal, shape):
+    _check_forced(d, name, dtype, causal, shape)
+
+
+@forced_grid(L2ORDER, SECTIONS)
+def test_l2_order_matches_reference_over_sections(d, name, dtype, causal, shape):
     _check_forced(d, name, dtype, causal, shape)
 
 
