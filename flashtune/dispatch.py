@@ -159,10 +159,13 @@ def _compete(problem: Problem) -> "Explanation":
             continue
         rp = dataclasses.replace(problem, family=rival.name)
         rex = _explain_bucket(rp)
-        # records compete only for their own bucket: one octaves away, scaled to this problem's
-        # work, says nothing (an Nq~512 fwd record "ran" a decode step in 1.5 us on the H100)
+        # records compete only for their own shape: one octaves away, scaled to this problem's
+        # work, says nothing (an Nq~512 fwd record "ran" a decode step in 1.5 us on the H100);
+        # a masked bucket's nearest records of the same shape (another window or density, the
+        # dense one) do compete, scaled by the keys computed (a 50%-dense block mask at 16k ran
+        # the generic fwd's dense record by the heuristic, 0.6x the Hopper one)
         if (ex.record is not None and rex.record is not None
-                and rex.distance == 0 and ex.distance == 0):
+                and _same_shape(ex) and _same_shape(rex)):
             mine = get(problem.family).estimate_ms(problem, ex.record)
             theirs = rival.estimate_ms(rp, rex.record)
             why = (f"{rival.name} {rex.variant.name} ~{theirs:.3g} ms vs {problem.family} "
@@ -176,6 +179,15 @@ def _compete(problem: Problem) -> "Explanation":
             ex = dataclasses.replace(winner, problem=problem,
                                      notes=winner.notes + (f"competed: {why}",))
     return ex
+
+
+def _same_shape(ex: "Explanation") -> bool:
+    """Whether ex's record was measured on the problem's own bucket, masks apart."""
+    if ex.distance == 0:
+        return True
+    a, b = ex.bucket, ex.record.bucket
+    return (a.seqlen_q, a.seqlen_k, a.batch_heads, a.gqa) == (b.seqlen_q, b.seqlen_k,
+                                                            b.batch_heads, b.gqa)
 
 
 @lru_cache(maxsize=256)

@@ -15,6 +15,15 @@ os.environ.pop("FLASHTUNE_DB", None)
 
 DEVICE = "cuda" if HAS_CUDA else "cpu"
 
+# Gluon imported now, under the knob above: triton 3.9's Gluon asserts at import that
+# triton.language's functions are JIT functions unless interpreting, so a first import inside a
+# test that sets TRITON_INTERPRET=0 (a dispatcher test acting as a GPU machine) failed, and such
+# tests passed or failed by which test imported Gluon first
+try:
+    import triton.experimental.gluon.language.nvidia.hopper  # noqa: F401
+except Exception:  # noqa: BLE001 -- a Triton without Gluon: gluon_compat.missing() says so
+    pass
+
 
 def pytest_collection_modifyitems(config, items):
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")

@@ -11,7 +11,7 @@ import flashtune
 from flashtune import dispatch
 from flashtune.codegen import Variant, render
 from flashtune.families import get
-from flashtune.problem import Problem
+from flashtune.problem import Bucket, Problem
 
 from _check import assert_matches_reference, qkv
 
@@ -223,6 +223,35 @@ def test_dispatcher_competes_or_falls_back_with_a_reason(gpu, prefer, family, no
     assert ex.variant.family == family
     assert note in "\n".join(ex.notes)
     assert dispatch.select(_problem()).family == family
+
+
+@pytest.mark.parametrize("fwd_ms,family", [(1.0, "fwd"), (4.0, "hopper_fwd")])
+def test_masked_bucket_competes_on_same_shape_records(fwd_ms, family, monkeypatch, tmp_path):
+    """A 50%-dense block mask (bucket block32) has no record of its own: each family's nearest
+    is a record of the same shape one octave away (the dense one, the 25% one). They compete by
+    those records, scaled to the keys computed, not by the heuristic (which ran the generic
+    fwd's dense record at 0.6x the Hopper one, H100, 16k)."""
+    import dataclasses
+    from flashtune.families import hopper_fwd
+    from flashtune.tuned_db.io import table_path, write_table
+    from test_db import make_record
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # as on a GPU machine (no kernel runs here)
+    monkeypatch.setattr(hopper_fwd, "prefer_for_dense", lambda p: False)
+    p = dataclasses.replace(_problem(nq=16384), block_density=0.5)
+    bh = Bucket.of(p).batch_heads
+    dense = make_record(gpu="nvidia-h100-80gb-hbm3", sq=16384, bh=bh, causal=False,
+                        dtype="bfloat16", variant="fwd-m64-n64-w4-s3", ms=fwd_ms)
+    quarter = make_record(gpu="nvidia-h100-80gb-hbm3", sq=16384, bh=bh, causal=False,
+                          dtype="bfloat16", variant="hopper_fwd-m64-n128-w4-s3-pingpong=true-lr24",
+                          family="hopper_fwd", ms=1.0)
+    quarter = dataclasses.replace(quarter, bucket=dataclasses.replace(quarter.bucket,
+                                                                      mask="block16"))
+    write_table(table_path("H100", tmp_path), "nvidia-h100-80gb-hbm3", [dense, quarter])
+    dispatch.configure(gpu="H100", db=f"sqlite:///{tmp_path}/none.db", tables_dir=tmp_path)
+    ex = flashtune.explain(p)
+    assert ex.distance == 1 and "(tuned records)" in "\n".join(ex.notes)
+    # hopper: 1 ms at 25% -> ~2 ms at 50%; fwd: fwd_ms dense -> fwd_ms / 2
+    assert ex.variant.family == family
 
 
 @pytest.mark.parametrize("d,causal,n,want", [
