@@ -18,6 +18,8 @@ Rows (one JSON line each, a table at the end), forward ("fwd") and with --bwd "f
              5 .. 100 % (128 x 128 blocks, the same random pattern for every peer; the diagonal
              block always kept so no row is empty); flex with create_block_mask of a mask_mod
              reading that block pattern (every kept block full); sdpa with the element mask
+On the GPU flashtune and Flex are re-timed interleaved on each mask (--rounds shuffled rounds,
+flashtune.timing.interleaved, each row with its spread); SDPA and the dense rows by do_bench.
 Targets (issue 11): 10 %-dense <= 0.15x the dense time at N=16k; at or above FlexAttention.
 FLOPs for TFLOP/s: 4*B*H*D*(visible pairs) (fwd; bwd 2.5x): dense N^2 (causal N^2/2), window
 sum over rows of the keys it sees, block density p * N^2.
@@ -25,6 +27,7 @@ sum over rows of the keys it sees, block density p * N^2.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from pathlib import Path
@@ -102,6 +105,8 @@ def main(argv=None) -> int:
     ap.add_argument("--smoke", action="store_true",
                     help="CPU smoke run in Triton's interpreter (TRITON_INTERPRET=1): N=256")
     ap.add_argument("--out", default=None, help="JSON lines (default $OUT/mask_bench.jsonl)")
+    ap.add_argument("--rounds", type=int, default=5,
+                    help="interleaved rounds of flashtune and Flex per mask (GPU)")
     args = ap.parse_args(argv)
     if args.quick:
         args.n, args.windows, args.densities = 4096, "128,1024,4096", "10,50,100"
@@ -141,6 +146,44 @@ def main(argv=None) -> int:
             f.flush()
             print(json.dumps(row), flush=True)
 
+    def record_together(kind, param, impls, pairs):
+        """flashtune and Flex on one mask, re-timed interleaved in shuffled rounds on the GPU
+        (flashtune.timing.interleaved: drift hits both alike; single do_bench medians of a
+        fwd+bwd step moved 15-50% between runs, H100, 16k), each row with its rounds' spread."""
+        if dev != "cuda":
+            for impl, fn in impls:
+                record(kind, param, impl, fn, pairs)
+            return
+        from flashtune.timing import interleaved
+        for mode in modes:
+            runs, names = [], []
+            for impl, fn in impls:
+                run = (lambda fn=fn: fn(q, k, v)) if mode == "fwd" else fwd_bwd(fn, q, k, v)
+                try:
+                    with torch.no_grad() if mode == "fwd" else contextlib.nullcontext():
+                        run()
+                except Exception as e:  # noqa: BLE001 -- a peer that cannot run: a row
+                    row = dict(kind=kind, param=param, impl=impl, mode=mode, error=repr(e)[:200])
+                    rows.append(row)
+                    f.write(json.dumps(row) + "\n")
+                    print(json.dumps(row), flush=True)
+                    continue
+                if mode == "fwd":
+                    def run(run=run):
+                        with torch.no_grad():
+                            run()
+                runs.append(run)
+                names.append(impl)
+            for impl, (ms, spread) in zip(names, interleaved(runs, rounds=args.rounds)):
+                flops = 4.0 * b * h * d * pairs * (1 if mode == "fwd" else 3.5)
+                row = dict(kind=kind, param=param, impl=impl, mode=mode, ms=ms,
+                           tflops=flops / ms / 1e9, spread=round(spread, 3),
+                           timing=f"interleaved x{args.rounds}")
+                rows.append(row)
+                f.write(json.dumps(row) + "\n")
+                f.flush()
+                print(json.dumps(row), flush=True)
+
     import triton
     env = dict(kind="env", torch=torch.__version__, triton=triton.__version__,
                device=torch.cuda.get_device_name() if dev == "cuda" else "cpu",
@@ -160,19 +203,18 @@ def main(argv=None) -> int:
         return (qi >= ki) & (qi - ki <= w_now)
     for w in (int(x) for x in args.windows.split(",") if x.isdigit() and int(x) <= n):
         pairs = window_keys(n, n, True, (w, 0)) * n
-        record("window", w, "flashtune",
-               lambda q, k, v, w=w: flashtune.attention(q, k, v, causal=True, window=(w, 0)),
-               pairs)
-        if args.no_peers:
-            continue
-        try:
-            from torch.nn.attention.flex_attention import create_block_mask
-            w_now.fill_(w)
-            fbm = create_block_mask(sliding, None, None, n, n, device=dev)
-            record("window", w, "flex", flex_fn(fbm), pairs)
-        except Exception as e:  # noqa: BLE001
-            print(f"flex window {w}: {e!r}")
-        if n <= args.sdpa_max_n:
+        impls = [("flashtune", lambda q, k, v, w=w: flashtune.attention(q, k, v, causal=True,
+                                                                         window=(w, 0)))]
+        if not args.no_peers:
+            try:
+                from torch.nn.attention.flex_attention import create_block_mask
+                w_now.fill_(w)
+                fbm = create_block_mask(sliding, None, None, n, n, device=dev)
+                impls.append(("flex", flex_fn(fbm)))
+            except Exception as e:  # noqa: BLE001
+                print(f"flex window {w}: {e!r}")
+        record_together("window", w, impls, pairs)
+        if not args.no_peers and n <= args.sdpa_max_n:
             m = dense_mask(n, n, True, (w, 0), device=dev)
             record("window", w, "sdpa", sdpa_fn(m), pairs)
 
@@ -186,20 +228,20 @@ def main(argv=None) -> int:
         blocks = random_blocks(nb, pct / 100, seed=pct).to(dev)
         bm = flashtune.BlockMask.from_dense(blocks, (n, n), block_size=128)
         pairs = bm.density() * n * n
-        record("density", pct, "flashtune",
-               lambda q, k, v, bm=bm: flashtune.attention(q, k, v, block_mask=bm), pairs)
-        if args.no_peers:
-            continue
-        try:
-            from torch.nn.attention.flex_attention import create_block_mask
-            blocks_now.copy_(blocks)
-            # the block pattern as a mask_mod: create_block_mask finds every kept block full
-            # (the mask is constant inside it), so Flex skips mask_mod there, as flashtune does
-            fbm = create_block_mask(kept, None, None, n, n, device=dev, BLOCK_SIZE=128)
-            record("density", pct, "flex", flex_fn(fbm), pairs)
-        except Exception as e:  # noqa: BLE001
-            print(f"flex density {pct}: {e!r}")
-        if n <= args.sdpa_max_n:
+        impls = [("flashtune", lambda q, k, v, bm=bm: flashtune.attention(q, k, v, block_mask=bm))]
+        if not args.no_peers:
+            try:
+                from torch.nn.attention.flex_attention import create_block_mask
+                blocks_now.copy_(blocks)
+                # the block pattern as a mask_mod: create_block_mask finds every kept block full
+                # (the mask is constant inside it), so Flex skips mask_mod there, as flashtune
+                # does
+                fbm = create_block_mask(kept, None, None, n, n, device=dev, BLOCK_SIZE=128)
+                impls.append(("flex", flex_fn(fbm)))
+            except Exception as e:  # noqa: BLE001
+                print(f"flex density {pct}: {e!r}")
+        record_together("density", pct, impls, pairs)
+        if not args.no_peers and n <= args.sdpa_max_n:
             record("density", pct, "sdpa", sdpa_fn(bm.to_dense_mask()), pairs)
 
     # table: time relative to flashtune's dense forward
