@@ -324,7 +324,8 @@ def test_a_template_edit_that_leaves_a_variants_code_alone_keeps_its_record_fres
 def test_the_shipped_h100_table_is_fresh():
     # every family's grid, searched 2026-11-24 (D=64/128: 24 fwd, 24 bwd, 64 splitkv, 24
     # hopper_fwd, 24 hopper_bwd, docs/benchmarks.md session 9; D=256: 12 each of fwd, bwd,
-    # hopper_fwd, hopper_bwd, session 10; hopper_fwd N <= 2048 partly re-searched in session 11);
+    # hopper_fwd, hopper_bwd, session 10; hopper_fwd N <= 2048 partly re-searched in session 11,
+    # the causal hopper_fwd buckets with l2_order in session 12);
     # a template change to that code must show up here
     from flashtune.tuned_db import lookup
     from flashtune.tuned_db.io import TABLES_DIR, read_table
