@@ -13,7 +13,7 @@ cudaProfilerStart and cudaProfilerStop, so `--profile-from-start off` profiles e
 launch of each kernel of each case. Cases: the standard grid's worst buckets against cuDNN
 (docs/benchmarks.md, sessions 10-11: forward D=256 causal N=512 at 0.69x, D=128 causal N=1k at
 0.72x, the D=128 non-causal backward at 0.73-0.8x) and a good bucket for contrast (forward
-D=128 non-causal 4k). B*N = 16k, hidden 2048, bf16, as the grid.
+D=128 non-causal 4k), and D=256 non-causal 4k (0.84x, the D=256 gap). B*N = 16k, hidden 2048, bf16, as the grid.
 """
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 CASES = (("fwd-d256-causal-512", "fwd", 256, True, 512),
          ("fwd-d128-causal-1k", "fwd", 128, True, 1024),
          ("fwd-d128-4k", "fwd", 128, False, 4096),
+         ("fwd-d256-4k", "fwd", 256, False, 4096),
          ("bwd-d128-2k", "bwd", 128, False, 2048))
 
 # the metrics the summary prints, by their ncu names (the sections above)
