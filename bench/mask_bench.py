@@ -30,6 +30,7 @@ import argparse
 import contextlib
 import json
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -43,7 +44,6 @@ from flashtune.masks import dense_mask, window_keys  # noqa: E402
 
 def bench_ms(fn, warmup=10, rep=50) -> float:
     if not torch.cuda.is_available():  # a smoke run in Triton's interpreter: one timed call
-        import time
         fn()
         t = time.perf_counter()
         fn()
@@ -126,25 +126,30 @@ def main(argv=None) -> int:
                for _ in range(3))
     modes = ["fwd"] + (["fwd+bwd"] if args.bwd else [])
 
+    def emit(kind, param, impl, mode, pairs, ms=None, error=None, **extra):
+        """One result row (a timing, or the error that kept a peer from running): kept for the
+        table, written and printed."""
+        row = dict(kind=kind, param=param, impl=impl, mode=mode)
+        if error is not None:
+            row["error"] = error
+        else:
+            flops = 4.0 * b * h * d * pairs * (1 if mode == "fwd" else 3.5)
+            row.update(ms=ms, tflops=flops / ms / 1e9, **extra)
+        rows.append(row)
+        f.write(json.dumps(row) + "\n")
+        f.flush()
+        print(json.dumps(row), flush=True)
+
     def record(kind, param, impl, fn, pairs):
         for mode in modes:
             try:
                 run = (lambda: fn(q, k, v)) if mode == "fwd" else fwd_bwd(fn, q, k, v)
-                if mode == "fwd":
-                    with torch.no_grad():
-                        ms = bench_ms(run)
-                else:
+                with torch.no_grad() if mode == "fwd" else contextlib.nullcontext():
                     ms = bench_ms(run)
             except Exception as e:  # noqa: BLE001 -- a peer that cannot run is a row with why
-                row = dict(kind=kind, param=param, impl=impl, mode=mode, error=repr(e)[:200])
+                emit(kind, param, impl, mode, pairs, error=repr(e)[:200])
             else:
-                flops = 4.0 * b * h * d * pairs * (1 if mode == "fwd" else 3.5)
-                row = dict(kind=kind, param=param, impl=impl, mode=mode, ms=ms,
-                           tflops=flops / ms / 1e9)
-            rows.append(row)
-            f.write(json.dumps(row) + "\n")
-            f.flush()
-            print(json.dumps(row), flush=True)
+                emit(kind, param, impl, mode, pairs, ms)
 
     def record_together(kind, param, impls, pairs):
         """flashtune and Flex on one mask, re-timed interleaved in shuffled rounds on the GPU
@@ -163,10 +168,7 @@ def main(argv=None) -> int:
                     with torch.no_grad() if mode == "fwd" else contextlib.nullcontext():
                         run()
                 except Exception as e:  # noqa: BLE001 -- a peer that cannot run: a row
-                    row = dict(kind=kind, param=param, impl=impl, mode=mode, error=repr(e)[:200])
-                    rows.append(row)
-                    f.write(json.dumps(row) + "\n")
-                    print(json.dumps(row), flush=True)
+                    emit(kind, param, impl, mode, pairs, error=repr(e)[:200])
                     continue
                 if mode == "fwd":
                     def run(run=run):
@@ -174,15 +176,17 @@ def main(argv=None) -> int:
                             run()
                 runs.append(run)
                 names.append(impl)
+            # ~100 ms of each first: Flex compiles per mask, and a GPU left idle through it
+            # clocks down (the 4k 10% mask right after its compile read 2.5 / 1.3 ms for
+            # flashtune / Flex fwd+bwd, spreads 0.66 / 0.43, against 0.71 / 0.74 at 50%)
+            for run in runs:
+                t_end = time.perf_counter() + 0.1
+                while time.perf_counter() < t_end:
+                    run()
+                    torch.cuda.synchronize()
             for impl, (ms, spread) in zip(names, interleaved(runs, rounds=args.rounds)):
-                flops = 4.0 * b * h * d * pairs * (1 if mode == "fwd" else 3.5)
-                row = dict(kind=kind, param=param, impl=impl, mode=mode, ms=ms,
-                           tflops=flops / ms / 1e9, spread=round(spread, 3),
-                           timing=f"interleaved x{args.rounds}")
-                rows.append(row)
-                f.write(json.dumps(row) + "\n")
-                f.flush()
-                print(json.dumps(row), flush=True)
+                emit(kind, param, impl, mode, pairs, ms, spread=round(spread, 3),
+                     timing=f"interleaved x{args.rounds}")
 
     import triton
     env = dict(kind="env", torch=torch.__version__, triton=triton.__version__,
