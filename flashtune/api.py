@@ -39,8 +39,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     i + Nk - Nq - left <= j <= i + Nk - Nq + right (bottom-right aligned, as causal); -1 leaves
     a side unbounded; with causal=True the right side is 0. Key blocks wholly outside the window
     are never loaded; a side reaching past every key is unbounded, and a window that cuts
-    nothing runs the unmasked kernels. softcap: scores s = scale * q.k become softcap * tanh(s / softcap) before
-    the softmax (Gemma 2's attn_logit_softcapping; flash_attn's softcap > 0).
+    nothing runs the unmasked kernels. softcap: scores s = scale * q.k become
+    softcap * tanh(s / softcap) before the softmax (Gemma 2's attn_logit_softcapping;
+    flash_attn's softcap > 0).
     block_mask: a flashtune.BlockMask (from_dense, from_mask, or from_flex of a FlexAttention
     BlockMask): only its kept blocks are loaded and computed, forward and backward; composes
     with causal, window and softcap (a registered op too: torch.compile traces it).
