@@ -279,6 +279,15 @@ sys.exit(pytest.main(['-q', '-x', '--tb=long', 'tests/test_transformers_backend.
               timeout ${HOPPERBLOCKSPARSE_TIMEOUT:-120} python3 bench/hopper_sparse_bench.py \
                 --out "$OUT/hopper_sparse.jsonl" ${HOPPERBLOCKSPARSE_ARGS:-} 2>&1 \
                 | tee "$OUT/hopperblocksparse_bench.log" | tail -30 ;;
+    hopperbwdblocksparse) # hopper_bwd's block_sparse render (issue 11): its forced GPU tests against the
+              # float64 reference (15 compiles: D=64/128/256, block sizes 64..256, element masks, GQA),
+              # then the backward of random 128-blocks at N=4k/16k x density 10/30/60/100 % (D=128,
+              # bf16, B=1, H=16): hopper_bwd forced vs the generic bwd as dispatched vs compiled Flex
+              timeout ${HOPPERBWDBS_TESTS_TIMEOUT:-240} python3 -m pytest -q -m gpu \
+                tests/test_hopper_bwd_block_sparse.py 2>&1 | tee "$OUT/hopperbwdblocksparse_tests.log" | tail -15
+              timeout ${HOPPERBWDBS_TIMEOUT:-180} python3 bench/hopper_sparse_bench.py --bwd \
+                --out "$OUT/hopper_bwd_sparse.jsonl" ${HOPPERBWDBS_ARGS:-} 2>&1 \
+                | tee "$OUT/hopperbwdblocksparse_bench.log" | tail -30 ;;
     sparseprof16k) # issue 11: the 16k density sweep's 5% and 10% block masks (mask_bench's patterns) and
               # the dense call under torch.profiler: which kernel keeps the 5% backward at the 10% one's time
               timeout ${SPARSEPROF_TIMEOUT:-180} python3 bench/sparse_profile.py --n 16384 --densities 5,10 \

@@ -198,25 +198,40 @@ def _is_variant(text: str, variant_cls) -> bool:
 
 
 def _bwd_rows(f, q, k, v, n, w, kw, flex, dev, args) -> list:
-    """The backward of each impl at one (N, W): a forward with gradients, then the timed
-    autograd.grad (retain_graph: the same graph again each call)."""
-    b, h, d = args.batch, args.heads, args.head_dim
-    pairs = window_keys(n, n, True, (w, 0)) * n
-    do = torch.randn_like(q)
+    """The backward of each impl at one (N, W): hopper_bwd's variants forced, the generic bwd as
+    dispatched, Flex (backward_rows)."""
     impls = {"bwd": (None, lambda q, k, v: flashtune.attention(q, k, v, **kw))}
     for name, variant in HOPPER_BWD.items():
-        def fwd(q, k, v, variant=variant):
-            with flashtune.force(variant):  # a bwd-only family: the forward is dispatched
-                return flashtune.attention(q, k, v, **kw)
-        impls[name] = (variant, fwd)
+        impls[name] = (variant, forced_forward(variant, kw))
     if flex is not None:
         try:
             impls["flex"] = ("flex_attention (compiled)", flex.call(n, w, dev, args.softcap))
         except Exception as e:  # noqa: BLE001
             print(f"flex N={n} W={w}: {e!r}", flush=True)
+    return backward_rows(f, q, k, v, kw, impls, window_keys(n, n, True, (w, 0)) * n,
+                         kind="window_bwd", N=n, W=w, causal=True, softcap=args.softcap)
+
+
+def forced_forward(variant: str, kw: dict):
+    """flashtune.attention with `variant` forced: a bwd-only family does not serve the forward
+    (it is dispatched), and ops carries the forced variant over to the backward."""
+    def fwd(q, k, v):
+        with flashtune.force(variant):
+            return flashtune.attention(q, k, v, **kw)
+    return fwd
+
+
+def backward_rows(f, q, k, v, kw: dict, impls: dict, pairs: float, **fields) -> list:
+    """One row per impl of the backward alone at one mask (fields name it): a forward with
+    gradients, then torch.autograd.grad(out, (q, k, v), dO, retain_graph=True) timed. impls as
+    forward_rows' ({name: (what, forward)}, what None for flashtune as dispatched: the rows'
+    base). TFLOP/s = 2.5 x the forward's; maxdiff_vs_bwd is max |dQ, dK, dV - the base's|."""
+    from flashtune.codegen import Variant
+    b, h, _, d = q.shape
+    do = torch.randn_like(q)
     rows, base = [], None
     for impl, (variant, fwd) in impls.items():
-        row = dict(kind="window_bwd", N=n, W=w, impl=impl, causal=True, softcap=args.softcap)
+        row = dict(fields, impl=impl)
         try:
             xs = [t.detach().clone().requires_grad_() for t in (q, k, v)]
             out = fwd(*xs)
@@ -224,10 +239,10 @@ def _bwd_rows(f, q, k, v, n, w, kw, flex, dev, args) -> list:
             def grad(out=out, xs=xs):
                 return torch.autograd.grad(out, xs, do, retain_graph=True)
             got = grad()
-            if impl == "bwd":
+            if variant is None:
                 base = got
                 variant = flashtune.explain(q, k, v, family="bwd", **kw).variant.name
-            elif variant in HOPPER_BWD.values():
+            elif _is_variant(variant, Variant):
                 with flashtune.force(variant):
                     variant = flashtune.explain(q, k, v, family="bwd", **kw).variant.name
             row["variant"] = variant

@@ -1,8 +1,8 @@
 """Launch the hopper_bwd family (Gluon, sm_90): Delta and LSE2 by the generic bwd family's
 preprocess kernel, TMA descriptors over 3-D views of the tensors, one program per (key block,
-batch * kv head), dQ accumulated in float32 and cast at the end; a sliding window and softcap as
-the variant's masked render takes them (launch.mask_args). Which variant runs is decided by the
-caller; a call this kernel cannot address (head dim, dtype, GPU, strides TMA cannot describe,
+batch * kv head), dQ accumulated in float32 and cast at the end; a sliding window, softcap and a
+block mask's transposed lists as the variant's masked render takes them (launch.mask_args). Which
+variant runs is decided by the caller; a call this kernel cannot address (head dim, dtype, GPU, strides TMA cannot describe,
 misaligned bases) runs the generic bwd family's default instead, masks included, as
 ops.run_backward expects of any plan."""
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 import triton
 
 from .codegen import Variant, load
-from .launch import check_mask_variant, mask_args
+from .launch import check_mask_variant, mask_args, mask_params
 from .launch_hopper import _device_blocker, _view3, addressable, tile_layouts
 from .launch_hopper import unsupported as _unsupported
 from .masks import NONE, Masks
@@ -42,8 +42,8 @@ def _generic_variant(head_dim: int, dtype: torch.dtype, masks: Masks = NONE) -> 
 
 class HopperBwdPlan:
     """One hopper_bwd launch fixed by the call's shapes, strides, dtype, causal, scale and masks
-    (window / softcap: the variant must render exactly those, dispatch.mask_twin; built like
-    launch.FwdPlan: Family.plan_for); run(dout, q, k, v, o, lse) -> (dq, dk, dv) in the dtype and
+    (window / softcap / block mask: the variant must render exactly those, its tiles fitted to the
+    block mask, dispatch.mask_twin; built like launch.FwdPlan: Family.plan_for); run(dout, q, k, v, o, lse) -> (dq, dk, dv) in the dtype and
     layout of q, k, v, as launch_bwd.backward."""
     __slots__ = ("variant", "kernel", "grid", "scale", "causal", "consts", "layouts", "why",
                  "generic", "masks", "mask_args", "fallback", "pre")
@@ -53,9 +53,14 @@ class HopperBwdPlan:
                  masks: Masks = NONE):
         if variant.family != "hopper_bwd":
             raise ValueError(f"HopperBwdPlan needs a 'hopper_bwd' variant, got {variant.name}")
-        if masks.block_mask is not None:
-            raise ValueError(f"{variant.name}: hopper_bwd takes no block_mask (its kernel renders "
-                             "window and softcap only; the generic bwd family serves block masks)")
+        if masks.block_mask is not None and variant.block_sparse:  # before the generic check:
+            from .families.hopper_bwd import fit_block_mask  # it names the family's own rule
+            tiles, why = fit_block_mask(variant, masks.block_mask)
+            bad = {f: t for f, t in tiles.items() if getattr(variant, f) != t}
+            if why or bad:  # a program or step across two blocks would walk the wrong lists
+                raise ValueError(f"{variant.name}: " + (why or (
+                    f"its tiles must fit the block mask's block_size {masks.block_mask.block_size}"
+                    f" (as {bad}; dispatch.mask_twin fits them)")))
         check_mask_variant(variant, masks)
         b, h, nq, d = q.shape
         self.variant = variant
@@ -81,7 +86,7 @@ class HopperBwdPlan:
         self.grid = (triton.cdiv(nk, variant.block_n), b * hk)
         self.consts = dict(HEAD_DIM=d, BLOCK_M=variant.block_m, BLOCK_N=variant.block_n,
                            STAGES=variant.num_stages, GROUP=h // hk, IS_CAUSAL=self.causal,
-                           num_warps=variant.num_warps)
+                           num_warps=variant.num_warps, **mask_params(masks))
         self.pre = preprocess_launch(q, k, self.causal, self.generic)
 
     def run(self, dout, q, k, v, o, lse):

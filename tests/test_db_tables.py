@@ -333,7 +333,8 @@ def test_the_shipped_h100_table_is_fresh():
     fams = collections.Counter(r.bucket.family for r in recs if not r.bucket.mask)
     assert fams == {"fwd": 36, "bwd": 36, "splitkv": 64, "hopper_fwd": 36, "hopper_bwd": 36}
     # and the bench's masked buckets (D=128, N=4k/16k: the causal 256-key window, the block mask
-    # of density ~1/4), searched 2026-11-25 (session 11; hopper_bwd has no block_sparse render),
+    # of density ~1/4), searched 2026-11-25 (session 11, before hopper_bwd had a block_sparse
+    # render),
     # and the causal 1024- and 4096-key windows at 16k for every family (session 12)
     masked = collections.Counter((r.bucket.family, r.bucket.mask) for r in recs if r.bucket.mask)
     wide = {(f, f"window{w}"): 1 for f in ("fwd", "bwd", "hopper_fwd", "hopper_bwd")

@@ -172,13 +172,13 @@ def test_step_schedule_covers_each_key_exactly(bm, bn, nq, nk, window, causal, s
 
 # -- CPU: variants, plans, dispatch ---------------------------------------------------------------
 
-def test_window_and_softcap_are_fields_block_masks_are_not():
-    assert {"window", "softcap"} <= set(FAM.fields) and "block_sparse" not in FAM.fields
-    assert FAM.mask_fields("bwd") == ("window", "softcap")
+def test_masks_are_fields():
+    assert FAM.fields == ("window", "softcap", "block_sparse")
+    assert FAM.mask_fields("bwd") == ("window", "softcap", "block_sparse")
     v = Variant.parse(DEFAULT + "-window=true-softcap=true")
     assert v.masks == ("window", "softcap") and Variant.parse(v.name) == v
-    with pytest.raises(ValueError, match="block_sparse"):
-        Variant.parse(DEFAULT + "-block_sparse=true")
+    v = Variant.parse(DEFAULT + "-block_sparse=true")
+    assert v.masks == ("block_sparse",) and Variant.parse(v.name) == v
 
 
 def test_plan_refuses_a_variant_that_does_not_render_the_calls_masks():
@@ -194,7 +194,7 @@ def test_plan_refuses_a_variant_that_does_not_render_the_calls_masks():
     with pytest.raises(ValueError, match="carries masks"):
         HopperBwdPlan(q, k, v, False, None, win, Masks((4, 4), 30.0))
     bm = BlockMask.from_dense(torch.ones(1, 1, dtype=torch.bool), (64, 64), block_size=64)
-    with pytest.raises(ValueError, match="block_mask"):
+    with pytest.raises(ValueError, match="carries masks"):  # block_sparse not rendered in
         HopperBwdPlan(q, k, v, False, None, win, Masks((4, 4), None, bm))
     with pytest.raises(ValueError, match="hopper_bwd"):
         HopperBwdPlan(q, k, v, False, None, Variant.parse("bwd-m16-n32-w4-s1-dq=atomic"))
@@ -211,9 +211,14 @@ def test_forced_select_bwd_renders_the_masks_in():
             DEFAULT + "-softcap=true"
         both = ops.select_bwd(q, k, True, False, _masks(True, (8, 0), 3.0))
         assert both.family == "hopper_bwd" and both.masks == ("window", "softcap")
-        # deterministic: its dQ is atomic; block masks: it renders none -- the generic bwd
+        # deterministic: its dQ is atomic -- the generic bwd
         det = ops.select_bwd(q, k, False, True, _masks(window=(4, 0)))
         assert det.family == "bwd" and det.dq == "separate" and det.window
+        # block masks: its block_sparse twin, tiles fitted (tests/test_hopper_bwd_block_sparse.py);
+        # blocks below its 64 x 64 tiles: the generic bwd
+        bm = BlockMask.from_dense(torch.ones(1, 1, dtype=torch.bool), (16, 16), block_size=128)
+        sparse = ops.select_bwd(q, k, False, False, Masks(None, None, bm))
+        assert sparse.name == DEFAULT + "-block_sparse=true"
         bm = BlockMask.from_dense(torch.ones(1, 1, dtype=torch.bool), (16, 16), block_size=16)
         sparse = ops.select_bwd(q, k, False, False, Masks(None, None, bm))
         assert sparse.family == "bwd" and sparse.block_sparse
@@ -239,13 +244,13 @@ def _ship(tables, gpu, *recs):
                 [dataclasses.replace(r, gpu=table_path(gpu).stem) for r in recs])
 
 
-def _records(problem, hopper_ms, bwd_ms):
+def _records(problem, hopper_ms, bwd_ms, more=""):
     """Tuned records of both families for the masked problem's exact bucket (tests only)."""
     from test_db import make_record
-    mine = make_record(variant="bwd-m64-n64-w4-s2-dq=atomic-window=true-softcap=true",
+    mine = make_record(variant="bwd-m64-n64-w4-s2-dq=atomic-window=true-softcap=true" + more,
                        ms=bwd_ms, family="bwd")
     hp = dataclasses.replace(problem, family="hopper_bwd")
-    theirs = make_record(variant=DEFAULT + "-window=true-softcap=true", ms=hopper_ms,
+    theirs = make_record(variant=DEFAULT + "-window=true-softcap=true" + more, ms=hopper_ms,
                          family="hopper_bwd")
     return (dataclasses.replace(mine, bucket=Bucket.of(problem)),
             dataclasses.replace(theirs, bucket=Bucket.of(hp)))
@@ -282,13 +287,20 @@ def test_untuned_masked_backward_stays_generic(monkeypatch, tmp_path):
     assert ex.variant.family == "bwd" and ex.variant.masks == ("window", "softcap")
 
 
-def test_block_masked_backward_skips_hopper_and_says_why(monkeypatch, tmp_path):
+@pytest.mark.parametrize("faster", ["hopper_bwd", "bwd", None])
+def test_block_masked_backward_competes_like_the_other_masks(faster, monkeypatch, tmp_path):
+    """A block-masked backward: untuned, the generic bwd (hopper_bwd has no heuristic); with
+    tuned records of both families for its bucket, the faster one's block_sparse twin."""
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    dispatch.configure(gpu="H100", db=f"sqlite:///{tmp_path}/none.db", tables_dir=tmp_path)
     p = dataclasses.replace(_masked_problem(), block_density=0.1)
+    if faster:
+        ms = (0.5, 1.0) if faster == "hopper_bwd" else (1.0, 0.5)
+        _ship(tmp_path, "H100", *_records(p, *ms, "-block_sparse=true"))
+    dispatch.configure(gpu="H100", db=f"sqlite:///{tmp_path}/none.db", tables_dir=tmp_path)
     ex = flashtune.explain(p)
-    assert ex.variant.family == "bwd" and ex.variant.block_sparse
-    assert "hopper_bwd skipped: its kernels take no block_sparse mask" in "\n".join(ex.notes)
+    assert ex.variant.family == (faster or "bwd"), str(ex)
+    assert ex.variant.masks == ("window", "softcap", "block_sparse")
+    assert not any("skipped" in n for n in ex.notes), ex.notes
 
 
 def test_search_pins_the_masks_in_hopper_bwd_spaces():

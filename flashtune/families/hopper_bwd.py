@@ -4,10 +4,11 @@ wgmma, dQ added into a float32 buffer by atomics. Template attn_hopper_bwd.py.tm
 in flashtune/gluon_compat.py); launched by flashtune/launch_hopper_bwd.py (HopperBwdPlan);
 measured by flashtune/measure_hopper_bwd.py; space search_spaces/hopper_bwd.json.
 
-It serves backward calls (`serves=("bwd",)`), dense, causal, with a sliding window and/or softcap
-(`serve_masks`: its window/softcap renders; block masks stay with the generic family), but has no
-heuristic: the dispatcher picks it only when forced (flashtune.force) or when tuned records of
-both families for the bucket say it is faster (dispatch._compete). Where it cannot run -- not
+It serves backward calls (`serves=("bwd",)`), dense, causal, with a sliding window, softcap and/or
+a block mask (`serve_masks`: its window/softcap/block_sparse renders; tiles fitted to the block
+mask's block size by `fit_block_mask`), but has no heuristic: the dispatcher picks it only when
+forced (flashtune.force) or when tuned records of both families for the bucket say it is faster
+(dispatch._compete). Where it cannot run -- not
 sm_90, a Triton without Gluon, Triton's interpreter, a head dim other than 64/128/256, float32 -- the
 generic bwd family serves the call and `flashtune.explain` says why (`cannot_serve`);
 deterministic calls go to the generic bwd too (ops.select_bwd: its dQ is atomic)."""
@@ -21,7 +22,7 @@ FAMILY = Family(
         "atomic dQ",
     template="attn_hopper_bwd.py.tmpl",
     kernels=("attn_bwd_hopper",),
-    fields=("window", "softcap"),
+    fields=("window", "softcap", "block_sparse"),
     defaults="flashtune.families.hopper_bwd:default",
     measure="flashtune.measure_hopper_bwd:OPS",
     compile_check="flashtune.families.hopper_bwd:compile_check",
@@ -29,7 +30,8 @@ FAMILY = Family(
     flops_factor=2.5,
     serves=("bwd",),
     serve_plan="flashtune.launch_hopper_bwd:HopperBwdPlan",
-    serve_masks=("window", "softcap"),
+    serve_masks=("window", "softcap", "block_sparse"),
+    fit_block_mask="flashtune.families.hopper_bwd:fit_block_mask",
     support="flashtune.families.hopper_bwd:cannot_serve",
     grid="flashtune.families.hopper_bwd:grid",
     interpreter=False,
@@ -60,6 +62,29 @@ def default(head_dim: int, dtype: str, *, arch=None):
     from ..codegen import Variant
     d = 64 if head_dim <= 64 else 128 if head_dim <= 128 else 256
     return Variant("hopper_bwd", **DEFAULTS[d])
+
+
+def fit_block_mask(variant, block_mask) -> tuple:
+    """(tile changes, "") fitting `variant` to a block mask's block size, or ({}, why) when its
+    tiles cannot: a program's BLOCK_N keys lie in one BS_KV key block and a step's BLOCK_M rows in
+    one BS_Q query block (powers of two: the tile at most the block). Both are 64 or 128 (the
+    wgmma shapes); where BLOCK_N drops to 64, two warpgroups would split 64 keys (32 rows each,
+    below the wgmma's 64) below D=256, so one warpgroup takes them (m64-n64-w4 compiles
+    spill-free at D=128). With an element mask a partial step loads a [BLOCK_N, BLOCK_M] tile of
+    it, a pointer per element: BLOCK_M drops to keep that at 32 per thread (128 x 64 over 256
+    threads), never below 64."""
+    bq, bk = block_mask.block_size
+    block_m, block_n = min(variant.block_m, bq), min(variant.block_n, bk)
+    if block_m < 64 or block_n < 64:
+        return {}, (f"its tiles are at least 64 x 64 (wgmma), the block mask's blocks are "
+                    f"{bq} x {bk}")
+    tiles = {"block_m": block_m, "block_n": block_n}
+    if block_mask.mask is not None:
+        threads = 32 * variant.num_warps
+        tiles["block_m"] = block_m = max(64, min(block_m, 32 * threads // block_n))
+    if variant.num_warps == 8 and block_n == 64 and variant.block_n != 64:
+        tiles["num_warps"] = 4  # an n128-w8 tile: D <= 128 (D=256's one tile is n64-w8 already)
+    return tiles, ""
 
 
 def cannot_serve(p) -> str:
@@ -101,13 +126,15 @@ def compile_check(variant, head_dim: int, dtype: str, causal: bool, tails: bool,
                   usage: bool) -> dict:
     """The kernel compiled for `cap` without a GPU, with the launcher's constexprs (tails: GQA 4;
     the causal/tail masks are run-time branches, compiled in either way; a window/softcap
-    variant's bounds and cap are run-time arguments too). float32 and head dims other than
+    variant's bounds and cap are run-time arguments too; a block_sparse one takes
+    launch.example_masks' block sizes, with an element mask). float32 and head dims other than
     64/128/256 have no kernel (the generic bwd serves them)."""
     from ..launch_hopper_bwd import HEAD_DIMS
     if dtype == "float32" or cap < 90 or head_dim not in HEAD_DIMS:
         return {}
     from ..codegen import load
     from ..codegen.aot import compile_for, tma_tile_type
+    from ..launch import example_masks
 
     def desc(rows):
         return tma_tile_type(dtype, rows, head_dim)
@@ -117,6 +144,6 @@ def compile_check(variant, head_dim: int, dtype: str, causal: bool, tails: bool,
              "DQ": "*fp32", "LSE2": "*fp32", "Delta": "*fp32"}
     consts = dict(HEAD_DIM=head_dim, BLOCK_M=variant.block_m, BLOCK_N=variant.block_n,
                   STAGES=variant.num_stages, GROUP=4 if tails else 1, IS_CAUSAL=causal,
-                  num_warps=variant.num_warps)
+                  num_warps=variant.num_warps, **example_masks(variant, causal))
     return {"bwd": compile_for(load(variant).attn_bwd_hopper, consts, dtype, variant.num_warps,
                                1, capability=cap, usage=usage, types=types)}
