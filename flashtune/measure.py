@@ -55,6 +55,10 @@ class Backend:
         """Correctness gate, then the median time (timing workers)."""
         raise NotImplementedError
 
+    def warm(self, problem) -> None:
+        """Make what the first measure() of `problem` would make first (timing workers; the
+        pipeline runs it while the first candidates compile)."""
+
     def retime(self, variants, problem, rounds: int) -> list:
         """Re-time `variants` interleaved, round after round: [(median ms, spread) | None]."""
         raise NotImplementedError

@@ -58,8 +58,16 @@ class GpuBackend(Backend):
         # a worker's host work is small and serial; torch's default, a thread per core in each
         # of the ~16 workers per GPU, has them spin against each other and the compilers
         torch.set_num_threads(1 if role == "compile" else 2)
-        if role == "compile" and self.capability:
-            _compile_without_context(self.capability)
+        if role == "compile":
+            if self.capability:
+                _compile_without_context(self.capability)
+            # the families' measuring modules (and through them codegen and the launchers) are
+            # imported now, while the driver starts, not in the first compile of the search
+            for family in dict(self.family_modules) or _family_names():
+                try:
+                    self._ops(family)
+                except Exception:  # noqa: BLE001 -- its first compile reports it
+                    pass
         if role == "time":
             # one GPU per timing worker: pin it before CUDA initializes in this process
             visible = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -121,6 +129,19 @@ class GpuBackend(Backend):
         return Outcome(True, ms, max_err=report.max_err, notes=notes,
                        phases=(("first_call", first_s), ("gate", t1 - t0), ("bench", t2 - t1)))
 
+    def warm(self, problem) -> None:
+        """The bucket's gate inputs and float64 reference, its timing inputs, and CUDA's
+        libraries: the first trial of a search spent ~3 s of its gate on them (H100 x2, session
+        26), serially after the first compiles; warmed while those run, it starts at once."""
+        import torch
+
+        ops = self._ops(problem.family)
+        gp = ops.gate_problem(problem)
+        gin = self._cached(("gate-in", gp.key), lambda: ops.inputs(gp, self.seed))
+        self._cached(("gate-ref", gp.key), lambda: ops.reference(gp, gin))
+        self._cached(("time-in", problem.key), lambda: ops.inputs(problem, self.seed + 1))
+        torch.cuda.synchronize()
+
     def _launch_failure(self, e: BaseException) -> Outcome:
         if type(e).__name__ in _RESOURCE_ERRORS:
             return Outcome.fail("launch", _err(e))
@@ -166,6 +187,11 @@ class GpuBackend(Backend):
         import torch
 
         return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _family_names() -> tuple:
+    from .families import names
+    return tuple(names())
 
 
 def _compile_without_context(capability: int) -> None:

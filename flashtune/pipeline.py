@@ -130,6 +130,16 @@ class Pipeline:
                 clock += [(stage, time.monotonic() - t0)]
             workers.put(w)
 
+    def warm(self, problem) -> None:
+        """Each timing worker makes what its first measure() of `problem` needs (backend.warm),
+        in the background: the first candidates compile meanwhile, and their timing waits for
+        the worker as for any other call. A failure here is the first trial's to report."""
+        if self.inline:
+            return
+        for w in list(self._timers.queue):
+            self._pool.submit(self._on, self._timers, "warm", (problem,), self.trial_timeout,
+                              "warm", prefer=w.index)
+
     def _run(self, variant, problem) -> Outcome:
         clock: list = []
         res = self._on(self._compilers, "compile", (variant, problem), self.compile_timeout,

@@ -455,6 +455,8 @@ class _Run:
 
     def _open(self, i: int, pb: PlannedBucket) -> BucketStudy:
         if i not in self._studies:
+            if not self._studies:  # this process's first bucket: its timing workers get ready
+                self.pipeline.warm(pb.problem)  # while the first candidates compile
             bs = open_bucket(self.cfg, self.storage, pb, self.liveness)
             if self.cfg.enqueue_default and not bs.measured():
                 for v in (table_winners(pb, self.cfg.table_seeds, self.cfg.tables_dir)

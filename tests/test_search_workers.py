@@ -2,12 +2,14 @@
 backend's delay_s, a sleep in the timing worker), so a bucket's wall time is timing-bound and
 should shrink about N-fold with N timing workers -- without losing or repeating a trial.
 """
+import os
 import time
 
 import optuna
 from optuna.trial import TrialState
 
 from flashtune import targets
+from flashtune.measure import Backend, Outcome
 from flashtune.pipeline import Pipeline
 from flashtune.replay import ReplayBackend
 from flashtune.sampler_eval import synthesize
@@ -95,3 +97,32 @@ def test_compile_workers_yield_the_cpu_to_the_timing_worker(tmp_path):
             w.close(kill=True)
     mine = os.nice(0)
     assert time_nice == mine and compile_nice == min(19, mine + COMPILE_NICENESS)
+
+
+class _WarmProbe(Backend):
+    """A timing worker that says whether warm() ran (and for which problem) before measure()."""
+    name = "warmprobe"
+
+    def warm(self, problem) -> None:
+        time.sleep(0.5)  # as a reference on a GPU: the caller must not wait for it
+        os.environ["FLASHTUNE_WARMED"] = problem.key
+
+    def measure(self, variant, problem) -> Outcome:
+        return Outcome(True, 1.0, notes=os.environ.get("FLASHTUNE_WARMED", "cold"))
+
+
+def test_timing_workers_warm_in_the_background_before_the_first_trial():
+    """Pipeline.warm returns at once; the first trial's timing waits for the warm-up and finds
+    it done (on a GPU: the bucket's reference and CUDA's libraries, ~3 s of the first trial)."""
+    from flashtune.codegen import Variant
+    from flashtune.problem import Problem
+    p = Problem("fwd", "float16", 64, False, 1, 1, 2, 128, 128)
+    pipe = Pipeline(_WarmProbe(), devices=(0,), compile_workers=1).start()
+    try:
+        t0 = time.monotonic()
+        pipe.warm(p)
+        assert time.monotonic() - t0 < 0.2
+        out = pipe.submit(Variant.parse("fwd-m16-n16-w4-s1"), p).result(timeout=30)
+    finally:
+        pipe.close()
+    assert out.ok and out.notes == p.key, out
