@@ -108,7 +108,12 @@ class _WarmProbe(Backend):
         os.environ["FLASHTUNE_WARMED"] = problem.key
 
     def measure(self, variant, problem) -> Outcome:
-        return Outcome(True, 1.0, notes=os.environ.get("FLASHTUNE_WARMED", "cold"))
+        import sys
+        # torch's symbolic shapes come with the fork (the first meta-tensor op or
+        # torch.unravel_index imports sympy: 3-4 s of a worker's first trial on a busy host)
+        preloaded = "torch.fx.experimental.symbolic_shapes" in sys.modules
+        return Outcome(True, 1.0, notes=os.environ.get("FLASHTUNE_WARMED", "cold"),
+                       max_err=float(preloaded))
 
 
 def test_timing_workers_warm_in_the_background_before_the_first_trial():
@@ -125,4 +130,4 @@ def test_timing_workers_warm_in_the_background_before_the_first_trial():
         out = pipe.submit(Variant.parse("fwd-m16-n16-w4-s1"), p).result(timeout=30)
     finally:
         pipe.close()
-    assert out.ok and out.notes == p.key, out
+    assert out.ok and out.notes == p.key and out.max_err == 1.0, out
