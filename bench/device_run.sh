@@ -11,6 +11,9 @@ if [ -d .whl ]; then
 fi
 python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || echo "editable install failed"
 export FLASHTUNE_CACHE_DIR=/tmp/flashtune-cache
+# the image's site-packages hold no bytecode for some packages (sympy, which every search worker
+# imports) and are not ours to write: Python compiled their sources in every process, every call
+export PYTHONPYCACHEPREFIX=/tmp/pycache
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,temperature.gpu --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda)"
 for step in ${STEPS:-fwdtests}; do
