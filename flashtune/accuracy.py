@@ -55,6 +55,16 @@ def compare(out: torch.Tensor, ref64: torch.Tensor, baseline: torch.Tensor) -> E
     stats = torch.stack([diff.max(), diff.pow(2).mean().sqrt(), rounding, baseline_err, finite,
                          diff.flatten().argmax().to(torch.float64)]).tolist()
     max_err, rms, rounding, baseline_err, finite, flat = stats
-    worst = tuple(int(i) for i in torch.unravel_index(torch.tensor(int(flat)), diff.shape))
+    worst = _unravel(int(flat), diff.shape)
     tol = 2 * baseline_err + rounding + 1e-12
     return ErrorReport(max_err, rms, worst, tol, baseline_err, bool(finite))
+
+
+def _unravel(flat: int, shape) -> tuple:
+    """The index of element `flat` of a tensor of `shape` (torch.unravel_index imports sympy on
+    its first call: 3-4 s of a search's first trial on a busy host)."""
+    out = []
+    for n in reversed(shape):
+        flat, i = divmod(flat, n)
+        out.append(i)
+    return tuple(reversed(out))
