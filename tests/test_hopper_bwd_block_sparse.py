@@ -24,7 +24,8 @@ from flashtune.launch import mask_args
 from flashtune.masks import Masks, check_softcap, check_window, dense_mask, window_range
 
 from _check import code_lines, qkv
-from test_hopper_bwd_masks import DEFAULT, DENSE_HASH, SMALL, _assert_grads
+from test_hopper_bwd_masks import (DEFAULT, DENSE_HASH, SMALL, backward_alone, forced_autograd,
+                                   helper_calls)
 
 FAM = get("hopper_bwd")
 gluon_compat.missing()  # Gluon imported under the session's interpreter setting (as its siblings)
@@ -70,16 +71,7 @@ def test_block_sparse_renders_match_their_signatures(masks):
     as the helper takes, and the steps come from the lists (never the window's block range)."""
     v = _v(**masks)
     text = render(v)
-    tree = ast.parse(text)
-    defs = {f.name: len(f.args.args) for f in tree.body if isinstance(f, ast.FunctionDef)}
-    seen = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and \
-                node.func.id in defs:
-            n = len(node.args) + len(node.keywords)
-            assert n == defs[node.func.id], f"{node.func.id}: called with {n}, takes " \
-                                            f"{defs[node.func.id]}"
-            seen.add(node.func.id)
+    seen = helper_calls(text)
     assert {"_load_step", "_sparse_step", "_sparse_count", "_window_range"} <= seen
     assert "_step_coords" not in seen and ("_tanh" in seen) == masks.get("softcap", False)
     src = code_lines(text)
@@ -191,7 +183,7 @@ def test_walk_covers_exactly_the_visible_pairs(block_m, block_n, bs, nq, nk, cau
             assert torch.equal(got, exp), (b, hk, (got != exp).nonzero()[:5])
 
 
-# -- CPU: tiles, plans, dispatch --------------------------------------------------------------------
+# -- CPU: tiles, plans, dispatch ---------------------------------------------------------------
 
 def _bm(bs=(128, 128), elem=False, n=256):
     return _random_mask(n, n, bs, 0.5, elem=elem)
@@ -343,25 +335,16 @@ def test_gpu_grid_compiles_stay_few():
 def test_grads_match_reference(case, monkeypatch):
     """The backward alone (ops.run_backward, as autograd calls it) on the float64 reference's O
     and LSE: the Gluon kernel must run (no generic fallback)."""
-    from flashtune import launch_bwd
-    from flashtune.reference import reference
     name, d, dtype, shape, bs, pattern, elem, causal, dims, extra = case
     b, h, hk, nq, nk = shape
     q, k, v = qkv(b, h, hk, nq, nk, d, dtype, "cuda")
-    do = torch.randn_like(q)
     bm = _gpu_mask(shape, bs, pattern, elem, dims, seed=nq * 7 + nk)
     dm = bm.to_dense_mask()
-    kw = dict(causal=causal, mask=dm, **extra)
-    ref_o, ref_lse = reference(q, k, v, return_lse=True, **kw)
-    o, lse = ref_o.to(dtype), ref_lse.float()
     masks = Masks(check_window(extra.get("window"), causal), check_softcap(extra.get("softcap")),
                   bm)
-    monkeypatch.setattr(launch_bwd, "backward", lambda *a, **k: pytest.fail("generic fallback"))
-    with flashtune.force(name):
-        chosen = ops.select_bwd(q, k, causal, False, masks)
-        dq, dk, dv = ops.run_backward(do, q, k, v, o, lse, causal, None, masks=masks)
+    chosen, dq, dk, dv = backward_alone(name, q, k, v, masks, dict(causal=causal, mask=dm,
+                                                                   **extra), monkeypatch)
     assert chosen.family == "hopper_bwd" and chosen.block_sparse, chosen.name
-    _assert_grads((dq, dk, dv), q, k, v, do, kw)
     seen = (dm & dense_mask(nq, nk, causal, extra.get("window"), device="cuda")).expand(
         b, h, nq, nk)
     assert torch.all(dq[~seen.any(-1)] == 0)  # rows that see no key: nothing, no NaN
@@ -374,18 +357,6 @@ def test_grads_match_reference(case, monkeypatch):
 def test_autograd_through_attention_runs_the_block_sparse_twin(monkeypatch):
     """flashtune.attention(..., block_mask) with gradients, hopper_bwd forced: its block_sparse
     twin runs the backward (no generic fallback) and matches the reference."""
-    from flashtune import launch_bwd
-    from flashtune.accuracy import compare
-    from flashtune.reference import reference, same_dtype_math
-    monkeypatch.setattr(launch_bwd, "backward", lambda *a, **k: pytest.fail("generic fallback"))
-    q, k, v = qkv(2, 4, 2, 1024, 1024, 128, torch.bfloat16, "cuda")
-    bm = _gpu_mask((2, 4, 2, 1024, 1024), (128, 128), "d60", True, "bh", seed=5)
-    dm = bm.to_dense_mask()
-    xs = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-    with flashtune.force(DEFAULT):
-        out = flashtune.attention(*xs, causal=True, block_mask=bm)
-    kw = dict(causal=True, mask=dm)
-    rep = compare(out, reference(q, k, v, **kw), same_dtype_math(q, k, v, **kw))
-    assert rep.ok, f"out: {rep}"
-    do = torch.randn_like(out)
-    _assert_grads(torch.autograd.grad(out, xs, do), q, k, v, do, kw)
+    shape = (2, 4, 2, 1024, 1024)
+    bm = _gpu_mask(shape, (128, 128), "d60", True, "bh", seed=5)
+    forced_autograd(monkeypatch, shape, causal=True, block_mask=bm)

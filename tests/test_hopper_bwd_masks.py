@@ -81,7 +81,16 @@ def test_masked_render_carries_its_mask_code(masks):
 def test_every_call_matches_its_signature(masks):
     """Gluon does not run here: each render parses, and every call of a helper of the module
     passes as many arguments as the helper takes."""
-    tree = ast.parse(render(dataclasses.replace(Variant.parse(DEFAULT), **masks)))
+    seen = helper_calls(render(dataclasses.replace(Variant.parse(DEFAULT), **masks)))
+    assert {"_load_step", "_step_coords"} <= seen
+    assert ("_window_range" in seen) == bool(masks)
+    assert ("_tanh" in seen) == masks.get("softcap", False)
+
+
+def helper_calls(source: str) -> set:
+    """The module's helpers that `source` calls, each call asserted to pass as many arguments
+    as the helper takes (Gluon does not run here)."""
+    tree = ast.parse(source)
     defs = {f.name: len(f.args.args) for f in tree.body if isinstance(f, ast.FunctionDef)}
     seen = set()
     for node in ast.walk(tree):
@@ -91,9 +100,7 @@ def test_every_call_matches_its_signature(masks):
             assert n == defs[node.func.id], f"{node.func.id}: called with {n}, takes " \
                                             f"{defs[node.func.id]}"
             seen.add(node.func.id)
-    assert {"_load_step", "_step_coords"} <= seen
-    assert ("_window_range" in seen) == bool(masks)
-    assert ("_tanh" in seen) == masks.get("softcap", False)
+    return seen
 
 
 def test_window_arithmetic_is_the_generic_bwd_templates():
@@ -341,14 +348,37 @@ def _assert_grads(got, q, k, v, do, kw):
         assert rep.ok, f"{gname}: {rep}"
 
 
+def backward_alone(name, q, k, v, masks: Masks, kw: dict, monkeypatch) -> tuple:
+    """The backward alone (ops.run_backward, as autograd calls it) with `name` forced, on the
+    float64 reference's O and LSE (kw: the reference's masks): no forward kernel compiles, the
+    Gluon kernel must run (no generic fallback), and its gradients match the reference.
+    Returns (the variant selected, dq, dk, dv)."""
+    from flashtune import launch_bwd
+    from flashtune.reference import reference
+    causal = kw.get("causal", False)
+    do = torch.randn_like(q)
+    ref_o, ref_lse = reference(q, k, v, return_lse=True, **kw)
+    o, lse = ref_o.to(q.dtype), ref_lse.float()
+    monkeypatch.setattr(launch_bwd, "backward", lambda *a, **k: pytest.fail("generic fallback"))
+    with flashtune.force(name):
+        chosen = ops.select_bwd(q, k, causal, False, masks)
+        grads = ops.run_backward(do, q, k, v, o, lse, causal, None, masks=masks)
+    _assert_grads(grads, q, k, v, do, kw)
+    return (chosen, *grads)
+
+
 def _autograd_check(q, k, v, variant, **kw):
     """flashtune.attention with gradients, `variant` forced around the forward (a bwd-only
-    family does not serve it: the forward is dispatched) and so carried to the backward."""
+    family does not serve it: the forward is dispatched) and so carried to the backward. A
+    block_mask reaches the reference as its dense mask."""
     from flashtune.accuracy import compare
     from flashtune.reference import reference, same_dtype_math
     xs = [t.detach().clone().requires_grad_() for t in (q, k, v)]
     with flashtune.force(variant):
         out = flashtune.attention(*xs, **kw)
+    bm = kw.pop("block_mask", None)
+    if bm is not None:
+        kw["mask"] = bm.to_dense_mask()
     rep = compare(out, reference(q, k, v, **kw), same_dtype_math(q, k, v, **kw))
     assert rep.ok, f"out: {rep}"
     do = torch.randn_like(out)
@@ -442,22 +472,13 @@ def test_gpu_grid_compiles_few_kernels():
 def test_grads_match_reference(name, d, case, shape, dtype, monkeypatch):
     """The backward alone (ops.run_backward, as autograd calls it) on the float64 reference's O
     and LSE: no forward kernel compiles, and the Gluon kernel must run (no generic fallback)."""
-    from flashtune import launch_bwd
-    from flashtune.reference import reference
     b, h, hk, nq, nk = shape
     kw = CASES[case]
     causal = kw.get("causal", False)
     q, k, v = qkv(b, h, hk, nq, nk, d, dtype, "cuda")
-    do = torch.randn_like(q)
-    ref_o, ref_lse = reference(q, k, v, return_lse=True, **kw)
-    o, lse = ref_o.to(dtype), ref_lse.float()
     masks = _masks(causal, kw.get("window"), kw.get("softcap"))
-    monkeypatch.setattr(launch_bwd, "backward", lambda *a, **k: pytest.fail("generic fallback"))
-    with flashtune.force(name):
-        assert ops.select_bwd(q, k, causal, False, masks).masks == \
-            tuple(m for m in ("window", "softcap") if m in kw)
-        dq, dk, dv = ops.run_backward(do, q, k, v, o, lse, causal, None, masks=masks)
-    _assert_grads((dq, dk, dv), q, k, v, do, kw)
+    chosen, dq, dk, dv = backward_alone(name, q, k, v, masks, kw, monkeypatch)
+    assert chosen.masks == tuple(m for m in ("window", "softcap") if m in kw)
     seen = dense_mask(nq, nk, causal, kw.get("window"), device="cuda")
     assert torch.all(dq[:, :, ~seen.any(1)] == 0)  # rows that see no key: nothing, no NaN
     assert torch.all(dk[:, :, ~seen.any(0)] == 0) and torch.all(dv[:, :, ~seen.any(0)] == 0)
@@ -468,7 +489,13 @@ def test_grads_match_reference(name, d, case, shape, dtype, monkeypatch):
 def test_autograd_through_attention_runs_the_hopper_twin(monkeypatch):
     """flashtune.attention(..., window, softcap) with gradients, hopper_bwd forced: the masked
     twin runs the backward (no generic fallback) and matches the reference."""
+    forced_autograd(monkeypatch, (2, 4, 2, 333, 517), causal=True, window=(96, 0), softcap=30.0)
+
+
+def forced_autograd(monkeypatch, shape, **kw) -> None:
+    """_autograd_check of the default at D=128, bf16, `shape` (B, H, Hk, Nq, Nk) on the GPU, the
+    Gluon backward required (no generic fallback)."""
     from flashtune import launch_bwd
     monkeypatch.setattr(launch_bwd, "backward", lambda *a, **k: pytest.fail("generic fallback"))
-    q, k, v = qkv(2, 4, 2, 333, 517, 128, torch.bfloat16, "cuda")
-    _autograd_check(q, k, v, DEFAULT, causal=True, window=(96, 0), softcap=30.0)
+    q, k, v = qkv(*shape, 128, torch.bfloat16, "cuda")
+    _autograd_check(q, k, v, DEFAULT, **kw)
