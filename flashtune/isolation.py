@@ -66,14 +66,14 @@ def _context():
     forkserver), instead of each importing it again: 16 compile workers and a timing worker
     per GPU starting at once took seconds of every search's start-up, and 4 workers 7.4 s on a
     2-core machine (16 from the server: 3.0 s). The server never touches CUDA, so no worker
-    inherits a context; it imports only torch (Triton reads TRITON_INTERPRET when a
-    kernel is decorated, so it must be imported under each worker's own environment, which
-    _serve sets first: the server's is its first caller's)."""
+    inherits a context; it imports only torch (Triton reads TRITON_INTERPRET when a kernel is
+    decorated, so it must be imported under each worker's own environment, which _serve sets
+    first: the server's is its first caller's)."""
     global _CTX
     if _CTX is None:
         ctx = mp.get_context("forkserver")
         # not sympy as well: imported here it held every worker's start ~11 s (H100 x2,
-        # session 26); compile workers import it as they start (GpuBackend.setup)
+        # session 13); compile workers import it as they start (GpuBackend.setup)
         ctx.set_forkserver_preload(["torch"])
         _CTX = ctx
     return _CTX

@@ -1,10 +1,10 @@
 """Launch the hopper_bwd family (Gluon, sm_90): Delta and LSE2 by the generic bwd family's
 preprocess kernel, TMA descriptors over 3-D views of the tensors, one program per (key block,
 batch * kv head), dQ accumulated in float32 and cast at the end; a sliding window, softcap and a
-block mask's transposed lists as the variant's masked render takes them (launch.mask_args). Which
-variant runs is decided by the caller; a call this kernel cannot address (head dim, dtype, GPU, strides TMA cannot describe,
-misaligned bases) runs the generic bwd family's default instead, masks included, as
-ops.run_backward expects of any plan."""
+block mask's transposed lists as the variant's masked render takes them (launch.mask_args).
+Which variant runs is decided by the caller; a call this kernel cannot address (head dim, dtype,
+GPU, strides TMA cannot describe, misaligned bases) runs the generic bwd family's default
+instead, masks included, as ops.run_backward expects of any plan."""
 from __future__ import annotations
 
 import math
@@ -43,8 +43,9 @@ def _generic_variant(head_dim: int, dtype: torch.dtype, masks: Masks = NONE) -> 
 class HopperBwdPlan:
     """One hopper_bwd launch fixed by the call's shapes, strides, dtype, causal, scale and masks
     (window / softcap / block mask: the variant must render exactly those, its tiles fitted to the
-    block mask, dispatch.mask_twin; built like launch.FwdPlan: Family.plan_for); run(dout, q, k, v, o, lse) -> (dq, dk, dv) in the dtype and
-    layout of q, k, v, as launch_bwd.backward."""
+    block mask, dispatch.mask_twin; built like launch.FwdPlan: Family.plan_for);
+    run(dout, q, k, v, o, lse) -> (dq, dk, dv) in the dtype and layout of q, k, v, as
+    launch_bwd.backward."""
     __slots__ = ("variant", "kernel", "grid", "scale", "causal", "consts", "layouts", "why",
                  "generic", "masks", "mask_args", "fallback", "pre")
     descriptor = False

@@ -136,7 +136,7 @@ class Pipeline:
         the worker as for any other call. A failure here is the first trial's to report."""
         if self.inline:
             return
-        for w in list(self._timers.queue):
+        for w in (w for w in self._all if w.role == "time"):
             self._pool.submit(self._on, self._timers, "warm", (problem,), self.trial_timeout,
                               "warm", prefer=w.index)
 

@@ -8,10 +8,10 @@ It serves backward calls (`serves=("bwd",)`), dense, causal, with a sliding wind
 a block mask (`serve_masks`: its window/softcap/block_sparse renders; tiles fitted to the block
 mask's block size by `fit_block_mask`), but has no heuristic: the dispatcher picks it only when
 forced (flashtune.force) or when tuned records of both families for the bucket say it is faster
-(dispatch._compete). Where it cannot run -- not
-sm_90, a Triton without Gluon, Triton's interpreter, a head dim other than 64/128/256, float32 -- the
-generic bwd family serves the call and `flashtune.explain` says why (`cannot_serve`);
-deterministic calls go to the generic bwd too (ops.select_bwd: its dQ is atomic)."""
+(dispatch._compete). Where it cannot run -- not sm_90, a Triton without Gluon, Triton's
+interpreter, a head dim other than 64/128/256, float32 -- the generic bwd family serves the call
+and `flashtune.explain` says why (`cannot_serve`); deterministic calls go to the generic bwd too
+(ops.select_bwd: its dQ is atomic)."""
 from __future__ import annotations
 
 from . import Family
