@@ -69,10 +69,9 @@ def fit_block_mask(variant, block_mask) -> tuple:
     tiles cannot: a program's BLOCK_N keys lie in one BS_KV key block and a step's BLOCK_M rows in
     one BS_Q query block (powers of two: the tile at most the block). Both are 64 or 128 (the
     wgmma shapes); where BLOCK_N drops to 64, two warpgroups would split 64 keys (32 rows each,
-    below the wgmma's 64) below D=256, so one warpgroup takes them (m64-n64-w4 compiles
-    spill-free at D=128). With an element mask a partial step loads a [BLOCK_N, BLOCK_M] tile of
-    it, a pointer per element: BLOCK_M drops to keep that at 32 per thread (128 x 64 over 256
-    threads), never below 64."""
+    below the wgmma's 64) below D=256, so one warpgroup takes them (m64-n64-w4). With an
+    element mask a partial step loads a [BLOCK_N, BLOCK_M] tile of it, a pointer per element:
+    BLOCK_M drops to keep that at 32 per thread (128 x 64 over 256 threads), never below 64."""
     bq, bk = block_mask.block_size
     block_m, block_n = min(variant.block_m, bq), min(variant.block_n, bk)
     if block_m < 64 or block_n < 64:
