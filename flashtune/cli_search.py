@@ -107,6 +107,9 @@ def search(gpu, families, dtypes, head_dims, causal, seqlens, batches, masks, tr
 
     Searches the kernel variants of each bucket on the GPU present and writes each bucket's
     winner to the tuned DB (`flashtune db export` ships them as a table)."""
+    if not (dry_run or show_status):
+        from .isolation import start_server
+        start_server()
     from . import targets
     from .search import SearchConfig, plan_of, resolve_target, run_search
     from .search_progress import make_progress

@@ -79,6 +79,17 @@ def _context():
     return _CTX
 
 
+def start_server() -> None:
+    """Start the workers' server now: its imports run while the caller goes on (resolving the
+    GPU, opening the storage, planning), where the first worker's start would wait for them."""
+    _context()
+    try:
+        from multiprocessing import forkserver
+        forkserver.ensure_running()
+    except Exception:  # noqa: BLE001 -- the first worker starts it as before
+        pass
+
+
 def adopt_env(env: dict) -> None:
     """A process forked from the server (_context) takes its caller's environment, not the
     server's (its first caller's)."""

@@ -139,3 +139,20 @@ def test_the_gate_does_not_import_sympy():
             "print('sympy' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "False", out.stdout + out.stderr
+
+
+def test_the_worker_server_starts_without_waiting_for_its_imports():
+    """`flashtune search` starts the workers' server first (isolation.start_server): the
+    server imports torch while the search resolves the GPU and opens its storage, and the call
+    does not wait for that import (~1 s here); workers then fork from it."""
+    import subprocess
+    import sys
+    code = ("import time; from flashtune.isolation import start_server, _context; "
+            "from multiprocessing import forkserver; t = time.monotonic(); start_server(); "
+            "took = time.monotonic() - t; assert forkserver._forkserver._forkserver_pid, 'none'; "
+            "p = _context().Process(target=time.sleep, args=(0,)); p.start(); p.join(60); "
+            "print(round(took, 3), p.exitcode)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    took, exitcode = out.stdout.split()
+    assert float(took) < 0.5 and exitcode == "0", out.stdout
