@@ -296,6 +296,10 @@ sys.exit(pytest.main(['-q', '-x', '--tb=long', 'tests/test_transformers_backend.
               timeout ${SPARSEPROF_TIMEOUT:-180} python3 bench/sparse_profile.py --n 16384 --densities 5,10 \
                 --only dense,sweep --steps 5 --out "$OUT/sparse_profile16k.jsonl" 2>&1 \
                 | grep -v "^USDT\|profiler_st" | tee "$OUT/sparse_profile16k.log" | tail -40 ;;
+    hostprof) # issue 11: the host time of a fwd+bwd in pieces (forward, backward called directly, its
+              # plan's run, autograd, a bare Triton launch) and cProfile of the backward, N=512
+              timeout ${HOSTPROF_TIMEOUT:-150} python3 bench/host_profile.py --out "$OUT/host_profile.json" \
+                ${HOSTPROF_ARGS:-} 2>&1 | tee "$OUT/host_profile.log" | head -${HOSTPROF_LINES:-400} | tail -200 ;;
     sparseprof) # issue 11: where a masked fwd+bwd spends its time (torch.profiler kernel table: no mask,
               # block masks 100% and 10%, window 1024, softcap, block 10% + causal + softcap, Flex on
               # the 100% mask; N=4k, D=128, bf16; host runtime calls per step), then the host time

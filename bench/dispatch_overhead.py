@@ -71,21 +71,21 @@ def _gpu_us(fn, iters: int) -> float:
 def _direct_launcher(q, k, v, causal, variant, prealloc: bool):
     """The same kernel and arguments launch.forward passes, with everything precomputed."""
     plan = launch.FwdPlan(q, k, v, causal, None, variant)
-    kernel, grid, args, kwargs = plan.kernel, plan.grid, plan.args, plan.kwargs
+    kernel, grid, args = plan.kernel, plan.grid, plan.args  # kernel: a launcher.Launcher
     o0 = torch.empty_like(q)
     lse0 = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
     if variant.loads == "descriptor":
         launch._need_allocator()
     if prealloc:
         def run_prealloc():
-            kernel[grid](q, k, v, o0, lse0, *args, **kwargs)
+            kernel(grid, q, k, v, o0, lse0, *args)
             return o0
         return run_prealloc
 
     def run():
         o = torch.empty_like(q)
         lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
-        kernel[grid](q, k, v, o, lse, *args, **kwargs)
+        kernel(grid, q, k, v, o, lse, *args)
         return o
     return run
 

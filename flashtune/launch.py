@@ -8,6 +8,7 @@ import torch
 import triton
 
 from .codegen import Variant, load
+from .launcher import Launcher
 from .masks import NONE, Masks, kernel_window
 
 _DOT_PRECISION = {torch.float32: "ieee"}  # float32 stays float32; fp16/bf16 ignore the setting
@@ -182,7 +183,6 @@ class FwdPlan:
         check_mask_variant(variant, masks)
         o_strides = torch.empty_like(q, device="meta").stride()  # the layout forward() allocates
         self.variant = variant
-        self.kernel = load(variant).attn_fwd
         self.grid = (triton.cdiv(nq, variant.block_m) * b * h,)
         self.lse_shape = (b, h, nq)
         self.descriptor = variant.loads == "descriptor"
@@ -193,13 +193,14 @@ class FwdPlan:
         self.kwargs = fwd_params(variant, q.dtype, d, causal, h // k.shape[1],
                                  even_n=nk % max(step, variant.block_n) == 0)
         self.kwargs.update(mask_params(masks))
+        self.kernel = Launcher(load(variant).attn_fwd, **self.kwargs)
 
     def run(self, q, k, v):
         o = torch.empty_like(q)  # keeps q's layout when dense: (B, N, H, D) views stay so
         lse = torch.empty(self.lse_shape, dtype=torch.float32, device=q.device)
         if self.descriptor:
             _need_allocator()
-        self.kernel[self.grid](q, k, v, o, lse, *self.args, **self.kwargs)
+        self.kernel(self.grid, q, k, v, o, lse, *self.args)
         return o, lse
 
 
@@ -223,7 +224,6 @@ class VarlenFwdPlan:
         o_strides = torch.empty_like(q, device="meta")
         self.variant = variant
         self.descriptor = variant.loads == "descriptor"  # callers check base addresses per call
-        self.kernel = load(variant).attn_fwd
         self.grid = (triton.cdiv(max_seqlen_q, variant.block_m) * batch * h,)
         self.lse_shape = (h, total_q)
         self.args = (_scale(scale, d), *mask_args(masks, causal, "q", 1, h),
@@ -231,14 +231,14 @@ class VarlenFwdPlan:
                                packed_view(o_strides)),
                      h, max_seqlen_q, max_seqlen_k, total_q, k.shape[0])
         self.kwargs = fwd_params(variant, q.dtype, d, causal, h // k.shape[1], even_n=False)
+        self.kernel = Launcher(load(variant).attn_fwd, **self.kwargs)
 
     def run(self, q, k, v, cu_seqlens_q, cu_seqlens_k):
         o = torch.empty_like(q)
         lse = torch.empty(self.lse_shape, dtype=torch.float32, device=q.device)
         if self.descriptor:
             _need_allocator()
-        self.kernel[self.grid](q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, *self.args,
-                               **self.kwargs)
+        self.kernel(self.grid, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, *self.args)
         return o, lse
 
 

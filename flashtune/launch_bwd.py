@@ -7,6 +7,7 @@ import torch
 import triton
 
 from .codegen import Variant, load
+from .launcher import Launcher
 from .launch import (_DOT_PRECISION, block_d, block_lists, check_mask_variant,
                      check_varlen_variant, mask_args, mask_params, packed_view, strides3)
 from .masks import NONE, Masks
@@ -100,8 +101,13 @@ class BwdPlan:
             if masks.block_mask is not None:  # and their key lists
                 self.margs["kv"] = (*self.margs["kv"], *block_lists(masks.block_mask, "q"))
         mod = load(variant)
-        self.kernels = (mod.attn_bwd_preprocess, mod.attn_bwd_dkdv,
-                        mod.attn_bwd_dq if variant.dq == "separate" else None)
+
+        def launcher(kernel, part):
+            consts, warps, stages = params[part]
+            return Launcher(kernel, **consts, num_warps=warps, num_stages=stages)
+        self.kernels = (launcher(mod.attn_bwd_preprocess, "pre"),
+                        launcher(mod.attn_bwd_dkdv, "dkdv"),
+                        launcher(mod.attn_bwd_dq, "dq") if variant.dq == "separate" else None)
         self.grids = ((triton.cdiv(max_q, params["pre"][0]["PRE_M"]) * batch * heads,),
                       (programs * batch * kv_heads,),
                       (triton.cdiv(max_q, variant.block_m2 or 1) * batch * heads,))
@@ -116,12 +122,9 @@ class BwdPlan:
         delta = torch.empty(self.rows, dtype=torch.float32, device=q.device)
         lse2 = torch.empty_like(delta)
         r = torch.empty_like(delta) if self.precise else delta  # unused unless precise
-        consts, warps, stages = self.params["pre"]
-        pre[self.grids[0]](
+        pre(self.grids[0],
             o, dout, lse, delta, lse2, r, q, k, v, *seq_args, scale, *margs["state"],
-            *strides3(*map(views, (o, dout, q, k, v))),
-            *sizes, **consts, num_warps=warps, num_stages=stages,
-        )
+            *strides3(*map(views, (o, dout, q, k, v))), *sizes)
 
         dk = torch.empty_like(k)  # keeps the caller's layout when dense
         dv = torch.empty_like(v)
@@ -136,20 +139,14 @@ class BwdPlan:
         else:
             dq = dq_acc = torch.empty_like(q)
 
-        consts, warps, stages = self.params["dkdv"]
-        dkdv[self.grids[1]](
-            q, k, v, dout, dk, dv, dq_acc, lse2, delta, r, *seq_args, scale, *margs["kv"],
-            *strides3(*map(views, (q, k, v, dout, dk, dv, dq_acc))),
-            *sizes, **consts, num_warps=warps, num_stages=stages,
-        )
+        dkdv(self.grids[1],
+             q, k, v, dout, dk, dv, dq_acc, lse2, delta, r, *seq_args, scale, *margs["kv"],
+             *strides3(*map(views, (q, k, v, dout, dk, dv, dq_acc))), *sizes)
 
         if dqk is not None:
-            consts, warps, stages = self.params["dq"]
-            dqk[self.grids[2]](
+            dqk(self.grids[2],
                 q, k, v, dout, dq, lse2, delta, r, *seq_args, scale, *margs["q"],
-                *strides3(*map(views, (q, k, v, dout, dq))),
-                *sizes, **consts, num_warps=warps, num_stages=stages,
-            )
+                *strides3(*map(views, (q, k, v, dout, dq))), *sizes)
         elif dq_acc is not dq:
             dq.copy_(dq_acc)
         return dq, dk, dv

@@ -11,6 +11,7 @@ import torch
 import triton
 
 from .codegen import Variant, load
+from .launcher import Launcher
 from .launch import check_mask_variant, mask_args, mask_params
 from .masks import NONE, Masks
 
@@ -126,7 +127,6 @@ class HopperFwdPlan:
         # element mask, after sm_scale
         self.mask_args = mask_args(masks, causal, "q", b, h)
         self.layouts = tile_layouts(q.dtype, d, variant.block_m, variant.block_n)
-        self.kernel = load(variant).attn_fwd_hopper
         rows = variant.block_m * (2 if variant.pingpong else 1)
         n_tiles = triton.cdiv(nq, rows) * b * h
         programs = min(n_tiles, _sm_count(q.device)) if variant.persistent else n_tiles
@@ -138,6 +138,7 @@ class HopperFwdPlan:
                            LOADER_REGS=variant.loader_regs, CONSUMER_REGS=consumer_regs(variant),
                            Q_BUFS=variant.q_buffers, num_warps=variant.num_warps,
                            **mask_params(masks))
+        self.kernel = Launcher(load(variant).attn_fwd_hopper, **self.consts)
 
     def run(self, q, k, v):
         if self.fallback is not None:
@@ -154,9 +155,8 @@ class HopperFwdPlan:
         def desc(t, rows):
             shape, strides = _view3(t)
             return TensorDescriptor(t, shape, strides, [1, rows, d], self.layouts[rows])
-        self.kernel[self.grid](desc(q, bm), desc(k, bn), desc(v, bn), desc(o, bm), lse,
-                               self.scale, *self.mask_args, h, nq, k.shape[2], self.n_tiles,
-                               **self.consts)
+        self.kernel(self.grid, desc(q, bm), desc(k, bn), desc(v, bn), desc(o, bm), lse,
+                    self.scale, *self.mask_args, h, nq, k.shape[2], self.n_tiles)
         return o, lse
 
 

@@ -13,6 +13,7 @@ import torch
 import triton
 
 from .codegen import Variant, load
+from .launcher import Launcher
 from .launch import check_mask_variant, mask_args, mask_params
 from .launch_hopper import _device_blocker, _view3, addressable, tile_layouts
 from .launch_hopper import unsupported as _unsupported
@@ -82,12 +83,12 @@ class HopperBwdPlan:
         # the window's bounds (causal: its right edge 0) and the softcap, after sm_scale
         self.mask_args = mask_args(masks, causal, "kv", b, h)
         self.layouts = tile_layouts(q.dtype, d, variant.block_m, variant.block_n)
-        self.kernel = load(variant).attn_bwd_hopper
         hk, nk = k.shape[1], k.shape[2]
         self.grid = (triton.cdiv(nk, variant.block_n), b * hk)
         self.consts = dict(HEAD_DIM=d, BLOCK_M=variant.block_m, BLOCK_N=variant.block_n,
                            STAGES=variant.num_stages, GROUP=h // hk, IS_CAUSAL=self.causal,
                            num_warps=variant.num_warps, **mask_params(masks))
+        self.kernel = Launcher(load(variant).attn_bwd_hopper, **self.consts)
         self.pre = preprocess_launch(q, k, self.causal, self.generic)
 
     def run(self, dout, q, k, v, o, lse):
@@ -108,36 +109,35 @@ class HopperBwdPlan:
         def desc(t, rows):
             shape, strides = _view3(t)
             return TensorDescriptor(t, shape, strides, [1, rows, d], self.layouts[rows])
-        self.kernel[self.grid](desc(q, bm), desc(k, bn), desc(v, bn), desc(dout, bm),
-                               desc(dk, bn), desc(dv, bn), dq_acc, lse2, delta, self.scale,
-                               *self.mask_args, q.shape[1], q.shape[2], k.shape[2],
-                               **self.consts)
+        self.kernel(self.grid, desc(q, bm), desc(k, bn), desc(v, bn), desc(dout, bm),
+                    desc(dk, bn), desc(dv, bn), dq_acc, lse2, delta, self.scale,
+                    *self.mask_args, q.shape[1], q.shape[2], k.shape[2])
         dq = torch.empty_like(q)  # q's layout, as the generic bwd (dq_acc is contiguous)
         dq.copy_(dq_acc)
         return dq, dk, dv
 
 
 def preprocess_launch(q, k, causal: bool, generic: Variant) -> tuple:
-    """(kernel, grid, constexprs, num_warps, num_stages) of the generic bwd family's
-    attn_bwd_preprocess for this call (16-bit inputs, no masks), as launch_bwd launches it."""
+    """(launcher, grid) of the generic bwd family's attn_bwd_preprocess for this call (16-bit
+    inputs, no masks), as launch_bwd launches it."""
     from .launch_bwd import kernel_params
     b, h, nq, d = q.shape
     consts, warps, stages = kernel_params(generic, q.dtype, d, causal, h // k.shape[1], nq,
                                           k.shape[2])["pre"]
-    return (load(generic).attn_bwd_preprocess, (triton.cdiv(nq, consts["PRE_M"]) * b * h,),
-            consts, warps, stages)
+    return (Launcher(load(generic).attn_bwd_preprocess, **consts, num_warps=warps,
+                     num_stages=stages), (triton.cdiv(nq, consts["PRE_M"]) * b * h,))
 
 
 def preprocess(pre: tuple, dout, q, k, v, o, lse, scale: float):
     """Delta = rowsum(dO * O) and LSE2 = LSE * log2(e) (+inf where LSE = -inf), float32
     (B, H, Nq) contiguous, by the launch preprocess_launch describes."""
     from .launch import strides3
-    kernel, grid, consts, warps, stages = pre
+    kernel, grid = pre
     b, h, nq, _ = q.shape
     delta = torch.empty((b, h, nq), dtype=torch.float32, device=q.device)
     lse2 = torch.empty_like(delta)
-    kernel[grid](o, dout, lse, delta, lse2, delta, q, k, v, scale, *strides3(o, dout, q, k, v),
-                 h, nq, k.shape[2], **consts, num_warps=warps, num_stages=stages)
+    kernel(grid, o, dout, lse, delta, lse2, delta, q, k, v, scale, *strides3(o, dout, q, k, v),
+           h, nq, k.shape[2])
     return delta, lse2
 
 

@@ -11,6 +11,7 @@ import torch
 import triton
 
 from .codegen import Variant, load
+from .launcher import Launcher
 from .launch import _DOT_PRECISION, _need_allocator, block_d, pdl_ok
 
 # Provisional defaults until measured (no GPU measurement chose them yet; the split count is
@@ -136,6 +137,25 @@ class SplitKVPlan:
             USE_PDL=self.pdl, num_warps=variant.num_warps,
             num_stages=variant.num_stages)
         self._splits: dict = {}
+        # launchers (launcher.Launcher), made at the first run that needs them (kwargs may be
+        # changed before: bench/decode_sweep.py turns PDL off): the partial kernel's per
+        # UNIFORM, the combine's per split count
+        self._launchers: dict = {}
+
+    def _launcher(self, key):
+        got = self._launchers.get(key)
+        if got is None:
+            if len(self._launchers) > 64:
+                self._launchers.clear()
+            if key[0] == "partial":
+                got = Launcher(self.partial, UNIFORM=key[1], **self.kwargs)
+            else:
+                block_s, chunk_d = combine_tile(key[1], self.kwargs["BLOCK_D"])
+                got = Launcher(self.combine, HEAD_DIM=self.shape[3], BLOCK_S=block_s,
+                               CHUNK_D=chunk_d, USE_PDL=self.pdl, num_warps=4,
+                               **({"launch_pdl": True} if self.pdl else {}))
+            self._launchers[key] = got
+        return got
 
     def num_splits(self, max_seqlen: int) -> int:
         s = self._splits.get(max_seqlen)
@@ -174,7 +194,8 @@ class SplitKVPlan:
         uniform = seqlens is None
         bt = block_table if self.paged else seqlens  # (unused when not paged)
         capacity = bt.shape[1] * k_cache.shape[1] if self.paged else k_cache.shape[1]
-        self.partial[(self.programs, s)](
+        self._launcher(("partial", uniform))(
+            (self.programs, s),
             q, k_cache, v_cache, bt, seqlens, o_dst, l_dst, self.scale, *self.mask_args,
             q.stride(0), q.stride(1), q.stride(2),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -183,14 +204,12 @@ class SplitKVPlan:
             *o_strides, *l_strides,
             hk, nq, s, k_cache.shape[0] if self.paged else 0,
             min(max_seqlen, capacity) if uniform else capacity,
-            *((min(max_seqlen, capacity),) if self.paged else ()),  # split_keys
-            UNIFORM=uniform, **self.kwargs)
+            *((min(max_seqlen, capacity),) if self.paged else ()))  # split_keys
         if s > 1:
-            block_s, chunk_d = combine_tile(s, self.kwargs["BLOCK_D"])
-            self.combine[(b * h * nq, triton.cdiv(d, chunk_d))](
-                o_dst, l_dst, o, lse, h, nq, s, o.stride(0), o.stride(1), o.stride(2),
-                HEAD_DIM=d, BLOCK_S=block_s, CHUNK_D=chunk_d, USE_PDL=self.pdl, num_warps=4,
-                **({"launch_pdl": True} if self.pdl else {}))
+            chunk_d = combine_tile(s, self.kwargs["BLOCK_D"])[1]
+            self._launcher(("combine", s))(
+                (b * h * nq, triton.cdiv(d, chunk_d)),
+                o_dst, l_dst, o, lse, h, nq, s, o.stride(0), o.stride(1), o.stride(2))
         return o, lse
 
 

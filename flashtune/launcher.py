@@ -1,0 +1,137 @@
+"""Kernel launches with less host time: Triton's `kernel[grid](...)` binds and specializes every
+argument on every call (24 us of host time for a trivial kernel with 8 arguments, 46 us with 48,
+on the H100 machine: docs/benchmarks.md, session 14), which made a short backward host-bound.
+
+A `Launcher` holds one kernel and the keyword arguments a plan fixes (constexprs, num_warps,
+num_stages). Its first launch goes through Triton (`JITFunction.run`: compile or cache lookup,
+specialization); it keeps the compiled kernel it returns and the arguments Triton specialized it
+on. Later launches call the compiled kernel's launcher directly -- what `JITFunction.run` itself
+ends with -- as long as nothing Triton specializes on differs from that first launch:
+
+- each tensor's dtype and 16-byte alignment of its address,
+- every other argument exactly (ints, floats, None, bools; stricter than Triton, which only
+  distinguishes 1, multiples of 16 and 64-bit ints),
+- a tensor descriptor's type, block shape, layout, shape, strides and base alignment,
+- the current device, and no launch hooks installed (profilers such as proton).
+
+Anything else takes Triton's path again, which picks or compiles the right kernel, so a
+launch is never wrong, only sometimes slow. Under the interpreter (`TRITON_INTERPRET=1`) and
+for anything that is not a Triton `JITFunction`, every launch is Triton's.
+FLASHTUNE_SLOW_LAUNCH=1 turns the direct path off (to compare, or to rule it out).
+"""
+from __future__ import annotations
+
+import operator
+import os
+
+import torch
+
+_Tensor = torch.Tensor
+
+
+def _current_device() -> int:
+    return torch._C._cuda_getDevice()
+
+
+def _current_stream(device: int) -> int:
+    return torch._C._cuda_getCurrentRawStream(device)
+
+
+def _hooks_empty() -> bool:
+    from triton import knobs
+    rt = knobs.runtime
+    for h in (rt.launch_enter_hook, rt.launch_exit_hook):
+        if h is not None and getattr(h, "calls", True):
+            return False
+    return True
+
+
+def _desc_key(d) -> tuple | None:
+    """What a host tensor descriptor's kernel depends on (None: not a descriptor)."""
+    base = getattr(d, "base", None)
+    if not isinstance(base, _Tensor) or not hasattr(d, "block_shape"):
+        return None
+    return (type(d), base.dtype, base.data_ptr() & 15 == 0, tuple(d.shape), tuple(d.strides),
+            tuple(d.block_shape), getattr(d, "layout", None), getattr(d, "padding", None))
+
+
+class Launcher:
+    """One kernel's launches with fixed keyword arguments: `launcher(grid, *args)` is
+    `fn[grid](*args, **kwargs)`, after the first call without Triton's per-call binding."""
+    __slots__ = ("fn", "kwargs", "kernel", "tail", "nargs", "device", "tensors", "descs",
+                 "exact_get", "exact", "direct")
+
+    def __init__(self, fn, **kwargs):
+        self.fn, self.kwargs, self.kernel = fn, kwargs, None
+        self.direct = _direct_ok(fn)
+
+    def __call__(self, grid, *args):
+        k = self.kernel
+        if k is not None and self._same(args):
+            g1 = grid[1] if len(grid) > 1 else 1
+            g2 = grid[2] if len(grid) > 2 else 1
+            k.run(grid[0], g1, g2, _current_stream(self.device), k.function, k.packed_metadata,
+                  None, None, None, *args, *self.tail)
+            return
+        kernel = self.fn[grid](*args, **self.kwargs)
+        if self.direct and k is None:
+            self._capture(kernel, args)
+
+    def _same(self, args) -> bool:
+        if len(args) != self.nargs or _current_device() != self.device:
+            return False
+        for i, dt, aligned in self.tensors:
+            a = args[i]
+            if a.__class__ is not _Tensor and not isinstance(a, _Tensor):
+                return False
+            if a.dtype is not dt or (a.data_ptr() & 15 == 0) is not aligned:
+                return False
+        for i, key in self.descs:
+            if _desc_key(args[i]) != key:
+                return False
+        if self.exact_get is not None and self.exact_get(args) != self.exact:
+            return False
+        return _hooks_empty()
+
+    def _capture(self, kernel, args) -> None:
+        """Keep the kernel Triton launched and what it was specialized on; on anything
+        unexpected (another Triton's internals), stay on Triton's path."""
+        try:
+            if kernel is None or not _hooks_empty():
+                return
+            if hasattr(kernel, "result"):  # an asynchronous compile's future (triton 3.6)
+                kernel = kernel.result()
+            device = _current_device()
+            binder = self.fn.device_caches[device][4]
+            bound = list(binder(*args, **self.kwargs)[0].values())
+            if len(bound) < len(args) or any(b is not a for b, a in zip(bound, args)):
+                return
+            tensors, descs, exact = [], [], []
+            for i, a in enumerate(args):
+                if isinstance(a, _Tensor):
+                    tensors.append((i, a.dtype, a.data_ptr() & 15 == 0))
+                elif (key := _desc_key(a)) is not None:
+                    descs.append((i, key))
+                elif a is None or isinstance(a, (bool, int, float, str)):
+                    exact.append(i)
+                else:  # something whose specialization we cannot tell: Triton's path
+                    return
+            kernel.function  # noqa: B018 -- the handles exist (loaded by this launch)
+            self.exact_get = operator.itemgetter(*exact) if exact else None
+            self.exact = self.exact_get(args) if exact else None
+            self.tensors, self.descs = tuple(tensors), tuple(descs)
+            self.tail, self.nargs, self.device = tuple(bound[len(args):]), len(args), device
+            self.kernel = kernel
+        except Exception:  # noqa: BLE001 -- the direct path is an optimisation, never a failure
+            self.kernel = None
+            self.direct = False
+
+
+def _direct_ok(fn) -> bool:
+    if os.environ.get("FLASHTUNE_SLOW_LAUNCH", "") not in ("", "0"):
+        return False
+    try:
+        from triton.runtime.jit import JITFunction
+    except ImportError:
+        return False
+    return isinstance(fn, JITFunction) and hasattr(fn, "device_caches")

@@ -1,0 +1,222 @@
+"""launcher.Launcher: Triton's path first, the compiled kernel's launcher directly afterwards, and
+Triton's path again whenever an argument Triton specializes on differs (CPU: a stand-in
+JITFunction records which path each launch took; GPU: real kernels, results against the float64
+reference, misaligned and re-dtyped inputs)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flashtune import launcher as L
+
+
+class _Kernel:
+    """A compiled kernel's stand-in: run() records the direct launches."""
+
+    def __init__(self, log):
+        self.log, self.function, self.packed_metadata = log, "fn-handle", "meta"
+
+    def run(self, g0, g1, g2, stream, function, packed, launch_md, enter, exit_, *args):
+        self.log.append(("direct", (g0, g1, g2), stream, args))
+
+
+def _fake_jit(log, tail=("C",), bind_ok=True):
+    from triton.runtime.jit import JITFunction
+
+    class Fake(JITFunction):
+        def __init__(self):  # noqa: D401 -- no source to parse
+            self.kernel = _Kernel(log)
+
+            def binder(*args, **kwargs):
+                vals = list(args) if bind_ok else [object() for _ in args]
+                bound = {f"a{i}": a for i, a in enumerate(vals)}
+                bound.update({f"c{i}": kwargs.get(t, t) for i, t in enumerate(tail)})
+                return bound, None, None
+            self.device_caches = {0: (None, None, None, None, binder)}
+
+        def __getitem__(self, grid):
+            def call(*args, **kwargs):
+                log.append(("triton", grid, args, kwargs))
+                return self.kernel
+            return call
+    return Fake()
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    monkeypatch.setattr(L, "_current_device", lambda: 0)
+    monkeypatch.setattr(L, "_current_stream", lambda device: 1234)
+    monkeypatch.delenv("FLASHTUNE_SLOW_LAUNCH", raising=False)
+
+
+def _tensors():
+    buf = torch.randn(64, dtype=torch.float16)
+    return buf[:32], torch.randn(8, 4)
+
+
+def _paths(log):
+    return [e[0] for e in log]
+
+
+def test_first_launch_through_triton_then_direct(fake_cuda):
+    log = []
+    lau = L.Launcher(_fake_jit(log), C=7, num_warps=4)
+    x, y = _tensors()
+    lau((3,), x, y, 16, 0.5, None)
+    lau((5, 2), x, y, 16, 0.5, None)
+    assert _paths(log) == ["triton", "direct"]
+    assert log[0][3] == {"C": 7, "num_warps": 4}  # Triton's path gets the fixed kwargs
+    _, grid, stream, args = log[1]
+    assert grid == (5, 2, 1) and stream == 1234
+    assert args[:5] == (x, y, 16, 0.5, None) and args[5:] == (7,)  # the bound tail follows
+
+
+def test_each_specialization_change_takes_triton_path(fake_cuda):
+    log = []
+    lau = L.Launcher(_fake_jit(log))
+    x, y = _tensors()
+    lau((1,), x, y, 16, 0.5)
+    misaligned = torch.randn(64, dtype=torch.float16)[1:33]  # 2-byte offset
+    assert misaligned.data_ptr() % 16 != 0
+    calls = [
+        (misaligned, y, 16, 0.5),          # a tensor's alignment
+        (x.float(), y, 16, 0.5),           # a tensor's dtype
+        (x, y, 17, 0.5),                   # an int
+        (x, y, 16, 0.25),                  # a float
+        (x, y, 16),                        # the argument count
+        (x, None, 16, 0.5),                # a tensor became None
+        (x, y, 16, 0.5),                   # as the first: direct
+    ]
+    for args in calls:
+        lau((1,), *args)
+    assert _paths(log) == ["triton"] * 7 + ["direct"]
+
+
+def test_launch_hooks_and_device_change_take_triton_path(fake_cuda, monkeypatch):
+    from triton import knobs
+    log = []
+    lau = L.Launcher(_fake_jit(log))
+    x, y = _tensors()
+    lau((1,), x, y)
+    hook = knobs.runtime.launch_enter_hook
+    if hasattr(hook, "add"):
+        seen = []
+        hook.add(seen.append)
+        try:
+            lau((1,), x, y)
+        finally:
+            hook.remove(seen.append)
+    else:  # a Triton whose hook is one callable or None
+        monkeypatch.setattr(knobs.runtime, "launch_enter_hook", lambda md: None)
+        lau((1,), x, y)
+        monkeypatch.setattr(knobs.runtime, "launch_enter_hook", hook)
+    assert _paths(log) == ["triton", "triton"]
+    monkeypatch.setattr(L, "_current_device", lambda: 1)
+    lau((1,), x, y)
+    monkeypatch.setattr(L, "_current_device", lambda: 0)
+    lau((1,), x, y)
+    assert _paths(log) == ["triton", "triton", "triton", "direct"]
+
+
+def test_no_direct_path_when_it_cannot_be_trusted(fake_cuda, monkeypatch):
+    x, y = _tensors()
+    # the binder does not hand back the arguments as given
+    log = []
+    lau = L.Launcher(_fake_jit(log, bind_ok=False))
+    for _ in range(3):
+        lau((1,), x, y)
+    assert _paths(log) == ["triton"] * 3
+    # an argument whose specialization it cannot tell
+    log = []
+    lau = L.Launcher(_fake_jit(log))
+    for _ in range(3):
+        lau((1,), x, y, object())
+    assert _paths(log) == ["triton"] * 3
+    # switched off
+    monkeypatch.setenv("FLASHTUNE_SLOW_LAUNCH", "1")
+    log = []
+    lau = L.Launcher(_fake_jit(log))
+    for _ in range(3):
+        lau((1,), x, y)
+    assert _paths(log) == ["triton"] * 3
+
+
+def test_capture_failure_is_not_an_error(fake_cuda, monkeypatch):
+    def boom():
+        raise RuntimeError("no CUDA")
+    log = []
+    lau = L.Launcher(_fake_jit(log))
+    monkeypatch.setattr(L, "_current_device", boom)
+    x, y = _tensors()
+    lau((1,), x, y)
+    lau((1,), x, y)
+    assert _paths(log) == ["triton", "triton"] and not lau.direct
+
+
+def test_non_jit_functions_always_take_their_own_path():
+    log = []
+
+    class Indexed:  # measure_warmup's compile-only stand-in, the interpreter's function
+        def __getitem__(self, grid):
+            return lambda *a, **k: log.append(grid)
+    lau = L.Launcher(Indexed(), C=1)
+    lau((2,), 1)
+    lau((3,), 1)
+    assert log == [(2,), (3,)] and lau.kernel is None
+
+
+def _ref_attention(q, k, v, causal):
+    from flashtune.reference import reference
+    return reference(q, k, v, causal=causal).double()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_direct_launches_match_triton_path(causal):
+    """Repeated calls (direct launches) give the first call's results bit for bit; a misaligned
+    view and a float16 call between them take Triton's path and are right too."""
+    import flashtune
+    from flashtune import ops
+    torch.manual_seed(0)
+    b, h, n, d = 2, 4, 384, 64
+    q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))
+    g = torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16)
+
+    def step(q, k, v, g):
+        o = flashtune.attention(q, k, v, causal=causal)
+        return (o, *torch.autograd.grad(o, (q, k, v), g))
+    first = step(q, k, v, g)
+    again = [step(q, k, v, g) for _ in range(3)]
+    for got in again:
+        for a, c in zip(got, first):
+            assert torch.equal(a, c)
+    direct = [x for p in list(ops._plans.values()) + list(ops._bwd_plans.values())
+              for x in _launchers(p) if x.kernel is not None]
+    assert direct, "no plan kept a compiled kernel: the direct path never ran"
+    ref = _ref_attention(q, k, v, causal)
+    assert (first[0].double() - ref).abs().max() < 2e-2
+    # a view 2 bytes off 16-byte alignment: Triton's path (another specialization)
+    for dt in (torch.bfloat16, torch.float16):
+        big = torch.randn(b * h * n * d + 1, device="cuda", dtype=dt)
+        qm = big[1:].view(b, h, n, d)
+        assert qm.data_ptr() % 16 != 0
+        km, vm = k.detach().to(dt), v.detach().to(dt)
+        for _ in range(2):
+            o = flashtune.attention(qm, km, vm, causal=causal)
+            assert (o.double() - _ref_attention(qm, km, vm, causal)).abs().max() < 2e-2
+
+
+def _launchers(plan) -> list:
+    """The Launchers a plan holds (its own, its fallback's, a wrapped plan's)."""
+    got = []
+    for name in ("kernel", "kernels", "pre", "fallback", "plan", "_launchers"):
+        x = getattr(plan, name, None)
+        items = x.values() if isinstance(x, dict) else x if isinstance(x, tuple) else [x]
+        for y in items:
+            if isinstance(y, L.Launcher):
+                got.append(y)
+            elif y is not None and name in ("fallback", "plan"):
+                got += _launchers(y)
+    return got
