@@ -296,18 +296,26 @@ sys.exit(pytest.main(['-q', '-x', '--tb=long', 'tests/test_transformers_backend.
               timeout ${SPARSEPROF_TIMEOUT:-180} python3 bench/sparse_profile.py --n 16384 --densities 5,10 \
                 --only dense,sweep --steps 5 --out "$OUT/sparse_profile16k.jsonl" 2>&1 \
                 | grep -v "^USDT\|profiler_st" | tee "$OUT/sparse_profile16k.log" | tail -40 ;;
-    launcher) # launcher.Launcher's direct launches: GPU tests of every family that launches through it,
-              # then the 4k block-sparse backward against Flex with Triton's launches and with direct ones
-              timeout ${LAUNCHER_TESTS_TIMEOUT:-330} python3 -m pytest -q -m gpu tests/test_launcher.py \
-                tests/test_forward_gpu.py tests/test_backward.py tests/test_hopper.py tests/test_hopper_bwd.py \
-                tests/test_varlen.py tests/test_hopper_bwd_block_sparse.py 2>&1 | tee "$OUT/launcher_tests.log" | tail -8
-              timeout 200 python3 -m pytest -q -x tests/test_splitkv.py 2>&1 \
-                | tee "$OUT/launcher_splitkv.log" | tail -4
-              for mode in 1 0; do
-                echo "--- FLASHTUNE_SLOW_LAUNCH=$mode"
-                FLASHTUNE_SLOW_LAUNCH=$mode timeout 150 python3 bench/hopper_sparse_bench.py --bwd --n 4096 \
-                  --out "$OUT/sparse_bwd_launch$mode.jsonl" 2>&1 | tail -12
-              done ;;
+    launcher) # launcher.Launcher's direct launches: GPU tests of the families that launch through it (the
+              # Gluon ones: every LAUNCHER_EVERY-th of their GPU tests, to fit a call), splitkv's, then the
+              # 4k block-sparse backward against Flex with Triton's launches and with direct ones
+              timeout ${LAUNCHER_TESTS_TIMEOUT:-150} python3 -m pytest -q -m gpu tests/test_launcher.py \
+                tests/test_forward_gpu.py tests/test_backward.py tests/test_varlen.py 2>&1 \
+                | tee "$OUT/launcher_tests.log" | tail -4
+              python3 -m pytest --collect-only -q -m gpu tests/test_hopper.py tests/test_hopper_bwd.py \
+                tests/test_hopper_masks.py tests/test_hopper_bwd_block_sparse.py 2>/dev/null | grep "::" \
+                | awk -v n=${LAUNCHER_EVERY:-9} 'NR % n == 1' > /tmp/launcher_sample.txt
+              echo "Gluon sample: $(wc -l < /tmp/launcher_sample.txt) tests"
+              timeout ${LAUNCHER_GLUON_TIMEOUT:-200} xargs -d '\n' -a /tmp/launcher_sample.txt python3 -m pytest -q 2>&1 \
+                | tee "$OUT/launcher_gluon.log" | tail -6
+              timeout 200 python3 -m pytest -q tests/test_splitkv.py 2>&1 | tee "$OUT/launcher_splitkv.log" | tail -4
+              if [ -n "${LAUNCHER_SPARSE:-}" ]; then
+                for mode in 1 0; do
+                  echo "--- FLASHTUNE_SLOW_LAUNCH=$mode"
+                  FLASHTUNE_SLOW_LAUNCH=$mode timeout 150 python3 bench/hopper_sparse_bench.py --bwd --n 4096 \
+                    --out "$OUT/sparse_bwd_launch$mode.jsonl" 2>&1 | tail -12
+                done
+              fi ;;
     hostprof) # issue 11: the host time of a fwd+bwd in pieces (forward, backward called directly, its
               # plan's run, autograd, a bare Triton launch) and cProfile of the backward, N=512
               timeout ${HOSTPROF_TIMEOUT:-150} python3 bench/host_profile.py --out "$OUT/host_profile.json" \

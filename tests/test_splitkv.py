@@ -330,13 +330,13 @@ def test_search_space_builds():
 
 
 
-def test_measure_runs_keep_their_plan():
+def test_measure_runs_keep_their_plan(device):
     """The search's timed runs reuse the plan of the first run (kept_plan): same output,
     no second plan for the same variant, problem and inputs."""
     from flashtune.codegen import Variant
     from flashtune.measure_splitkv import SplitKVOps
     from flashtune.problem import Problem
-    ops = SplitKVOps(device="cpu")
+    ops = SplitKVOps(device=device)
     p = Problem("splitkv", "float16", 32, False, 2, 2, 4, 1, 70)
     gp = ops.gate_problem(p)
     inputs = ops.inputs(gp, seed=0)
@@ -344,7 +344,7 @@ def test_measure_runs_keep_their_plan():
     v = Variant.parse("splitkv-m16-n32-w4-s1-sp2")
     out = ops.run(v, gp, inputs)
     assert ops.check(out, gp, ref).ok
-    key = (v, gp, inputs[0].data_ptr(), "cpu")
+    key = (v, gp, inputs[0].data_ptr(), device)
     plan = ops._plans[key]
     again = ops.run(v, gp, inputs)
     assert ops._plans[key] is plan and len(ops._plans) == 1
