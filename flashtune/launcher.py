@@ -22,9 +22,10 @@ FLASHTUNE_SLOW_LAUNCH=1 turns the direct path off (to compare, or to rule it out
 from __future__ import annotations
 
 import operator
-import os
 
 import torch
+
+from .env import slow_launch
 
 _Tensor = torch.Tensor
 
@@ -128,7 +129,7 @@ class Launcher:
 
 
 def _direct_ok(fn) -> bool:
-    if os.environ.get("FLASHTUNE_SLOW_LAUNCH", "") not in ("", "0"):
+    if slow_launch():
         return False
     try:
         from triton.runtime.jit import JITFunction
