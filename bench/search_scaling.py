@@ -146,6 +146,18 @@ def agree(runs: list[dict], noise: float) -> dict:
     return out
 
 
+def repeat_noise(winners: dict) -> dict:
+    """How far one variant's measured speed moves between runs: over the buckets every run
+    gave the same winner, max/min - 1 of its speeds (what "within noise" can mean for the
+    buckets whose winners differ). {} when no bucket has one winner in every run."""
+    spreads = sorted(max(w["speeds"]) / min(w["speeds"]) - 1 for w in winners.values()
+                     if len(set(w["winners"])) == 1 and all(w["speeds"]))
+    if not spreads:
+        return {}
+    return {"buckets": len(spreads), "median": round(spreads[len(spreads) // 2], 4),
+            "max": round(spreads[-1], 4)}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gpus", nargs="+", default=["0", "0,1"], help="one run per value")
@@ -215,9 +227,15 @@ def main(argv=None) -> int:
     for label, w in winners.items():
         if not w["agree"]:
             sp = ", ".join(f"{x:.1f}" if x else "-" for x in w["speeds"])
-            print(f"  {label}: {' vs '.join(str(x) for x in w['winners'])} ({sp})")
+            gap = (f", {max(w['speeds']) / min(w['speeds']) - 1:.1%} apart"
+                   if all(w["speeds"]) else "")
+            print(f"  {label}: {' vs '.join(str(x) for x in w['winners'])} ({sp}{gap})")
+    noise = repeat_noise(winners)
+    if noise:
+        print(f"the same winner re-measured by each run ({noise['buckets']} buckets): "
+              f"median {noise['median']:.1%}, max {noise['max']:.1%} apart")
     result = {"args": vars(a), "runs": runs, "winners": winners, "agree": n_agree,
-              "buckets": len(winners)}
+              "buckets": len(winners), "repeat_noise": noise}
     if a.out:
         Path(a.out).write_text(json.dumps(result, indent=2))
     return 0

@@ -238,3 +238,22 @@ def test_in_order_budget_leaves_what_it_cannot_finish_untouched(tmp_path):
                                          storage=cfg.storage)), progress=NoProgress())
     assert [b.status for b in res.buckets] == ["done", "done"]
     assert [r["state"] for r in status_rows(cfg, H100)] == ["done", "done"]
+
+
+def test_scaling_report_measures_its_own_noise():
+    """bench/search_scaling.py's repeat_noise: the spread of one variant's speed between runs,
+    over the buckets where every run picked it (the yardstick for winners that differ)."""
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / "bench" / "search_scaling.py"
+    spec = importlib.util.spec_from_file_location("search_scaling", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    winners = {"a": {"winners": ["x", "x"], "speeds": [100.0, 103.0]},
+               "b": {"winners": ["y", "y"], "speeds": [200.0, 201.0]},
+               "c": {"winners": ["y", "z"], "speeds": [200.0, 230.0]},  # differ: not counted
+               "d": {"winners": ["x", "x"], "speeds": [100.0, None]}}   # one run missing
+    got = mod.repeat_noise(winners)
+    assert got["buckets"] == 2
+    assert abs(got["max"] - 0.03) < 1e-9 and abs(got["median"] - 0.03) < 1e-9
+    assert mod.repeat_noise({"c": winners["c"]}) == {}
