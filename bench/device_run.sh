@@ -87,6 +87,8 @@ for step in ${STEPS:-fwdtests}; do
     scaling)  # the same search with --gpus 0, then 0,1 (SCALING_GPUS="0 0,1 0,1,2,3" on 4 GPUs): wall,
               # trials/s, winners compared; --warm fills Triton's cache first (SCALING_ARGS=--cold: none)
               nvidia-smi -L
+              # FLASHTUNE_TIMELINE: each process's milestones (start-up, first trial, wind-down) in its log
+              FLASHTUNE_TIMELINE=${FLASHTUNE_TIMELINE:-1} \
               timeout ${SCALING_TIMEOUT:-590} python3 bench/search_scaling.py --gpus ${SCALING_GPUS:-0 0,1} \
                 ${SCALING_ARGS:---warm} --out "$OUT/scaling.json" 2>&1 | tee "$OUT/scaling.log" | tail -24 ;;
     proposalcost) # one driver per storage, then two drivers on one journal (a bucket each; one bucket),
@@ -316,6 +318,13 @@ sys.exit(pytest.main(['-q', '-x', '--tb=long', 'tests/test_transformers_backend.
                     --out "$OUT/sparse_bwd_launch$mode.jsonl" 2>&1 | tail -12
                 done
               fi ;;
+    maskexplain) # issue 11: what serves the 4k masked calls on this GPU (the 100% block mask's forward took
+              # 0.36 ms against 0.22 for the dense one, session 14), fwd and bwd, D=128, bf16, B=1, H=16
+              for fam in fwd bwd; do for m in none density=1 density=0.3 density=0.1 window=1024; do
+                echo "--- $fam $m"
+                flashtune dispatch explain --family $fam --dtype bf16 --head-dim 128 --seqlen-q 4096 \
+                  --mask $m 2>&1 | grep -v "^note  *no user DB"
+              done; done 2>&1 | tee "$OUT/maskexplain.log" | tail -80 ;;
     hostprof) # issue 11: the host time of a fwd+bwd in pieces (forward, backward called directly, its
               # plan's run, autograd, a bare Triton launch) and cProfile of the backward, N=512
               timeout ${HOSTPROF_TIMEOUT:-150} python3 bench/host_profile.py --out "$OUT/host_profile.json" \

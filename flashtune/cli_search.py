@@ -107,9 +107,12 @@ def search(gpu, families, dtypes, head_dims, causal, seqlens, batches, masks, tr
 
     Searches the kernel variants of each bucket on the GPU present and writes each bucket's
     winner to the tuned DB (`flashtune db export` ships them as a table)."""
+    from .timeline import mark
+    mark("search command")
     if not (dry_run or show_status):
         from .isolation import start_server
         start_server()
+        mark("workers' server started")
     from . import targets
     from .search import SearchConfig, plan_of, resolve_target, run_search
     from .search_progress import make_progress
@@ -142,6 +145,7 @@ def search(gpu, families, dtypes, head_dims, causal, seqlens, batches, masks, tr
         target = resolve_target(cfg, dry_run=dry_run or (show_status and gpu != "auto"))
     except targets.GpuMismatch as e:
         raise click.BadParameter(str(e).removeprefix("--gpu "), param_hint="--gpu") from None
+    mark("target resolved")
     if not families:  # the default: every family that runs on the target's arch
         from .families import get
         cap = target.capability[0] * 10 + target.capability[1]
@@ -158,6 +162,7 @@ def search(gpu, families, dtypes, head_dims, causal, seqlens, batches, masks, tr
     except ValueError as e:
         raise click.UsageError(str(e)) from None
     _summary(result, fmt)
+    mark("summary written")
     if result.interrupted:
         raise SystemExit(130)
 

@@ -34,6 +34,11 @@ def gpu_override() -> str | None:
     return os.environ.get("FLASHTUNE_GPU") or None
 
 
+def timeline() -> bool:
+    """FLASHTUNE_TIMELINE=1: a search prints its milestones (timeline.py)."""
+    return os.environ.get("FLASHTUNE_TIMELINE", "") not in ("", "0")
+
+
 def slow_launch() -> bool:
     """FLASHTUNE_SLOW_LAUNCH=1: every kernel launch through Triton's JITFunction (launcher.py)."""
     return os.environ.get("FLASHTUNE_SLOW_LAUNCH", "") not in ("", "0")

@@ -16,6 +16,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from .isolation import Worker, WorkerLost
 from .measure import Outcome
+from .timeline import mark
 
 
 class Pipeline:
@@ -138,7 +139,8 @@ class Pipeline:
             return
         for w in (w for w in self._all if w.role == "time"):
             self._pool.submit(self._on, self._timers, "warm", (problem,), self.trial_timeout,
-                              "warm", prefer=w.index)
+                              "warm", prefer=w.index).add_done_callback(
+                lambda _: mark("timing worker warm"))
 
     def _run(self, variant, problem) -> Outcome:
         clock: list = []

@@ -33,6 +33,7 @@ from .search_claims import Heartbeat, Liveness, claim, me, same
 from .search_flight import Flight
 from .search_progress import make_progress
 from .search_study import BucketStudy, bucket_label, make_sampler, make_storage, open_study, study_name
+from .timeline import mark
 
 log = logging.getLogger("flashtune.search")
 
@@ -301,6 +302,7 @@ def search_bucket(bs: BucketStudy, pipeline: Pipeline, trials: int, deadline: fl
     others, synced = 0, -1e9   # variants other processes are measuring now (read every 0.25 s)
 
     def told(b) -> None:
+        mark("first trial told", once=True)
         if b is bs:
             progress.trial(bs.measured(), bs.best_tflops())
 
@@ -379,10 +381,13 @@ def run_search(cfg: SearchConfig, *, backend=None, db=None, progress=None,
                          "measuring function for it (its flashtune/families/ entry)")
     progress = progress or make_progress()
     cw = cfg.compile_workers or max(1, min(16, (os.cpu_count() or 2) - cfg.workers))
+    mark("search starts")
     storage = make_storage(cfg.storage)
     heartbeat = Heartbeat(storage).start()
+    mark("storage open")
     pipeline = Pipeline(backend, devices=tuple(range(cfg.workers)), compile_workers=cw,
                         trial_timeout=cfg.trial_timeout_s).start()
+    mark("workers started")
     run = _Run(cfg, planned, pipeline, storage, db, progress, t_start)
     stop = threading.Event()
     progress.start(len(planned), cfg.trials * len(planned))
@@ -392,9 +397,11 @@ def run_search(cfg: SearchConfig, *, backend=None, db=None, progress=None,
     except KeyboardInterrupt:  # a second Ctrl-C, or one during a final pick
         run.interrupted = True
     finally:
+        mark("buckets done")
         heartbeat.stop()
         pipeline.close(kill=run.interrupted)
         progress.close()
+        mark("workers closed")
     results = tuple(run.results[i] for i in sorted(run.results))
     measured = sum(bs.counts["measured"] for bs in run._studies.values())
     return SearchResult(target.short, results, time.monotonic() - t_start, run.interrupted,
@@ -464,6 +471,7 @@ class _Run:
                                               self.cfg.neighbour_seeds)):
                     bs.enqueue(v)
             self._studies[i] = bs
+            mark("first bucket open", once=True)
         return self._studies[i]
 
     def buckets(self, stop: threading.Event) -> None:

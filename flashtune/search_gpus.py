@@ -22,6 +22,7 @@ import signal
 import time
 
 from .isolation import _context, _describe_exit, adopt_env
+from .timeline import mark
 
 
 class QueueProgress:
@@ -125,6 +126,7 @@ def device_ids(gpus) -> list[str]:
 def _child(cfg, target, device: str, q, env: dict) -> None:
     adopt_env(env)
     os.environ["CUDA_VISIBLE_DEVICES"] = device  # before anything here touches CUDA
+    mark(f"search process for GPU {device} up")
     from .search import run_search
     try:
         # started with SIGINT blocked (a Ctrl-C while it imported would kill it mid-import);
@@ -203,6 +205,7 @@ def run_on_gpus(cfg, *, target, progress=None):
         p.start()
         procs[child.tag] = p
     signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+    mark(f"{len(procs)} search processes started")
     results, errors, notes = {}, {}, []
     interrupted = False
 
@@ -232,8 +235,10 @@ def run_on_gpus(cfg, *, target, progress=None):
             else:
                 progress.event(tag, method, args)
     finally:
+        mark("search processes reported")
         for p in procs.values():
             p.join(5)
+        mark("search processes joined")
         if prev is not None:
             signal.signal(signal.SIGINT, prev)
         for tag, p in procs.items():
