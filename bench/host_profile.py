@@ -11,8 +11,9 @@ direct launches: host us per call of the forward (no grad), the backward called 
 (ops.run_backward on this thread), its plan's run() alone and the autograd fwd+bwd
 (torch.autograd.grad); cProfile of the direct backward and of the autograd step (the 25
 functions with the most own time; printed with --print-profiles). Beside them: a bare Triton
-launch of a trivial kernel with 8 and 48 arguments, and torch.autograd.grad through a Function
-that launches nothing (the engine's own cost). JSON to --out.
+launch of a trivial kernel with 8 and 48 arguments, torch.autograd.grad through a Function
+that launches nothing (the engine's own cost), and compiled Flex's forward and fwd+bwd on the
+same inputs. JSON to --out.
 """
 from __future__ import annotations
 
@@ -92,6 +93,28 @@ def engine_us(iters: int, reps: int) -> float:
     return per_call_us(lambda: torch.autograd.grad(Ident.apply(x), (x,), g), iters, reps)
 
 
+def flex_us(q, k, v, g, iters: int, reps: int) -> dict:
+    """Compiled FlexAttention's forward and autograd fwd+bwd on the same inputs, no mask: the
+    same engine hand-off with Inductor's launchers (is the rest of a step's host time torch's
+    or flashtune's?). {} when Flex cannot run here."""
+    try:
+        from torch.nn.attention.flex_attention import flex_attention
+        flex = torch.compile(flex_attention)
+
+        def fwd():
+            with torch.no_grad():
+                flex(q, k, v)
+
+        def step():
+            torch.autograd.grad(flex(q, k, v), (q, k, v), g)
+        for _ in range(3):
+            step()
+        return {"fwd_us": per_call_us(fwd, iters, reps),
+                "fwd_bwd_autograd_us": per_call_us(step, iters, reps)}
+    except Exception as e:  # noqa: BLE001 -- a peer that cannot run is a line
+        return {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+
+
 def one_case(name, q, k, v, g, kw, masks, args) -> dict:
     import flashtune
     from flashtune import ops
@@ -161,6 +184,8 @@ def main(argv=None) -> int:
     report["autograd_engine_us"] = engine_us(args.iters, args.reps)
     print(f"autograd engine alone (identity Function, torch.autograd.grad): "
           f"{report['autograd_engine_us']:.1f} us")
+    report["flex"] = flex_us(q, k, v, g, args.iters, args.reps)
+    print(f"Flex (compiled, no mask): {report['flex']}")
     all_cases = cases(n, "cuda")
     for name in args.case.split(","):
         kw = all_cases[name]
