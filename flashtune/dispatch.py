@@ -201,7 +201,7 @@ def mask_twin(variant: Variant, masks, head_dim: int, dtype, family: str | None 
     """`variant` rendered with the mask code `masks` needs (window, softcap, block_sparse), its
     tiles fitted to a block mask's block size (BLOCK_M | BS_Q, BLOCK_N | BS_KV), for a call of
     `family` (None: the variant's own). A variant whose family cannot render the masks for that
-    call (Family.mask_fields: splitkv serving a dense forward takes none) or fit its tiles to the
+    call (Family.mask_fields: a family's serve_masks for the calls it serves) or fit its tiles to the
     block mask (Family.fit_block_mask: hopper_fwd's ping-pong tile over 64-row query blocks)
     gives way to the built-in default of the call's family."""
     family = family or variant.family
@@ -385,6 +385,10 @@ def _masks_rendered(ex: Explanation, masks) -> Explanation:
         note = f"runs {ran.name}: {ex.variant.name} with the call's masks rendered in"
     else:
         note = f"runs {ran.name}: {why}, so the {p.family} default with the masks"
+    from .families import get
+    blocked = get(ran.family).blocks_mask(masks.block_mask, p.seqlen_q, p.group, ran.paged)
+    if blocked and ran.family != p.family:
+        note += (f"; its plan runs the {p.family} default with the masks instead: {blocked}")
     return dataclasses.replace(ex, variant=ran, notes=ex.notes + (note,))
 
 

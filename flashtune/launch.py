@@ -204,6 +204,21 @@ class FwdPlan:
         return o, lse
 
 
+def generic_plan(q, k, v, causal: bool, scale, masks: Masks = NONE) -> FwdPlan:
+    """The generic fwd family's default for this call (what the dispatcher would have chosen
+    without a rival family) with the call's masks rendered in, pointer loads where TMA cannot
+    address the tensors: the plan of a served call another family's plan cannot take."""
+    from .defaults import default_variant
+    from .dispatch import mask_twin, pointer_twin
+    from .problem import dtype_name
+    fv = default_variant("fwd", q.shape[3], dtype_name(q.dtype))
+    if masks.any:
+        fv = mask_twin(fv, masks, q.shape[3], q.dtype)
+    if fv.loads == "descriptor" and not descriptor_ok(q, k, v):
+        fv = pointer_twin(fv)
+    return FwdPlan(q, k, v, causal, scale, fv, masks)
+
+
 def forward(q, k, v, causal: bool, scale: float | None, variant: Variant, masks: Masks = NONE):
     """Run the fwd variant: returns O (q's dtype, (B, H, Nq, D)) and LSE (float32, (B, H, Nq))."""
     return FwdPlan(q, k, v, causal, scale, variant, masks).run(q, k, v)

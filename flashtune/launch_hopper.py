@@ -12,7 +12,7 @@ import triton
 
 from .codegen import Variant, load
 from .launcher import Launcher
-from .launch import check_mask_variant, mask_args, mask_params
+from .launch import check_mask_variant, generic_plan, mask_args, mask_params
 from .masks import NONE, Masks
 
 HEAD_DIMS = (64, 128, 256)
@@ -121,7 +121,7 @@ class HopperFwdPlan:
             self.why = "strides TMA cannot describe as (B*H, N, D)"
         self.fallback = None
         if self.why:
-            self.fallback = _generic_plan(q, k, v, causal, scale, masks)
+            self.fallback = generic_plan(q, k, v, causal, scale, masks)
             return
         # the window's bounds (causal: its right edge 0), the softcap, the block mask's lists and
         # element mask, after sm_scale
@@ -145,7 +145,7 @@ class HopperFwdPlan:
             return self.fallback.run(q, k, v)
         o = torch.empty_like(q)  # keeps q's layout, as the generic plan's
         if not addressable(q, k, v, o):  # this call's base addresses only: no memo
-            return _generic_plan(q, k, v, self.consts["IS_CAUSAL"], self.scale,
+            return generic_plan(q, k, v, self.consts["IS_CAUSAL"], self.scale,
                                  self.masks).run(q, k, v)
         from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
         b, h, nq, d = q.shape
@@ -158,22 +158,6 @@ class HopperFwdPlan:
         self.kernel(self.grid, desc(q, bm), desc(k, bn), desc(v, bn), desc(o, bm), lse,
                     self.scale, *self.mask_args, h, nq, k.shape[2], self.n_tiles)
         return o, lse
-
-
-def _generic_plan(q, k, v, causal: bool, scale, masks: Masks = NONE):
-    """The generic fwd family's default for this call (what the dispatcher would have chosen
-    without hopper_fwd) with the call's masks rendered in, pointer loads where TMA cannot
-    address the tensors."""
-    from . import launch
-    from .defaults import default_variant
-    from .dispatch import mask_twin, pointer_twin
-    from .problem import dtype_name
-    fv = default_variant("fwd", q.shape[3], dtype_name(q.dtype))
-    if masks.any:
-        fv = mask_twin(fv, masks, q.shape[3], q.dtype)
-    if fv.loads == "descriptor" and not launch.descriptor_ok(q, k, v):
-        fv = pointer_twin(fv)
-    return launch.FwdPlan(q, k, v, causal, scale, fv, masks)
 
 
 def forward(q, k, v, causal: bool, scale: float | None, variant: Variant, masks: Masks = NONE):

@@ -108,15 +108,18 @@ class SplitKVPlan:
 
     def __init__(self, q, k_cache, causal: bool, scale: float | None, variant: Variant,
                  masks=None):
-        from .launch import check_mask_variant, mask_args
+        from .launch import check_mask_variant, mask_args, mask_params
         from .masks import NONE
         masks = masks or NONE
         check_mask_variant(variant, masks)
-        # window / softcap runtime arguments after sm_scale (launch.mask_args; no block mask)
-        self.mask_args = mask_args(masks, causal, "q", 1, 1)
         b, nq, h, d = q.shape
         hk = k_cache.shape[2]
         group = h // hk
+        why = block_mask_blocker(masks.block_mask, nq, group, variant.paged)
+        if why:
+            raise ValueError(f"{variant.name}: {why}")
+        # window / softcap / block mask runtime arguments after sm_scale (launch.mask_args)
+        self.mask_args = mask_args(masks, causal, "q", b, h)
         self.variant = variant
         self.paged = variant.paged
         mod = load(variant)
@@ -135,7 +138,7 @@ class SplitKVPlan:
             IS_CAUSAL=causal, GROUP=group, PAGE=k_cache.shape[1] if self.paged else 0,
             DOT_PRECISION=_DOT_PRECISION.get(q.dtype, "tf32"), PRECISE=q.dtype == torch.float32,
             USE_PDL=self.pdl, num_warps=variant.num_warps,
-            num_stages=variant.num_stages)
+            num_stages=variant.num_stages, **mask_params(masks))
         self._splits: dict = {}
         # launchers (launcher.Launcher), made at the first run that needs them (kwargs may be
         # changed before: bench/decode_sweep.py turns PDL off): the partial kernel's per
@@ -221,24 +224,57 @@ def combine_tile(num_splits: int, block_d: int) -> tuple:
     return block_s, max(16, min(block_d, COMBINE_TILE // block_s))
 
 
+def block_mask_blocker(bm, nq: int, group: int, paged: bool) -> str:
+    """Why the splitkv kernels cannot walk block mask `bm` for q (B, Nq, Hq, D) with GROUP q
+    heads per kv head ("" when they can): a tile's rows (GROUP heads x Nq tokens) read one list
+    row, so the tokens must lie in query block 0 and the heads share the mask."""
+    if bm is None:
+        return ""
+    if paged:
+        return "its paged renders take no block mask"
+    if nq > bm.block_size[0]:
+        return (f"a tile's {nq} query tokens span several query blocks of the block mask "
+                f"(block_size {bm.block_size})")
+    if group > 1 and bm.state.shape[1] > 1:
+        return (f"the block mask differs per q head, and a tile packs the {group} q heads of a kv "
+                "head")
+    return ""
+
+
 class DensePlan:
     """splitkv serving a dense forward call: q (B, H, Nq, D), k/v (B, Hk, Nk, D) in SDPA's
     layout, viewed (no copy) as the (B, N, H, D) cache layout the kernels take, every sequence
     holding all Nk keys (seqlens None, UNIFORM: no lengths tensor, so nothing is allocated or kept
     between calls -- a kept one broke torch.compile's CUDA graph trees). run(q, k, v) -> (O in q's
-    layout, LSE (B, H, Nq)), as launch.FwdPlan."""
-    __slots__ = ("variant", "plan", "descriptor")
+    layout, LSE (B, H, Nq)), as launch.FwdPlan. masks: the call's window / softcap / block mask; a
+    block mask these kernels cannot walk (block_mask_blocker) runs the generic fwd's plan
+    (`fallback`, `why`)."""
+    __slots__ = ("variant", "plan", "descriptor", "fallback", "why")
 
-    def __init__(self, q, k, v, causal: bool, scale: float | None, variant: Variant):
+    def __init__(self, q, k, v, causal: bool, scale: float | None, variant: Variant,
+                 masks=None):
+        self.fallback, self.why = None, ""
+        if masks is not None:
+            self.why = block_mask_blocker(masks.block_mask, q.shape[2],
+                                          q.shape[1] // k.shape[1], variant.paged)
+        if self.why:
+            from .launch import generic_plan
+            self.fallback = generic_plan(q, k, v, causal, scale, masks)
+            self.variant, self.plan = self.fallback.variant, None
+            self.descriptor = self.fallback.descriptor
+            return
         if variant.loads == "descriptor" and not descriptor_ok(k.transpose(1, 2),
                                                                v.transpose(1, 2), False):
             variant = dataclasses.replace(variant, loads="pointer")
         self.variant = variant
-        self.plan = SplitKVPlan(q.transpose(1, 2), k.transpose(1, 2), causal, scale, variant)
+        self.plan = SplitKVPlan(q.transpose(1, 2), k.transpose(1, 2), causal, scale, variant,
+                                masks)
         # ops.run_forward checks each call's base addresses for TMA (strides: above, once)
         self.descriptor = variant.loads == "descriptor"
 
     def run(self, q, k, v):
+        if self.fallback is not None:
+            return self.fallback.run(q, k, v)
         o, lse = self.plan.run(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None,
                                None, k.shape[2])
         return o.transpose(1, 2), lse

@@ -59,8 +59,8 @@ def plan(target: Target, families, dtypes, head_dims, causal, seqlens=(), batche
                     for p0 in grid(dt, head_dim_bucket(d), c, seqlens, batches):
                         for spec in masks:
                             p = dataclasses.replace(p0, **dict(spec))
-                            if any(m not in get(fam).fields for m in p.mask_kinds):
-                                continue  # splitkv takes no block mask
+                            if any(m not in get(fam).mask_fields(fam) for m in p.mask_kinds):
+                                continue  # splitkv's own calls take no block mask
                             bk = Bucket.of(p)
                             if bk.key not in out:
                                 out[bk.key] = PlannedBucket(bk, p, Space.build(fam, target, p))

@@ -45,7 +45,10 @@ def test_masked_variants_compile_for_sm90():
                       # dq="fused": the dQ programs' code (and its block lists) in the dK/dV kernel
                       "bwd-m32-n64-w4-s2-dq=fused-mq64-nq32-window=true-softcap=true"
                       "-block_sparse=true",
-                      "splitkv-m64-n64-w4-s3-window=true-softcap=true-paged=true")
+                      "splitkv-m64-n64-w4-s3-window=true-softcap=true-paged=true",
+                      # splitkv serving a decode-shaped dense call with a block mask
+                      "splitkv-m16-n64-w4-s3-loads=descriptor-block_sparse=true-softcap=true"
+                      "-window=true")
     rows = json.loads(r.stdout) if r.stdout.strip().startswith("[") else None
     assert rows, r.stdout[-3000:] + r.stderr[-3000:]
     kernels = {(row["variant"].split("-")[0], row["kernel"]) for row in rows}

@@ -62,11 +62,19 @@ class Family:
     # dispatch.mask_twin renders them in; a served call with others runs the served family's
     # default (its own calls take those among `fields`)
     serve_masks: tuple = ()
+    # fields only those served calls use: its own calls cannot carry them, so its own problems
+    # (and the search's buckets of them) never do (splitkv: block_sparse -- a kvcache call
+    # takes no block mask)
+    serve_only: tuple = ()
     # "module:fn": (variant, BlockMask) -> (tile changes, "") fitting its variants to a block
     # mask's block size, or ({}, why) where they cannot (dispatch.mask_twin then runs the call's
     # family default); "" = the generic rule in dispatch.mask_twin (BLOCK_M | BS_Q,
     # BLOCK_N | BS_KV, the element mask's tile limit)
     fit_block_mask: str = ""
+    # "module:fn": (BlockMask, Nq, GROUP, paged) -> why a served call's plan cannot walk the
+    # block mask ("" = it can): that plan then runs the served family's default, and explain()
+    # says why (splitkv: a tile's rows must share one list row)
+    block_mask_blocker: str = ""
     heuristic: str = ""
     interpreter: bool = True        # runs in Triton's interpreter (CPU tests)
     min_capability: int = 80        # sm_XX the template needs
@@ -124,7 +132,15 @@ class Family:
 
     def mask_fields(self, family: str) -> tuple:
         """The masks its variants can render for a call of `family` (its own or a served one)."""
-        return self.fields if family == self.name else self.serve_masks
+        if family == self.name:
+            return tuple(f for f in self.fields if f not in self.serve_only)
+        return self.serve_masks
+
+    def blocks_mask(self, block_mask, nq: int, group: int, paged: bool) -> str:
+        """Why this family's plan runs a served call's default for `block_mask` ("" if not)."""
+        if block_mask is None or not self.block_mask_blocker:
+            return ""
+        return _resolve(self.block_mask_blocker)(block_mask, nq, group, paged)
 
     def fit_tiles(self, variant, block_mask) -> tuple:
         """(tile changes, why not) of `variant` for a block mask (fit_block_mask)."""

@@ -15,7 +15,7 @@ FAMILY = Family(
     doc="Flash-Decoding: keys split over programs, exact combine; GQA heads share tile rows",
     template="attn_splitkv.py.tmpl",
     kernels=("attn_splitkv_partial", "attn_splitkv_combine"),
-    fields=("loads", "num_splits", "paged", "window", "softcap"),
+    fields=("loads", "num_splits", "paged", "window", "softcap", "block_sparse"),
     defaults="flashtune.families.splitkv:default",
     measure="flashtune.measure_splitkv:OPS",
     compile_check="flashtune.families.splitkv:compile_check",
@@ -27,6 +27,10 @@ FAMILY = Family(
     grid="flashtune.families.splitkv:decode_grid",
     serves=("fwd",),
     serve_plan="flashtune.launch_splitkv:DensePlan",
+    # a decode-shaped dense forward with masks (block masks: launch_splitkv.block_mask_blocker)
+    serve_masks=("window", "softcap", "block_sparse"),
+    serve_only=("block_sparse",),
+    block_mask_blocker="flashtune.launch_splitkv:block_mask_blocker",
     heuristic="flashtune.families.splitkv:prefer_for_dense",
     adapt="flashtune.families.splitkv:adapt",
     seeds="flashtune.families.splitkv:seeds",
@@ -122,7 +126,10 @@ def bucket(p):
 def compile_check(variant, head_dim: int, dtype: str, causal: bool, tails: bool, cap: int,
                   usage: bool) -> dict:
     """Both kernels compiled for `cap` without a GPU, with the launcher's constexprs (tails: GQA
-    4 and 3 query tokens, so the row masks are compiled in)."""
+    4 and 3 query tokens, so the row masks are compiled in; a block_sparse render with
+    launch.example_masks' block sizes and an element mask)."""
+    import dataclasses
+
     import torch
 
     from ..codegen import load
@@ -134,10 +141,13 @@ def compile_check(variant, head_dim: int, dtype: str, causal: bool, tails: bool,
     nq, group = (3, 4) if tails else (1, 8)
     q = torch.empty(2, nq, 8, head_dim, dtype=dt, device="meta")
     k = torch.empty(2, 4096, 8 // group, head_dim, dtype=dt, device="meta")
+    from ..launch import example_masks
     from ..masks import Masks
-    plan = SplitKVPlan(q, k, causal, None, variant,
+    # the plan of the render without the block mask gives the other constexprs
+    plan = SplitKVPlan(q, k, causal, None, dataclasses.replace(variant, block_sparse=False),
                        Masks((64, 0) if variant.window else None, 30.0 if variant.softcap else None))
     consts = {n: v for n, v in plan.kwargs.items() if n not in ("num_warps", "num_stages")}
+    consts.update(example_masks(variant, causal))
     consts["USE_PDL"] = cap >= 90  # as launched on that target
     mod = load(variant)
     # the partial kernel writes float32 scratch (O, LSE) when the keys are split
