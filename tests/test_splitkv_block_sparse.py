@@ -1,5 +1,5 @@
-"""splitkv serving decode-shaped dense forwards with a block mask (its block_sparse render): each
-split walks its share of the kept blocks' lists. Against the float64 reference with the mask's
+"""splitkv serving decode-shaped dense forwards with masks: a window, a softcap, and a block mask
+(its block_sparse render: each split walks its share of the kept blocks' lists). Against the float64 reference with the mask's
 dense form, in Triton's interpreter (float16) or on the GPU (bfloat16 too)."""
 import pytest
 import torch
@@ -46,6 +46,22 @@ def test_decode_calls_walk_the_block_lists(device, nq, h, hk, causal, elem):
     ex, _ = _check(q, k, v, bm, causal)
     assert ex.variant.family == "splitkv" and ex.variant.block_sparse, str(ex)
     assert not any("plan runs" in n for n in ex.notes), ex.notes
+
+
+@pytest.mark.parametrize("nq,h,hk,causal,window,softcap", [
+    (1, 8, 2, False, (64, -1), None), (3, 4, 4, True, (50, 0), None),
+    (2, 8, 1, False, None, 15.0), (2, 8, 2, True, (100, 0), 20.0)])
+def test_decode_calls_with_a_window_or_softcap_run_splitkv(device, nq, h, hk, causal, window,
+                                                           softcap):
+    g = torch.Generator().manual_seed(nq * h)
+    q = torch.randn(2, h, nq, 64, generator=g).half().to(device)
+    k, v = (torch.randn(2, hk, 333, 64, generator=g).half().to(device) for _ in range(2))
+    kw = dict(causal=causal, window=window, softcap=softcap)
+    ex = flashtune.explain(q, k, v, **kw)
+    assert ex.variant.family == "splitkv", str(ex)
+    rep = compare(flashtune.attention(q, k, v, **kw), reference(q, k, v, **kw),
+                  same_dtype_math(q, k, v, **kw))
+    assert rep.ok, f"{ex.variant.name}: {rep}"
 
 
 @pytest.mark.parametrize("splits", [1, 3, 16])
