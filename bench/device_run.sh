@@ -325,6 +325,12 @@ sys.exit(pytest.main(['-q', '-x', '--tb=long', 'tests/test_transformers_backend.
                 flashtune dispatch explain --family $fam --dtype bf16 --head-dim 128 --seqlen-q 4096 \
                   --mask $m 2>&1 | grep -v "^note  *no user DB"
               done; done 2>&1 | tee "$OUT/maskexplain.log" | tail -80 ;;
+    decodemask) # issue 11: splitkv's block_sparse render (decode-shaped dense calls with a block mask): its
+              # GPU tests, then decode GB/s at 10/50/100 % of 128-key blocks beside compiled Flex
+              timeout ${DECODEMASK_TESTS_TIMEOUT:-150} python3 -m pytest -q tests/test_splitkv_block_sparse.py \
+                2>&1 | tee "$OUT/decodemask_tests.log" | tail -4
+              timeout ${DECODEMASK_TIMEOUT:-300} python3 bench/decode_mask_bench.py --out "$OUT/decode_mask.jsonl" \
+                ${DECODEMASK_ARGS:-} 2>&1 | tee "$OUT/decode_mask.log" | tail -40 ;;
     hostprof) # issue 11: the host time of a fwd+bwd in pieces (forward, backward called directly, its
               # plan's run, autograd, a bare Triton launch) and cProfile of the backward, N=512
               timeout ${HOSTPROF_TIMEOUT:-150} python3 bench/host_profile.py --out "$OUT/host_profile.json" \
