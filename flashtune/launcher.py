@@ -14,7 +14,8 @@ ends with -- as long as nothing Triton specializes on differs from that first la
 - a tensor descriptor's type, block shape, layout, shape, strides and base alignment,
 - the current device, and no launch hooks installed (profilers such as proton).
 
-Anything else takes Triton's path again, which picks or compiles the right kernel, so a
+A launch whose tensors live on another GPU than the current one makes theirs current first, as
+PyTorch's ops do (Triton launches on the current device). Anything else takes Triton's path again, which picks or compiles the right kernel, so a
 launch is never wrong, only sometimes slow. Under the interpreter (`TRITON_INTERPRET=1`) and
 for anything that is not a Triton `JITFunction`, every launch is Triton's.
 FLASHTUNE_SLOW_LAUNCH=1 turns the direct path off (to compare, or to rule it out).
@@ -36,6 +37,20 @@ def _current_device() -> int:
 
 def _current_stream(device: int) -> int:
     return torch._C._cuda_getCurrentRawStream(device)
+
+
+def _on_device(device: int):
+    return torch.cuda.device(device)
+
+
+def _tensor_device(args) -> int:
+    """The CUDA device of the first tensor (or descriptor's tensor) among args; -1: none, or a
+    CPU tensor (the interpreter)."""
+    for a in args:
+        t = a if isinstance(a, _Tensor) else getattr(a, "base", None)
+        if isinstance(t, _Tensor):
+            return t.get_device()
+    return -1
 
 
 def _hooks_empty() -> bool:
@@ -74,6 +89,13 @@ class Launcher:
             k.run(grid[0], g1, g2, _current_stream(self.device), k.function, k.packed_metadata,
                   None, None, None, *args, *self.tail)
             return
+        # Triton launches on the current device: a call whose tensors live on another one (a
+        # model spread over GPUs, no torch.cuda.set_device) runs with that device current, as
+        # PyTorch's own ops do
+        dev = _tensor_device(args)
+        if dev >= 0 and dev != _current_device():
+            with _on_device(dev):
+                return self(grid, *args)
         kernel = self.fn[grid](*args, **self.kwargs)
         if self.direct and k is None:
             self._capture(kernel, args)

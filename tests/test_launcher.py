@@ -118,6 +118,39 @@ def test_launch_hooks_and_device_change_take_triton_path(fake_cuda, monkeypatch)
     assert _paths(log) == ["triton", "triton", "triton", "direct"]
 
 
+def test_a_call_on_another_gpu_makes_that_gpu_current(fake_cuda, monkeypatch):
+    """Tensors on GPU 1 while GPU 0 is current (a model spread over GPUs): every launch, Triton's
+    and the direct ones, runs with GPU 1 current, and GPU 0 is current again afterwards."""
+    import contextlib
+    current = [0]
+    seen = []
+
+    @contextlib.contextmanager
+    def on_device(d):
+        prev, current[0] = current[0], d
+        try:
+            yield
+        finally:
+            current[0] = prev
+    monkeypatch.setattr(L, "_current_device", lambda: current[0])
+    monkeypatch.setattr(L, "_on_device", on_device)
+    monkeypatch.setattr(L, "_tensor_device", lambda args: 1)
+    log = []
+    fake = _fake_jit(log)
+    fake.device_caches[1] = fake.device_caches[0]
+    real_run = fake.kernel.run
+    fake.kernel.run = lambda *a: (seen.append(current[0]), real_run(*a))
+    real_getitem = type(fake).__getitem__
+    type(fake).__getitem__ = lambda self, grid: (seen.append(current[0]),
+                                                 real_getitem(self, grid))[1]
+    lau = L.Launcher(fake)
+    x, y = _tensors()
+    for _ in range(3):
+        lau((1,), x, y)
+    assert _paths(log) == ["triton", "direct", "direct"]
+    assert seen == [1, 1, 1] and current[0] == 0 and lau.device == 1
+
+
 def test_no_direct_path_when_it_cannot_be_trusted(fake_cuda, monkeypatch):
     x, y = _tensors()
     # the binder does not hand back the arguments as given
@@ -220,3 +253,26 @@ def _launchers(plan) -> list:
             elif y is not None and name in ("fallback", "plan"):
                 got += _launchers(y)
     return got
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                    reason="needs two GPUs")
+def test_gpu_tensors_on_the_second_gpu_with_the_first_current():
+    import flashtune
+    torch.cuda.set_device(0)
+    torch.manual_seed(0)
+    dev = torch.device("cuda", 1)
+    q, k, v = (torch.randn(1, 4, 256, 64, device=dev, dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))
+    for _ in range(3):  # the first launch and direct ones
+        o = flashtune.attention(q, k, v, causal=True)
+        dq, = torch.autograd.grad(o.float().square().sum(), (q,))
+    assert torch.cuda.current_device() == 0 and o.device == dev
+    ref = _ref_attention(q, k, v, True)
+    assert (o.double() - ref).abs().max() < 2e-2
+    qr = q.detach().double().requires_grad_()
+    from flashtune.reference import reference
+    r = reference(qr, k.detach().double(), v.detach().double(), causal=True)
+    ref_dq, = torch.autograd.grad(r.square().sum(), (qr,))
+    assert (dq.double() - ref_dq).abs().max() < 5e-2 * ref_dq.abs().max()
