@@ -1,6 +1,8 @@
 """How the GPU backend measures the splitkv family (the same contract as measure_fwd.py): a
 decode step over a contiguous KV cache, every sequence at the bucket's key count, random
-inputs, gated against the float64 reference of the equivalent dense problem."""
+inputs, gated against the float64 reference of the equivalent dense problem. A masked
+problem (window, softcap) runs and is gated with its representative masks (masks.py), as the
+fwd family's."""
 from __future__ import annotations
 
 import dataclasses
@@ -9,7 +11,8 @@ import torch
 
 from . import launch_splitkv
 from .accuracy import compare
-from .measure_fwd import kept_plan
+from .masks import representative
+from .measure_fwd import kept_plan, reference_masks
 from .measure_warmup import compile_only, max_shared
 from .problem import Problem, torch_dtype
 from .reference import reference, same_dtype_math
@@ -31,7 +34,8 @@ class SplitKVOps:
 
     def plan(self, variant, p: Problem, inputs):
         q, k = inputs[:2]
-        return launch_splitkv.SplitKVPlan(q, k, p.causal, None, variant)
+        return launch_splitkv.SplitKVPlan(q, k, p.causal, None, variant,
+                                          representative(p, q.device.type))
 
     def compile_ahead(self, variant, p: Problem) -> int:
         qs, ks = self.shapes(p)
@@ -75,8 +79,9 @@ class SplitKVOps:
         q, k, v, _ = inputs
         q, k, v = (t.transpose(1, 2) for t in (q[:, :, :h], k[:, :, :h // p.group],
                                                v[:, :, :h // p.group]))
-        return (reference(q, k, v, causal=p.causal),
-                same_dtype_math(q, k, v, causal=p.causal))
+        kw = reference_masks(p, q.device.type)
+        return (reference(q, k, v, causal=p.causal, **kw),
+                same_dtype_math(q, k, v, causal=p.causal, **kw))
 
     def check(self, out, p: Problem, ref):
         return compare(self.gate_view(out, p), *ref)

@@ -1,5 +1,7 @@
 """Split-KV (Flash-Decoding) kernels and flashtune.attention_with_kvcache, against the float64
 reference on the equivalent dense problem of each sequence. Tiny shapes: the interpreter is slow."""
+import dataclasses
+
 import pytest
 import torch
 
@@ -463,3 +465,28 @@ def test_a_far_record_does_not_outbid_an_exact_one(monkeypatch):
         assert ex.variant.family != "splitkv" and ex.distance == 0, str(ex)
     finally:
         dispatch.configure()
+
+
+@pytest.mark.parametrize("window,softcap,causal,nq", [(64, False, False, 1), (50, True, True, 3),
+                                                      (0, True, False, 1)])
+def test_measure_runs_masked_problems_with_their_masks(device, window, softcap, causal, nq):
+    """A masked splitkv bucket of the search (--mask window=... / softcap) runs and is gated with
+    its representative masks: its variants carry the mask code, the plan gets the masks."""
+    from flashtune.codegen import Variant
+    from flashtune.measure_splitkv import SplitKVOps
+    from flashtune.problem import Problem
+    ops = SplitKVOps(device=device)
+    p = Problem("splitkv", "float16", 64, causal, 2, 2, 4, nq, 300, window=window,
+                softcap=softcap)
+    gp = ops.gate_problem(p)
+    inputs = ops.inputs(gp, seed=1)
+    ref = ops.reference(gp, inputs)
+    masks = "-".join(m for m, on in (("softcap=true", softcap), ("window=true", bool(window)))
+                     if on)
+    out = ops.run(Variant.parse(f"splitkv-m16-n32-w4-s1-sp3-{masks}"), gp, inputs)
+    assert ops.check(out, gp, ref).ok
+    assert not ops.check(out * 1.05, gp, ref).ok
+    # the gate's reference applies the masks: the unmasked answer fails it
+    plain = ops.run(Variant.parse("splitkv-m16-n32-w4-s1-sp3"),
+                    dataclasses.replace(gp, window=0, softcap=False), inputs)
+    assert not ops.check(plain, gp, ref).ok
