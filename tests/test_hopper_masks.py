@@ -215,8 +215,18 @@ def test_mask_twin_follows_the_family_registry():
     bm = BlockMask.from_dense(torch.ones(1, 1, dtype=torch.bool), (128, 128), block_size=128)
     sparse = dispatch.mask_twin(hv, Masks(None, None, bm), 128, torch.bfloat16, "fwd")
     assert sparse == dataclasses.replace(hv, block_sparse=True)  # its tiles fit 128-blocks
-    sk = Variant.parse("splitkv-m64-n64-w4-s3")  # serving a dense forward: no masks there
-    assert dispatch.mask_twin(sk, Masks((8, 8)), 128, torch.bfloat16, "fwd").family == "fwd"
+    sk = Variant.parse("splitkv-m64-n64-w4-s3")  # serving a dense forward: its serve_masks
+    assert dispatch.mask_twin(sk, Masks((8, 8)), 128, torch.bfloat16, "fwd") == \
+        dataclasses.replace(sk, window=True)
+    # a family whose served calls take no such mask gives way to the call family's default
+    from flashtune import families
+    reg = families._registry()
+    real = reg["splitkv"]
+    reg["splitkv"] = dataclasses.replace(real, serve_masks=())
+    try:
+        assert dispatch.mask_twin(sk, Masks((8, 8)), 128, torch.bfloat16, "fwd").family == "fwd"
+    finally:
+        reg["splitkv"] = real
 
 
 def _masked(d=128, causal=True, **kw):
