@@ -1,6 +1,7 @@
 """Kernel launches with less host time: Triton's `kernel[grid](...)` binds and specializes every
-argument on every call (24 us of host time for a trivial kernel with 8 arguments, 46 us with 48,
-on the H100 machine: docs/benchmarks.md, session 14), which made a short backward host-bound.
+argument on every call (21-24 us of host time for a trivial kernel with 8 arguments, 41-46 us
+with 48, on the H100 machine: docs/benchmarks.md, session 14), which made a short backward
+host-bound.
 
 A `Launcher` holds one kernel and the keyword arguments a plan fixes (constexprs, num_warps,
 num_stages). Its first launch goes through Triton (`JITFunction.run`: compile or cache lookup,
@@ -14,11 +15,12 @@ ends with -- as long as nothing Triton specializes on differs from that first la
 - a tensor descriptor's type, block shape, layout, shape, strides and base alignment,
 - the current device, and no launch hooks installed (profilers such as proton).
 
-A launch whose tensors live on another GPU than the current one makes theirs current first, as
-PyTorch's ops do (Triton launches on the current device). Anything else takes Triton's path again, which picks or compiles the right kernel, so a
-launch is never wrong, only sometimes slow. Under the interpreter (`TRITON_INTERPRET=1`) and
-for anything that is not a Triton `JITFunction`, every launch is Triton's.
-FLASHTUNE_SLOW_LAUNCH=1 turns the direct path off (to compare, or to rule it out).
+Anything else takes Triton's path again, which picks or compiles the right kernel, so a launch
+is never wrong, only sometimes slow. A launch whose tensors live on another GPU than the current
+one makes theirs current first, as PyTorch's ops do (Triton launches on the current device).
+Under the interpreter (`TRITON_INTERPRET=1`) and for anything that is not a Triton `JITFunction`,
+every launch is Triton's. FLASHTUNE_SLOW_LAUNCH=1 turns the direct path off (to compare, or to
+rule it out).
 """
 from __future__ import annotations
 
