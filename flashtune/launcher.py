@@ -25,6 +25,7 @@ rule it out).
 from __future__ import annotations
 
 import operator
+from functools import lru_cache
 
 import torch
 
@@ -56,12 +57,17 @@ def _tensor_device(args) -> int:
 
 
 def _hooks_empty() -> bool:
-    from triton import knobs
-    rt = knobs.runtime
+    rt = _knobs().runtime
     for h in (rt.launch_enter_hook, rt.launch_exit_hook):
         if h is not None and getattr(h, "calls", True):
             return False
     return True
+
+
+@lru_cache(maxsize=1)
+def _knobs():
+    from triton import knobs  # imported once, not on every launch
+    return knobs
 
 
 def _desc_key(d) -> tuple | None:
