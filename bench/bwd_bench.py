@@ -13,6 +13,7 @@ and the tables on stdout.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 from pathlib import Path
@@ -41,6 +42,11 @@ def main(argv=None):
         variants = {d: default_variant("hopper_bwd", d, "bfloat16") for d in dims}
         peers.append(Forced("flashtune-hopper_bwd", variants,
                             "the hopper_bwd family's default (Gluon, sm_90), forced"))
+        # dK/dV in Gluon, dQ by the generic bwd's dQ kernel (no dQ atomics)
+        variants = {d: dataclasses.replace(v, dq="separate") for d, v in variants.items()}
+        peers.append(Forced("flashtune-hopper_bwd-sepdq", variants,
+                            "hopper_bwd's default with dq=separate (the generic dQ kernel), "
+                            "forced"))
     peers += [Sdpa("flash"), Sdpa("cudnn")] + ([] if args.hopper else [Sdpa("math")])
     sections = ("dense",) if args.hopper else ("dense", "memory")
     shapes = grid.Shapes(head_dims=dims, modes=("bwd",),

@@ -144,12 +144,19 @@ class BwdPlan:
              *strides3(*map(views, (q, k, v, dout, dk, dv, dq_acc))), *sizes)
 
         if dqk is not None:
-            dqk(self.grids[2],
-                q, k, v, dout, dq, lse2, delta, r, *seq_args, scale, *margs["q"],
-                *strides3(*map(views, (q, k, v, dout, dq))), *sizes)
+            self.run_dq(dout, q, k, v, dq, lse2, delta, r, seq_args)
         elif dq_acc is not dq:
             dq.copy_(dq_acc)
         return dq, dk, dv
+
+    def run_dq(self, dout, q, k, v, dq, lse2, delta, r=None, seq_args: tuple = ()) -> None:
+        """The dQ kernel alone (dq="separate") into dq, from the preprocess's LSE2 and Delta
+        (r: 1 / rowsum(P), float32 inputs only): run()'s last launch, and hopper_bwd's dQ
+        where its kernel computes dK and dV only."""
+        self.kernels[2](self.grids[2],
+                        q, k, v, dout, dq, lse2, delta, delta if r is None else r, *seq_args,
+                        self.scale, *self.margs["q"],
+                        *strides3(*map(self.views, (q, k, v, dout, dq))), *self.sizes)
 
 
 def _same(t):

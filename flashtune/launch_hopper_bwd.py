@@ -28,14 +28,15 @@ def unsupported(head_dim: int, dtype: torch.dtype) -> str:
     return _unsupported(head_dim, dtype, HEAD_DIMS)
 
 
-def _generic_variant(head_dim: int, dtype: torch.dtype, masks: Masks = NONE) -> Variant:
+def _generic_variant(head_dim: int, dtype: torch.dtype, masks: Masks = NONE,
+                     **fields) -> Variant:
     """The generic bwd family's default (what the dispatcher would pick without hopper_bwd and
-    without tuned records) with `masks` rendered in, pointer loads (the bwd template has no
-    others)."""
+    without tuned records; `fields` as default_variant's overrides, e.g. dq="separate") with
+    `masks` rendered in, pointer loads (the bwd template has no others)."""
     from .defaults import default_variant
     from .dispatch import mask_twin, pointer_twin
     from .problem import dtype_name
-    bv = default_variant("bwd", head_dim, dtype_name(dtype))
+    bv = default_variant("bwd", head_dim, dtype_name(dtype), **fields)
     if masks.any:
         bv = mask_twin(bv, masks, head_dim, dtype)
     return pointer_twin(bv) if bv.loads == "descriptor" else bv
@@ -48,7 +49,7 @@ class HopperBwdPlan:
     run(dout, q, k, v, o, lse) -> (dq, dk, dv) in the dtype and layout of q, k, v, as
     launch_bwd.backward."""
     __slots__ = ("variant", "kernel", "grid", "scale", "causal", "consts", "layouts", "why",
-                 "generic", "masks", "mask_args", "fallback", "pre")
+                 "generic", "masks", "mask_args", "fallback", "pre", "dq_plan")
     descriptor = False
 
     def __init__(self, q, k, v, causal: bool, scale: float | None, variant: Variant,
@@ -71,6 +72,7 @@ class HopperBwdPlan:
         self.scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
         self.generic = _generic_variant(d, q.dtype)  # its preprocess (no masks in 16 bits)
         self.fallback = None  # the generic bwd's plan, built when first needed
+        self.dq_plan = None  # dq="separate": the generic bwd's plan that runs dQ
         self.why = unsupported(d, q.dtype) or _device_blocker(q.device)
         if not self.why and d > 128 and (variant.block_m, variant.block_n,
                                          variant.num_warps) != D256_TILE:
@@ -90,6 +92,12 @@ class HopperBwdPlan:
                            num_warps=variant.num_warps, **mask_params(masks))
         self.kernel = Launcher(load(variant).attn_bwd_hopper, **self.consts)
         self.pre = preprocess_launch(q, k, self.causal, self.generic)
+        # dq="separate": the generic bwd's dQ kernel (its default tiles, the call's masks)
+        if variant.dq == "separate":
+            from . import launch_bwd
+            self.dq_plan = launch_bwd.plan(q, k, self.causal, self.scale,
+                                           _generic_variant(d, q.dtype, masks, dq="separate"),
+                                           masks)
 
     def run(self, dout, q, k, v, o, lse):
         dk = torch.empty_like(k)  # keeps the caller's layout, as the generic bwd
@@ -103,7 +111,10 @@ class HopperBwdPlan:
             return self.fallback.run(dout, q, k, v, o, lse)
         from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
         delta, lse2 = preprocess(self.pre, dout, q, k, v, o, lse, self.scale)
-        dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        separate = self.dq_plan is not None
+        # the kernel adds dQ into a float32 buffer (dq="none"); separate: it writes none
+        dq_acc = delta if separate else torch.zeros(q.shape, dtype=torch.float32,
+                                                     device=q.device)
         bm, bn, d = self.variant.block_m, self.variant.block_n, q.shape[3]
 
         def desc(t, rows):
@@ -113,7 +124,10 @@ class HopperBwdPlan:
                     desc(dk, bn), desc(dv, bn), dq_acc, lse2, delta, self.scale,
                     *self.mask_args, q.shape[1], q.shape[2], k.shape[2])
         dq = torch.empty_like(q)  # q's layout, as the generic bwd (dq_acc is contiguous)
-        dq.copy_(dq_acc)
+        if separate:
+            self.dq_plan.run_dq(dout, q, k, v, dq, lse2, delta)
+        else:
+            dq.copy_(dq_acc)
         return dq, dk, dv
 
 

@@ -66,8 +66,30 @@ def test_variant_names_round_trip_and_rules():
         Variant.parse("hopper_bwd-m64-n128-w2-s2")
     with pytest.raises(ValueError, match="block_m"):
         Variant.parse("hopper_bwd-m32-n128-w8-s2")
-    with pytest.raises(ValueError, match="dq"):  # another family's field
+    with pytest.raises(ValueError, match="dq"):  # its dQ is "none" (atomics here) or "separate"
         Variant.parse("hopper_bwd-m64-n128-w8-s2-dq=atomic")
+    sep = Variant.parse("hopper_bwd-m64-n128-w8-s2-dq=separate")
+    assert sep.dq == "separate" and Variant.parse(sep.name) == sep
+
+
+def test_separate_dq_renders_no_dq_and_its_plan_runs_the_generic_dq_kernel():
+    """dq="separate": the kernel computes dK and dV only (no dS^T buffer, no dQ atomics), and
+    the plan runs the generic bwd's dQ kernel (built on meta tensors, as the search's
+    compile-ahead builds it); the default render keeps both."""
+    from flashtune.launch_hopper_bwd import HopperBwdPlan
+    sep = Variant.parse("hopper_bwd-m64-n128-w8-s2-dq=separate")
+    base = Variant.parse("hopper_bwd-m64-n128-w8-s2")
+    assert "atomic_add" not in render(sep) and "ds_smem" not in render(sep)
+    assert "atomic_add" in render(base) and "ds_smem" in render(base)
+    q = torch.empty(1, 4, 300, 128, dtype=torch.bfloat16, device="meta")
+    k = torch.empty(1, 2, 300, 128, dtype=torch.bfloat16, device="meta")
+    plan = HopperBwdPlan(q, k, k, True, None, sep)
+    assert not plan.why and plan.dq_plan.variant.family == "bwd"
+    assert plan.dq_plan.variant.dq == "separate" and plan.dq_plan.kernels[2] is not None
+    assert HopperBwdPlan(q, k, k, True, None, base).dq_plan is None
+    win = Variant.parse("hopper_bwd-m64-n128-w8-s2-dq=separate-window=true-softcap=true")
+    masked = HopperBwdPlan(q, k, k, True, None, win, Masks((64, 0), 30.0))
+    assert masked.dq_plan.variant.window and masked.dq_plan.variant.softcap
 
 
 def test_search_space_admits_the_defaults():
@@ -171,6 +193,15 @@ def test_defaults_compile_for_sm90(causal):
             assert x["fits"] and not x["why"], x
 
 
+@pytest.mark.slow
+def test_separate_dq_compiles_for_sm90():
+    from test_compile_sm90 import kernels_check
+    r = kernels_check("--gpu", "H100", "--dtype", "bf16", "--head-dim", "64,128", "--causal",
+                      "--format", "json", "hopper_bwd-m64-n128-w8-s2-dq=separate")
+    rows = json.loads(r.stdout) if r.stdout.startswith("[") else []
+    assert len(rows) == 2 and all(x["fits"] and not x["why"] for x in rows), rows or r.stderr
+
+
 # -- GPU: the kernel against the float64 reference, the family forced -----------------------------
 
 SHAPES = [  # (B, H, Hk, Nq, Nk): odd lengths, one query, GQA, Nq > Nk (rows that see no key)
@@ -193,6 +224,31 @@ def test_grads_match_reference(d, name, dtype, causal, shape):
     q, k, v = qkv(b, h, hk, nq, nk, d, dtype, "cuda")
     with flashtune.force(name):
         assert_grads_match(q, k, v, causal=causal)
+
+
+SEPARATE = {64: "hopper_bwd-m64-n128-w8-s2-dq=separate",
+            128: "hopper_bwd-m64-n128-w8-s2-dq=separate",
+            256: "hopper_bwd-m64-n64-w8-s2-dq=separate"}
+
+
+@pytest.mark.gpu
+@hopper_gpu
+@pytest.mark.parametrize("d", sorted(SEPARATE))
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape", [SHAPES[2], SHAPES[4], SHAPES[5]])
+def test_separate_dq_matches_reference(d, causal, shape):
+    b, h, hk, nq, nk = shape
+    q, k, v = qkv(b, h, hk, nq, nk, d, torch.bfloat16, "cuda")
+    with flashtune.force(SEPARATE[d]):
+        assert_grads_match(q, k, v, causal=causal)
+
+
+@pytest.mark.gpu
+@hopper_gpu
+def test_separate_dq_with_a_window_and_softcap():
+    q, k, v = qkv(1, 4, 2, 515, 700, 128, torch.float16, "cuda")
+    with flashtune.force(SEPARATE[128] + "-window=true-softcap=true"):
+        assert_grads_match(q, k, v, causal=True, window=(200, 0), softcap=30.0)
 
 
 @pytest.mark.gpu

@@ -19,10 +19,10 @@ from . import Family
 FAMILY = Family(
     name="hopper_bwd",
     doc="Hopper backward in Gluon: K/V once by TMA, Q/dO ring on mbarriers, async wgmma, "
-        "atomic dQ",
+        "atomic dQ (or the generic dQ kernel: dq=separate)",
     template="attn_hopper_bwd.py.tmpl",
     kernels=("attn_bwd_hopper",),
-    fields=("window", "softcap", "block_sparse"),
+    fields=("dq", "window", "softcap", "block_sparse"),
     defaults="flashtune.families.hopper_bwd:default",
     measure="flashtune.measure_hopper_bwd:OPS",
     compile_check="flashtune.families.hopper_bwd:compile_check",
@@ -40,7 +40,9 @@ FAMILY = Family(
     rules=(("num_warps", (4, 8), "one or two warpgroups"),
            ("block_m", (64, 128), "query rows per step: dQ's wgmma takes 64 rows per warpgroup"),
            ("block_n", (64, 128), "keys per program: 64 per warpgroup on the wgmma M axis"),
-           ("num_stages", (1, 2, 3, 4), "the Q/dO ring: 1..4 stages")),
+           ("num_stages", (1, 2, 3, 4), "the Q/dO ring: 1..4 stages"),
+           ("dq", ("none", "separate"), "dQ by atomics from this kernel (none) or by the generic "
+            "bwd family's dQ kernel (separate)")),
 )
 
 # Defaults: NOT measured yet (first GPU run pending: bench/device_run.sh STEPS=hopperbwd). They
