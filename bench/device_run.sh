@@ -208,7 +208,8 @@ sys.exit(pytest.main(['-q', '-x', '--tb=long', 'tests/test_transformers_backend.
                 | tee "$OUT/hopper_check.log" | tail -40 ;;
     hopperbwd) # the Gluon Hopper backward (hopper_bwd, forced): its GPU tests, then the standard grid
               # (bf16, D=64/128) beside the generic bwd (dispatched, atomic, separate) and SDPA flash/cuDNN
-              timeout ${HOPPERBWD_TESTS_TIMEOUT:-300} python3 -m pytest -q -x -m gpu tests/test_hopper_bwd.py 2>&1 \
+              timeout ${HOPPERBWD_TESTS_TIMEOUT:-300} python3 -m pytest -q -x -m gpu tests/test_hopper_bwd.py \
+                ${HOPPERBWD_TESTS_ARGS:-} 2>&1 \
                 | tee "$OUT/hopperbwd_tests.log" | tail -15
               timeout ${HOPPERBWD_TIMEOUT:-300} python3 bench/bwd_bench.py --hopper ${HOPPERBWD_ARGS:-} 2>&1 \
                 | tee "$OUT/hopperbwd_bench.log" | tail -40 ;;
