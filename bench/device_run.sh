@@ -79,6 +79,13 @@ for step in ${STEPS:-fwdtests}; do
               n=decode${DECODE_NAME:+_$DECODE_NAME}
               timeout ${DECODE_TIMEOUT:-420} python3 bench/decode_bench.py --out "$OUT/$n.jsonl" ${DECODE_ARGS:-} \
                 2>&1 | tee "$OUT/$n.log" | tail -${DECODE_TAIL:-60} ;;
+    decodelaunch) # eager decode steps (no CUDA graph: what a caller without graphs pays) at batch 1, Triton's
+              # launches against launcher.Launcher's direct ones, one process each
+              for mode in 1 0; do
+                echo "--- FLASHTUNE_SLOW_LAUNCH=$mode"
+                FLASHTUNE_SLOW_LAUNCH=$mode timeout 150 python3 bench/decode_bench.py --batches 1 \
+                  --seqlens 2048,32768 --no-dense --pages 256 --out "$OUT/decode_launch$mode.jsonl" 2>&1 | tail -12
+              done ;;
     varlen)   timeout ${VARLEN_TIMEOUT:-240} python3 bench/varlen_bench.py --out "$OUT/varlen.jsonl" ${VARLEN_ARGS:-} \
                 2>&1 | tee "$OUT/varlen.log" | tail -30 ;;
     hf)       timeout ${HF_TIMEOUT:-240} python3 -m pytest -q tests/test_transformers_backend.py 2>&1 | tail -5
