@@ -1,6 +1,7 @@
 """Launch the hopper_bwd family (Gluon, sm_90): Delta and LSE2 by the generic bwd family's
 preprocess kernel, TMA descriptors over 3-D views of the tensors, one program per (key block,
-batch * kv head), dQ accumulated in float32 and cast at the end; a sliding window, softcap and a
+batch * kv head), dQ accumulated in float32 and cast at the end (dq="separate": by the generic
+bwd's dQ kernel, BwdPlan.run_dq); a sliding window, softcap and a
 block mask's transposed lists as the variant's masked render takes them (launch.mask_args).
 Which variant runs is decided by the caller; a call this kernel cannot address (head dim, dtype,
 GPU, strides TMA cannot describe, misaligned bases) runs the generic bwd family's default

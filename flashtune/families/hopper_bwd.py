@@ -1,6 +1,7 @@
 """hopper_bwd: the backward for Hopper (sm_90) in Gluon -- K/V loaded once by TMA per key block,
 Q and dO streamed through a shared-memory ring on mbarriers, S^T, dP^T, dV, dK and dQ on async
-wgmma, dQ added into a float32 buffer by atomics. Template attn_hopper_bwd.py.tmpl (version shims
+wgmma, dQ added into a float32 buffer by atomics (dq="separate": dK/dV only here, dQ by the
+generic bwd's dQ kernel). Template attn_hopper_bwd.py.tmpl (version shims
 in flashtune/gluon_compat.py); launched by flashtune/launch_hopper_bwd.py (HopperBwdPlan);
 measured by flashtune/measure_hopper_bwd.py; space search_spaces/hopper_bwd.json.
 
