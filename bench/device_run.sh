@@ -220,6 +220,11 @@ sys.exit(pytest.main(['-q', '-x', '--tb=long', 'tests/test_transformers_backend.
                 | tee "$OUT/hopperbwd_tests.log" | tail -15
               timeout ${HOPPERBWD_TIMEOUT:-300} python3 bench/bwd_bench.py --hopper ${HOPPERBWD_ARGS:-} 2>&1 \
                 | tee "$OUT/hopperbwd_bench.log" | tail -40 ;;
+    hopperset) # issue 10: one of bench/hopper_check.py's candidate sets timed beside cuDNN, without the
+              # correctness checks (HOPPERSET_ARGS, e.g. "--set d256 --head-dims 256 --bench-dims 256")
+              timeout ${HOPPERSET_TIMEOUT:-330} python3 bench/hopper_check.py --skip-check ${HOPPERSET_ARGS:---set d256 \
+                --head-dims 256 --bench-dims 256 --seqlens 1024,4096,16384 --baselines cudnn --budget 300} 2>&1 \
+                | tee "$OUT/hopperset.log" | tail -30 ;;
     hopper_noloader)  # hopper_fwd without a loader partition (loader_regs 0): its forced GPU tests, then
               # correctness + the standard grid (D=64,128) vs cuDNN beside each D's default
               timeout ${HOPPER_TESTS_TIMEOUT:-300} python3 -m pytest -q -m gpu tests/test_hopper.py -k "not lr" 2>&1 \

@@ -90,8 +90,21 @@ L2ORDER = {
     256: ["hopper_fwd-m64-n32-w4-s4-causal_split=false-pingpong=true-lr40",
           "hopper_fwd-m64-n32-w4-s4-causal_split=false-pingpong=true-lr40-l2_order=true"],
 }
+# D=256 (issue 10: 0.70-0.91x cuDNN there): 128 query rows sharing each K/V stage as FA3 runs
+# D=256 (two consumer warpgroups, no ping-pong turns, 64-80-key steps), with and without a loader
+# warp, beside the shipped records (m64-n64-s3 one consumer; m64-n32 ping-pong) and ping-pong's
+# 64-key steps (4-8 B of spills, sm_90 compile)
+D256 = {
+    256: ["hopper_fwd-m64-n64-w4-s3-lr24",
+          "hopper_fwd-m128-n64-w8-s2-lr24",
+          "hopper_fwd-m128-n64-w8-s2-persistent=true-lr24",
+          "hopper_fwd-m128-n64-w8-s2",
+          "hopper_fwd-m128-n32-w8-s3-lr24",
+          "hopper_fwd-m64-n64-w4-s2-pingpong=true-lr24",
+          "hopper_fwd-m64-n64-w4-s2-pingpong=true"],
+}
 SETS = {"loader": CANDIDATES, "no_loader": NO_LOADER, "tiles": TILES, "qbuf": QBUF,
-        "l2order": L2ORDER}
+        "l2order": L2ORDER, "d256": D256}
 # (B, H, Hk, Nq, Nk, causal): odd lengths, a single key/query, GQA, Nq > Nk causal (the first
 # Nq - Nk rows see no key), a multi-tile causal case
 CHECK_SHAPES = [(1, 2, 2, 1, 1, False), (2, 3, 3, 37, 37, True), (1, 4, 2, 113, 203, False),
@@ -248,7 +261,7 @@ def main():
     # --variants a@128,b@64,...: those, per head dim (default: the first --per-dim CANDIDATES)
     given = [v.split("@") for v in a.variants.split(",") if v]
     chosen = {d: [n for n, dd in given if int(dd) == d] if given else
-              SETS[a.set][d][:a.per_dim or None] for d in dims}
+              SETS[a.set].get(d, [])[:a.per_dim or None] for d in dims}
     if a.set != "loader" and not given:  # the shipped default beside, timed in the same run
         from flashtune.families import get
         for d in dims:
