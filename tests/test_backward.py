@@ -40,9 +40,12 @@ def assert_grads_match(q, k, v, causal=False, scale=None, **kw):
         assert max(dq.abs().max(), dk.abs().max()) < 1e-4, (dq.abs().max(), dk.abs().max())
         dq = dk = None
 
+    # the references take the call's window / softcap too (a block mask has its own helpers)
+    assert set(kw) <= {"window", "softcap"}, f"assert_grads_match: no reference for {set(kw)}"
+
     def ref_grads(dtype, fn):
         xs = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
-        return torch.autograd.grad(fn(*xs, causal=causal, scale=scale), xs, do.to(dtype))
+        return torch.autograd.grad(fn(*xs, causal=causal, scale=scale, **kw), xs, do.to(dtype))
 
     ref = ref_grads(torch.float64, reference)
     base = ref_grads(q.dtype, same_dtype_math)  # PyTorch's own error sets the tolerance
