@@ -335,11 +335,14 @@ def test_the_shipped_h100_table_is_fresh():
     # and the bench's masked buckets (D=128, N=4k/16k: the causal 256-key window, the block mask
     # of density ~1/4), searched 2026-11-25 (session 11, before hopper_bwd had a block_sparse
     # render),
-    # and the causal 1024- and 4096-key windows at 16k for every family (session 12)
+    # and the causal 1024- and 4096-key windows at 16k for every family (session 12),
+    # and at 4k the 30% and 100% block masks (block16, block64) for every family (session 15)
     masked = collections.Counter((r.bucket.family, r.bucket.mask) for r in recs if r.bucket.mask)
     wide = {(f, f"window{w}"): 1 for f in ("fwd", "bwd", "hopper_fwd", "hopper_bwd")
             for w in (1024, 4096)}
+    dense4k = {(f, "block64"): 1 for f in ("fwd", "bwd", "hopper_fwd", "hopper_bwd")}
     assert masked == {("fwd", "window256"): 2, ("fwd", "block16"): 2, ("bwd", "window256"): 2,
                       ("bwd", "block16"): 2, ("hopper_fwd", "window256"): 2,
-                      ("hopper_fwd", "block16"): 2, ("hopper_bwd", "window256"): 2, **wide}
+                      ("hopper_fwd", "block16"): 2, ("hopper_bwd", "window256"): 2,
+                      ("hopper_bwd", "block16"): 1, **wide, **dense4k}
     assert all(lookup.staleness(r) == () for r in recs)
