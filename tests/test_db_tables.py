@@ -336,11 +336,13 @@ def test_the_shipped_h100_table_is_fresh():
     # of density ~1/4), searched 2026-11-25 (session 11, before hopper_bwd had a block_sparse
     # render),
     # and the causal 1024- and 4096-key windows at 16k for every family (session 12),
-    # and at 4k the 30% and 100% block masks (block16, block64) for every family (session 15)
+    # and at 4k the 30% and 100% block masks (block16, block64) for every family but the bwd's
+    # block64 (session 15: its atomic winner at BH 64 made the bench's B=1 call 20% slower than
+    # the dense record's variant, which serves it again)
     masked = collections.Counter((r.bucket.family, r.bucket.mask) for r in recs if r.bucket.mask)
     wide = {(f, f"window{w}"): 1 for f in ("fwd", "bwd", "hopper_fwd", "hopper_bwd")
             for w in (1024, 4096)}
-    dense4k = {(f, "block64"): 1 for f in ("fwd", "bwd", "hopper_fwd", "hopper_bwd")}
+    dense4k = {(f, "block64"): 1 for f in ("fwd", "hopper_fwd", "hopper_bwd")}
     assert masked == {("fwd", "window256"): 2, ("fwd", "block16"): 2, ("bwd", "window256"): 2,
                       ("bwd", "block16"): 2, ("hopper_fwd", "window256"): 2,
                       ("hopper_fwd", "block16"): 2, ("hopper_bwd", "window256"): 2,

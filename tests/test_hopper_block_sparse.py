@@ -242,8 +242,16 @@ def _problem(**kw):
     return Problem("fwd", "bfloat16", 128, False, 1, 1, 16, 4096, 4096, **kw)
 
 
-def test_heuristic_stays_off_for_block_sparse_calls():
-    assert FAM.prefers(_problem(block_density=0.3)) is False
+def test_heuristic_takes_block_masks_where_it_takes_dense_calls():
+    """A block mask alone follows the dense rule (D=128 non-causal: yes; D=64 or a short causal
+    D=128: no); with a window too, tuned records decide."""
+    assert FAM.prefers(_problem(block_density=0.3)) is FAM.prefers(_problem())
+    for kw in ({}, {"block_density": 0.3}):
+        assert FAM.prefers(Problem("fwd", "bfloat16", 64, False, 1, 1, 16, 4096, 4096, **kw)) \
+            is False
+        assert FAM.prefers(Problem("fwd", "bfloat16", 128, True, 1, 1, 16, 1024, 1024, **kw)) \
+            is False
+    assert FAM.prefers(_problem(block_density=0.3, window=1024)) is False
     assert FAM.cannot_run(_problem(block_density=0.3), "sm_90") in ("", FAM.cannot_run(
         _problem(), "sm_90"))  # the block mask itself is no reason any more
 

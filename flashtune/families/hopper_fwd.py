@@ -135,9 +135,17 @@ def prefer_for_dense(p) -> bool:
     Since the 128-key default (STEPS=hopperdefaults, docs/data/hopper_defaults_h100_2026-11-23.jsonl,
     the generic fwd's default in the same run): D=128 non-causal 1.20-1.25x the generic kernel
     (390-634 vs 324-525 TFLOP/s), causal from 4k queries 1.13-1.21x (511-617 vs 449-510), causal
-    below that 0.69-0.99x; D=64 still below it (0.80-1.00x non-causal)."""
-    if p.seqlen_q < 512 or p.seqlen_k < 512 or p.mask_kinds or cannot_serve(p):
-        return False  # masked calls: not measured yet (STEPS=hoppermasks), tuned records decide
+    below that 0.69-0.99x; D=64 still below it (0.80-1.00x non-causal).
+    Block masks alone (no window or softcap) follow the dense rule: searched for both families
+    at D=128 non-causal N=4k (`STEPS=masksearch`, H100, 2026-11-25, BH 64), hopper_fwd's block
+    render ran 457 vs 394 TFLOP/s at 30% density and 598 vs 504 at 100%; at 16k a 50% mask on the
+    generic kernel ran 0.6x the Hopper one (session 12). The bench's B=1 calls sit two octaves
+    of BH from those records, too far for the records to compete (dispatch._same_shape), so this
+    rule decides there. Windows and softcap: tuned records decide."""
+    if p.seqlen_q < 512 or p.seqlen_k < 512 or cannot_serve(p):
+        return False
+    if set(p.mask_kinds) - {"block_sparse"}:
+        return False  # windows and softcap: tuned records decide
     return p.head_dim == 256 or (p.head_dim == 128 and (not p.causal or p.seqlen_q >= 4096))
 
 
