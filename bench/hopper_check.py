@@ -103,8 +103,17 @@ D256 = {
           "hopper_fwd-m64-n64-w4-s2-pingpong=true-lr24",
           "hopper_fwd-m64-n64-w4-s2-pingpong=true"],
 }
+# K/V stages handed back without a barrier over the consumer's warps (release_barrier=false)
+# beside the same schedules with it: each D's default (appended) and the D=128/256 records
+RELEASE = {
+    64: ["hopper_fwd-m64-n128-w4-s3-pingpong=true-lr24-release_barrier=false"],
+    128: ["hopper_fwd-m64-n128-w4-s3-pingpong=true-lr24-release_barrier=false"],
+    256: ["hopper_fwd-m64-n64-w4-s3-lr24",
+          "hopper_fwd-m64-n64-w4-s3-lr24-release_barrier=false",
+          "hopper_fwd-m64-n32-w4-s3-pingpong=true-lr24-release_barrier=false"],
+}
 SETS = {"loader": CANDIDATES, "no_loader": NO_LOADER, "tiles": TILES, "qbuf": QBUF,
-        "l2order": L2ORDER, "d256": D256}
+        "l2order": L2ORDER, "d256": D256, "release": RELEASE}
 # (B, H, Hk, Nq, Nk, causal): odd lengths, a single key/query, GQA, Nq > Nk causal (the first
 # Nq - Nk rows see no key), a multi-tile causal case
 CHECK_SHAPES = [(1, 2, 2, 1, 1, False), (2, 3, 3, 37, 37, True), (1, 4, 2, 113, 203, False),

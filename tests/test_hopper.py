@@ -396,6 +396,19 @@ L2ORDER = {64: ["hopper_fwd-m64-n128-w4-s3-pingpong=true-persistent=true-lr24-qb
            256: ["hopper_fwd-m64-n32-w4-s4-causal_split=false-pingpong=true-lr40-l2_order=true"]}
 SECTIONS = [(1, 6, 6, 200, 32768), (2, 5, 1, 300, 20000), (4, 16, 4, 1000, 1000)]
 
+# K/V stages handed back without a barrier over the consumer's warps (release_barrier=false):
+# the defaults, a persistent two-Q-buffer schedule over many tiles (the ring wraps often), the
+# no-loader ping-pong (its refill waits on the same hand-back), D=256's record and an 8-warp
+# consumer (which keeps the barrier)
+RELEASE = {64: ["hopper_fwd-m64-n128-w4-s3-pingpong=true-lr24-release_barrier=false"],
+           128: ["hopper_fwd-m64-n128-w4-s3-pingpong=true-lr24-release_barrier=false",
+                 "hopper_fwd-m64-n64-w4-s3-pingpong=true-persistent=true-lr24-qb2"
+                 "-release_barrier=false",
+                 "hopper_fwd-m64-n128-w4-s3-pingpong=true-release_barrier=false",
+                 "hopper_fwd-m128-n64-w8-s3-lr24-release_barrier=false"],
+           256: ["hopper_fwd-m64-n64-w4-s3-lr24-release_barrier=false"]}
+RELEASE_SHAPES = [(1, 4, 1, 1000, 1000), (1, 8, 2, 515, 2051), (4, 16, 4, 1000, 1000)]
+
 
 def forced_grid(variants: dict, shapes: list):
     """A forced-variant GPU test's grid: each (D, variant name), bf16 and fp16, causal or not,
@@ -421,6 +434,26 @@ def test_two_q_buffers_match_reference_over_many_tiles(d, name, dtype, causal, s
 @forced_grid(L2ORDER, SECTIONS)
 def test_l2_order_matches_reference_over_sections(d, name, dtype, causal, shape):
     _check_forced(d, name, dtype, causal, shape)
+
+
+@forced_grid(RELEASE, RELEASE_SHAPES)
+def test_release_without_barrier_matches_reference(d, name, dtype, causal, shape):
+    _check_forced(d, name, dtype, causal, shape)
+
+
+def test_release_barrier_is_structural_and_the_default_renders_as_before():
+    """release_barrier=false changes the text (no barrier before the hand-back); the default
+    renders without the _release helper, so records made before the field keep their hashes."""
+    import dataclasses
+    on = Variant.parse("hopper_fwd-m64-n128-w4-s3-pingpong=true-lr24")
+    off = dataclasses.replace(on, release_barrier=False)
+    assert on.release_barrier and "release_barrier" not in on.name
+    assert Variant.parse(off.name) == off and "release_barrier=false" in off.name
+    on_src, off_src = render(on), render(off)
+    assert "def _release(" not in on_src and "_release(kv_empty" not in on_src
+    assert off_src.count("_release(kv_empty, st, WARPS)") == 2
+    with pytest.raises(ValueError, match="release_barrier"):  # another family's field
+        Variant.parse("fwd-m64-n64-w4-s2-release_barrier=false")
 
 
 @pytest.mark.gpu
