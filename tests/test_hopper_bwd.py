@@ -121,7 +121,9 @@ def test_d256_space_is_the_one_tile_two_warpgroups_can_hold():
     from flashtune.search_space import Space
     p = dataclasses.replace(_problem(d=256), family="hopper_bwd")
     names = {v.name for v in Space.build("hopper_bwd", targets.get("H100"), p).feasible}
-    assert names == {"hopper_bwd-m64-n64-w8-s1", "hopper_bwd-m64-n64-w8-s2"}
+    # each with dQ by atomics here (dq none) or by the generic dQ kernel (dq separate)
+    assert names == {f"hopper_bwd-m64-n64-w8-s{s}{dq}" for s in (1, 2)
+                     for dq in ("", "-dq=separate")}
 
 
 @pytest.mark.parametrize("arch,problem,why", [
