@@ -141,7 +141,9 @@ def prefer_for_dense(p) -> bool:
     render ran 457 vs 394 TFLOP/s at 30% density and 598 vs 504 at 100%; at 16k a 50% mask on the
     generic kernel ran 0.6x the Hopper one (session 12). The bench's B=1 calls sit two octaves
     of BH from those records, too far for the records to compete (dispatch._same_shape), so this
-    rule decides there. Windows and softcap: tuned records decide."""
+    rule decides there. D=256 by extension, not timed with a block mask: the generic fwd runs
+    D=256 at 0.35-0.40x cuDNN, hopper_fwd at 0.7-0.9x, and its block render (the default tile)
+    spills 32-36 B (sm_90 compile). Windows and softcap: tuned records decide."""
     if p.seqlen_q < 512 or p.seqlen_k < 512 or cannot_serve(p):
         return False
     if set(p.mask_kinds) - {"block_sparse"}:
