@@ -112,8 +112,19 @@ RELEASE = {
           "hopper_fwd-m64-n64-w4-s3-lr24-release_barrier=false",
           "hopper_fwd-m64-n32-w4-s3-pingpong=true-lr24-release_barrier=false"],
 }
+# O rescaled under S_j's wgmma (early_rescale, FA3's order) beside the same schedules without
+# it: each D's default (appended), FA3's D=256 shape and the D=128 8-warp consumer
+RESCALE = {
+    64: ["hopper_fwd-m64-n128-w4-s3-pingpong=true-lr24-early_rescale=true"],
+    128: ["hopper_fwd-m64-n128-w4-s3-pingpong=true-lr24-early_rescale=true",
+          "hopper_fwd-m128-n128-w8-s2-lr24",
+          "hopper_fwd-m128-n128-w8-s2-lr24-early_rescale=true"],
+    256: ["hopper_fwd-m64-n32-w4-s3-pingpong=true-lr24-early_rescale=true",
+          "hopper_fwd-m128-n64-w8-s2-lr24",
+          "hopper_fwd-m128-n64-w8-s2-lr24-early_rescale=true"],
+}
 SETS = {"loader": CANDIDATES, "no_loader": NO_LOADER, "tiles": TILES, "qbuf": QBUF,
-        "l2order": L2ORDER, "d256": D256, "release": RELEASE}
+        "l2order": L2ORDER, "d256": D256, "release": RELEASE, "rescale": RESCALE}
 # (B, H, Hk, Nq, Nk, causal): odd lengths, a single key/query, GQA, Nq > Nk causal (the first
 # Nq - Nk rows see no key), a multi-tile causal case
 CHECK_SHAPES = [(1, 2, 2, 1, 1, False), (2, 3, 3, 37, 37, True), (1, 4, 2, 113, 203, False),

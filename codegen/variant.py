@@ -73,6 +73,9 @@ class Variant:
     # hopper_fwd only (structural): a barrier over a consumer's warps before it hands a K/V stage
     # back; false: one thread hands it back right after its wgmma wait (FA3's release)
     release_barrier: bool = True
+    # hopper_fwd only (structural): O rescaled between issuing S_j and P_{j-1} V_{j-1} (FA3's
+    # order, under S_j's wgmma) instead of after P_{j-1} V_{j-1}'s wait
+    early_rescale: bool = False
     # structural, masks beyond causal (flashtune/masks.py; only the variants that take them carry
     # their code): local attention with runtime (left, right) bounds; tanh softcapping of the
     # scores; block-sparse key iteration over a flashtune.BlockMask's lists
@@ -186,7 +189,7 @@ class Variant:
         return {"causal_split": self.causal_split, "loads": self.loads, "dq": self.dq,
                 "varlen": self.varlen, "paged": self.paged, "pingpong": self.pingpong,
                 "loader": self.loader_regs > 0, "l2_order": self.l2_order,
-                "release_barrier": self.release_barrier,
+                "release_barrier": self.release_barrier, "early_rescale": self.early_rescale,
                 "window": self.window,
                 "softcap": self.softcap, "block_sparse": self.block_sparse,
                 # any mask beyond causal: the window's bounds and loops (softcap alone runs them

@@ -409,6 +409,18 @@ RELEASE = {64: ["hopper_fwd-m64-n128-w4-s3-pingpong=true-lr24-release_barrier=fa
            256: ["hopper_fwd-m64-n64-w4-s3-lr24-release_barrier=false"]}
 RELEASE_SHAPES = [(1, 4, 1, 1000, 1000), (1, 8, 2, 515, 2051), (4, 16, 4, 1000, 1000)]
 
+# O rescaled under S_j's wgmma (early_rescale, FA3's order): the defaults, FA3's D=256 shape (one
+# 8-warp consumer, where the rescale was exposed), a persistent two-Q-buffer schedule, the
+# no-loader ping-pong and a masked render
+RESCALE = {64: ["hopper_fwd-m64-n128-w4-s3-pingpong=true-lr24-early_rescale=true"],
+           128: ["hopper_fwd-m64-n128-w4-s3-pingpong=true-lr24-early_rescale=true",
+                 "hopper_fwd-m64-n64-w4-s3-pingpong=true-persistent=true-lr24-qb2"
+                 "-early_rescale=true",
+                 "hopper_fwd-m64-n128-w4-s3-pingpong=true-early_rescale=true",
+                 "hopper_fwd-m128-n64-w8-s3-lr24-early_rescale=true"],
+           256: ["hopper_fwd-m128-n64-w8-s2-lr24-early_rescale=true",
+                 "hopper_fwd-m64-n32-w4-s3-pingpong=true-lr24-early_rescale=true"]}
+
 
 def forced_grid(variants: dict, shapes: list):
     """A forced-variant GPU test's grid: each (D, variant name), bf16 and fp16, causal or not,
@@ -439,6 +451,41 @@ def test_l2_order_matches_reference_over_sections(d, name, dtype, causal, shape)
 @forced_grid(RELEASE, RELEASE_SHAPES)
 def test_release_without_barrier_matches_reference(d, name, dtype, causal, shape):
     _check_forced(d, name, dtype, causal, shape)
+
+
+@forced_grid(RESCALE, RELEASE_SHAPES)
+def test_early_rescale_matches_reference(d, name, dtype, causal, shape):
+    _check_forced(d, name, dtype, causal, shape)
+
+
+@pytest.mark.gpu
+@hopper_gpu
+@pytest.mark.parametrize("kw", [dict(window=(200, 0), causal=True),
+                                dict(window=(300, 100), softcap=20.0)], ids=["window", "softcap"])
+def test_early_rescale_with_masks(kw):
+    """The masked loop (window, softcap; a row whose first blocks are all masked keeps m = -inf
+    until its window starts) with the rescale moved under S_j's wgmma."""
+    from flashtune.accuracy import compare
+    from flashtune.reference import reference, same_dtype_math
+    q, k, v = qkv(2, 8, 2, 700, 900, 128, torch.bfloat16, "cuda")
+    masks = "-window=true" + ("-softcap=true" if "softcap" in kw else "")
+    with flashtune.force("hopper_fwd-m64-n128-w4-s3-pingpong=true-lr24-early_rescale=true" + masks):
+        out = flashtune.attention(q, k, v, **kw)
+    report = compare(out, reference(q, k, v, **kw), same_dtype_math(q, k, v, **kw))
+    assert report.ok, str(report)
+
+
+def test_early_rescale_is_structural_and_the_default_renders_as_before():
+    import dataclasses
+    off = Variant.parse("hopper_fwd-m64-n128-w4-s3-pingpong=true-lr24")
+    on = dataclasses.replace(off, early_rescale=True)
+    assert not off.early_rescale and "early_rescale" not in off.name
+    assert Variant.parse(on.name) == on and "early_rescale=true" in on.name
+    on_src, off_src = render(on), render(off)
+    # the rescale moves: in the loop before P_{j-1} V_{j-1} is issued, and before the last P V
+    mul = "acc = acc * gl.expand_dims(gl.convert_layout(alpha, rows_o), 1)"
+    assert on_src.count(mul) == 2 and off_src.count(mul) == 1
+    assert on_src.index(mul) < on_src.index("acc = warpgroup_mma(p_op") < off_src.index(mul)
 
 
 def test_release_barrier_is_structural_and_the_default_renders_as_before():

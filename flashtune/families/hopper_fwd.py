@@ -21,7 +21,7 @@ FAMILY = Family(
     template="attn_hopper_fwd.py.tmpl",
     kernels=("attn_fwd_hopper",),
     fields=("pingpong", "persistent", "loader_regs", "q_buffers", "l2_order", "causal_split",
-            "release_barrier", "window", "softcap", "block_sparse"),
+            "release_barrier", "early_rescale", "window", "softcap", "block_sparse"),
     defaults="flashtune.families.hopper_fwd:default",
     measure="flashtune.measure_hopper:OPS",
     compile_check="flashtune.families.hopper_fwd:compile_check",
