@@ -14,6 +14,8 @@ import signal
 import threading
 import time
 
+from .timeline import mark
+
 
 class WorkerLost(Exception):
     """The worker died or was killed during a call; args[0] says how."""
@@ -120,9 +122,17 @@ def _serve(conn, backend, role: str, index: int, env: dict | None = None) -> Non
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     if role == "compile":
         _yield_cpu()
+    else:
+        mark(f"timing worker {index} forked")
     try:
         backend.setup(role, index)
-        conn.send(("ready", backend.environment() if role == "time" else {}))
+        if role == "time":
+            mark(f"timing worker {index} set up (GPU backend: CUDA initialized)")
+            info = backend.environment()
+            mark(f"timing worker {index} environment read")
+        else:
+            info = {}
+        conn.send(("ready", info))
     except BaseException as e:  # noqa: BLE001 -- reported to the driver, which gives up
         conn.send(("setup-error", f"{type(e).__name__}: {e}"))
         return
