@@ -145,12 +145,15 @@ for step in ${STEPS:-fwdtests}; do
               # FLASHTUNE_DB=sqlite:////tmp/ms.db makes a later bench step of this call dispatch through them;
               # the records come back in $OUT/tables/masked.json (merged into the shipped table by hand)
               name=$(python3 -c "import torch;print(torch.cuda.get_device_name())")
-              # MASKSEARCH_SPECS: "mask causal" pairs, ';'-separated; MASKSEARCH_SEQLENS: the bucket lengths
+              # MASKSEARCH_SPECS: "mask causal" pairs, ';'-separated; MASKSEARCH_SEQLENS: the bucket lengths;
+              # MASKSEARCH_BATCH: batch sizes (default: the standard grid's B*N = 16k; the mask bench
+              # runs B=1, H=16, two octaves of B*H from those buckets)
               IFS=';' read -ra specs <<< "${MASKSEARCH_SPECS:-window=256 true;density=0.25 false}"
               for spec in "${specs[@]}"; do
                 set -- $spec
                 timeout ${MASKSEARCH_TIMEOUT:-200} flashtune search --gpu auto --family ${MASKSEARCH_FAMILIES:-fwd,bwd,hopper_fwd,hopper_bwd} \
-                  --head-dim 128 --seqlen ${MASKSEARCH_SEQLENS:-4096,16384} --mask "$1" --causal "$2" --trials ${TRIALS:-40} \
+                  --head-dim 128 --seqlen ${MASKSEARCH_SEQLENS:-4096,16384} ${MASKSEARCH_BATCH:+--batch $MASKSEARCH_BATCH} \
+                  --mask "$1" --causal "$2" --trials ${TRIALS:-40} \
                   --time-budget ${MASKSEARCH_BUDGET:-170} --in-order --storage /tmp/ms.journal --db sqlite:////tmp/ms.db \
                   --progress lines 2>&1 | tee -a "$OUT/masksearch.log" | grep -v "measured so far\|^\[all\]" | tail -12
               done
