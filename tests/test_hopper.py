@@ -396,30 +396,30 @@ L2ORDER = {64: ["hopper_fwd-m64-n128-w4-s3-pingpong=true-persistent=true-lr24-qb
            256: ["hopper_fwd-m64-n32-w4-s4-causal_split=false-pingpong=true-lr40-l2_order=true"]}
 SECTIONS = [(1, 6, 6, 200, 32768), (2, 5, 1, 300, 20000), (4, 16, 4, 1000, 1000)]
 
-# K/V stages handed back without a barrier over the consumer's warps (release_barrier=false):
-# the defaults, a persistent two-Q-buffer schedule over many tiles (the ring wraps often), the
-# no-loader ping-pong (its refill waits on the same hand-back), D=256's record and an 8-warp
-# consumer (which keeps the barrier)
-RELEASE = {64: ["hopper_fwd-m64-n128-w4-s3-pingpong=true-lr24-release_barrier=false"],
-           128: ["hopper_fwd-m64-n128-w4-s3-pingpong=true-lr24-release_barrier=false",
-                 "hopper_fwd-m64-n64-w4-s3-pingpong=true-persistent=true-lr24-qb2"
-                 "-release_barrier=false",
-                 "hopper_fwd-m64-n128-w4-s3-pingpong=true-release_barrier=false",
-                 "hopper_fwd-m128-n64-w8-s3-lr24-release_barrier=false"],
-           256: ["hopper_fwd-m64-n64-w4-s3-lr24-release_barrier=false"]}
-RELEASE_SHAPES = [(1, 4, 1, 1000, 1000), (1, 8, 2, 515, 2051), (4, 16, 4, 1000, 1000)]
+# the schedules a structural field's forced GPU tests run over: the defaults, a persistent
+# two-Q-buffer schedule over many tiles (the ring wraps often), the no-loader ping-pong (its refill
+# waits on the same K/V hand-back) and an 8-warp consumer; plus each field's D=256 schedules
+FIELD_SCHEDULES = {64: ["hopper_fwd-m64-n128-w4-s3-pingpong=true-lr24"],
+                   128: ["hopper_fwd-m64-n128-w4-s3-pingpong=true-lr24",
+                         "hopper_fwd-m64-n64-w4-s3-pingpong=true-persistent=true-lr24-qb2",
+                         "hopper_fwd-m64-n128-w4-s3-pingpong=true",
+                         "hopper_fwd-m128-n64-w8-s3-lr24"]}
+FIELD_SHAPES = [(1, 4, 1, 1000, 1000), (1, 8, 2, 515, 2051), (4, 16, 4, 1000, 1000)]
 
-# O rescaled under S_j's wgmma (early_rescale, FA3's order): the defaults, FA3's D=256 shape (one
-# 8-warp consumer, where the rescale was exposed), a persistent two-Q-buffer schedule, the
-# no-loader ping-pong and a masked render
-RESCALE = {64: ["hopper_fwd-m64-n128-w4-s3-pingpong=true-lr24-early_rescale=true"],
-           128: ["hopper_fwd-m64-n128-w4-s3-pingpong=true-lr24-early_rescale=true",
-                 "hopper_fwd-m64-n64-w4-s3-pingpong=true-persistent=true-lr24-qb2"
-                 "-early_rescale=true",
-                 "hopper_fwd-m64-n128-w4-s3-pingpong=true-early_rescale=true",
-                 "hopper_fwd-m128-n64-w8-s3-lr24-early_rescale=true"],
-           256: ["hopper_fwd-m128-n64-w8-s2-lr24-early_rescale=true",
-                 "hopper_fwd-m64-n32-w4-s3-pingpong=true-lr24-early_rescale=true"]}
+
+def with_field(setting: str, d256: list) -> dict:
+    """FIELD_SCHEDULES and the D=256 schedules `d256`, each with `setting` (e.g. "x=true")."""
+    return {d: [f"{n}-{setting}" for n in names]
+            for d, names in {**FIELD_SCHEDULES, 256: d256}.items()}
+
+
+# K/V stages handed back without a barrier over the consumer's warps (the 8-warp consumer keeps
+# it); D=256's record
+RELEASE = with_field("release_barrier=false", ["hopper_fwd-m64-n64-w4-s3-lr24"])
+# O rescaled under S_j's wgmma (FA3's order); at D=256 FA3's shape (one 8-warp consumer, where the
+# rescale was exposed) and the default
+RESCALE = with_field("early_rescale=true", ["hopper_fwd-m128-n64-w8-s2-lr24",
+                                            "hopper_fwd-m64-n32-w4-s3-pingpong=true-lr24"])
 
 
 def forced_grid(variants: dict, shapes: list):
@@ -448,12 +448,12 @@ def test_l2_order_matches_reference_over_sections(d, name, dtype, causal, shape)
     _check_forced(d, name, dtype, causal, shape)
 
 
-@forced_grid(RELEASE, RELEASE_SHAPES)
+@forced_grid(RELEASE, FIELD_SHAPES)
 def test_release_without_barrier_matches_reference(d, name, dtype, causal, shape):
     _check_forced(d, name, dtype, causal, shape)
 
 
-@forced_grid(RESCALE, RELEASE_SHAPES)
+@forced_grid(RESCALE, FIELD_SHAPES)
 def test_early_rescale_matches_reference(d, name, dtype, causal, shape):
     _check_forced(d, name, dtype, causal, shape)
 
