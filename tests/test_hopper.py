@@ -448,13 +448,9 @@ def test_l2_order_matches_reference_over_sections(d, name, dtype, causal, shape)
     _check_forced(d, name, dtype, causal, shape)
 
 
-@forced_grid(RELEASE, FIELD_SHAPES)
-def test_release_without_barrier_matches_reference(d, name, dtype, causal, shape):
-    _check_forced(d, name, dtype, causal, shape)
-
-
-@forced_grid(RESCALE, FIELD_SHAPES)
-def test_early_rescale_matches_reference(d, name, dtype, causal, shape):
+@forced_grid({d: RELEASE[d] + RESCALE[d] for d in RELEASE}, FIELD_SHAPES)
+def test_release_and_rescale_settings_match_reference(d, name, dtype, causal, shape):
+    """release_barrier=false and early_rescale=true (the variant name says which)."""
     _check_forced(d, name, dtype, causal, shape)
 
 
