@@ -223,6 +223,23 @@ sys.exit(pytest.main(['-q', '-x', '--tb=long', 'tests/test_transformers_backend.
                 | tee "$OUT/hopperbwd_tests.log" | tail -15
               timeout ${HOPPERBWD_TIMEOUT:-300} python3 bench/bwd_bench.py --hopper ${HOPPERBWD_ARGS:-} 2>&1 \
                 | tee "$OUT/hopperbwd_bench.log" | tail -40 ;;
+    probe)    # what this machine's Triton offers the next kernels (seconds): Triton proper's TMA reduce-add
+              # (tensor_descriptor.atomic_add, for the generic bwd's atomic dQ), Gluon's (tma.async_atomic_add),
+              # and whether pynvml is there (else the timing workers read the driver through ctypes)
+              python3 - <<'PY' 2>&1 | tee "$OUT/probe.log"
+import importlib.util
+import triton
+import triton.language as tl
+print("triton", triton.__version__)
+print("tl.tensor_descriptor.atomic_add:", hasattr(tl.tensor_descriptor, "atomic_add"))
+try:
+    from triton.experimental.gluon.language.nvidia.hopper import tma
+    print("gluon hopper tma.async_atomic_add:", hasattr(tma, "async_atomic_add"))
+except Exception as e:  # noqa: BLE001
+    print("gluon hopper tma:", type(e).__name__, e)
+print("pynvml:", importlib.util.find_spec("pynvml") is not None)
+PY
+              ;;
     hopperset) # issue 10: one of bench/hopper_check.py's candidate sets timed beside cuDNN, without the
               # correctness checks (HOPPERSET_ARGS, e.g. "--set d256 --head-dims 256 --bench-dims 256")
               timeout ${HOPPERSET_TIMEOUT:-330} python3 bench/hopper_check.py --skip-check ${HOPPERSET_ARGS:---set d256 \
