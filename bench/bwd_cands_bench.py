@@ -68,12 +68,24 @@ CANDIDATES = {
         "fused-s3": "bwd-m32-n128-w8-s3-dq=fused-mq128-nq64",
         "fused-m64n64": "bwd-m64-n64-w8-s3-dq=fused-mq64-nq64",
         "fused-flex": "bwd-m64-n128-w8-s3-dq=fused-mq128-nq64",
+        # loads=descriptor: Q/dO through TMA, dQ by one TMA reduce-add per tile (dq=atomic).
+        # triton 3.9, sm_90, bf16, causal / non-causal registers (2026-11-25): atomic-tma
+        # 255 (36 B spilled) / 255, atomic-tma-m32 208 / 202, fused-tma 212 / 210,
+        # fused-flex-tma 252 / 250 (its pointer twin above spills 28 B)
+        "atomic-tma": "bwd-m64-n128-w8-s2-loads=descriptor-dq=atomic",
+        "atomic-tma-m32": "bwd-m32-n128-w8-s2-loads=descriptor-dq=atomic",
+        "fused-tma": "bwd-m32-n128-w8-s3-loads=descriptor-dq=fused-mq128-nq64",
+        "fused-flex-tma": "bwd-m64-n128-w8-s3-loads=descriptor-dq=fused-mq128-nq64",
+        "default-tma": "bwd-m32-n128-w8-s2-loads=descriptor-dq=separate-mq128-nq64-wq8-sq2",
     },
     64: {
         "default": "bwd-m32-n128-w8-s3-dq=separate-mq128-nq64-wq8-sq2",   # the built-in default
         "flex-tiles": "bwd-m64-n128-w8-s3-dq=separate-mq128-nq64-wq8-sq3",  # Flex's sm_90 tiles
         "fused": "bwd-m32-n128-w8-s3-dq=fused-mq128-nq64",
         "fused-flex": "bwd-m64-n128-w8-s3-dq=fused-mq128-nq64",
+        "atomic-tma": "bwd-m64-n128-w8-s2-loads=descriptor-dq=atomic",
+        "atomic-tma-m32": "bwd-m32-n128-w8-s2-loads=descriptor-dq=atomic",
+        "fused-flex-tma": "bwd-m64-n128-w8-s3-loads=descriptor-dq=fused-mq128-nq64",
     },
 }
 WINDOW_N, WINDOW_KEYS = 16384, 1024

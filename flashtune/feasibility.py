@@ -128,7 +128,9 @@ def _bwd_dkdv(variant, problem, target) -> Resources:
         # takes scratch too (<= 64 rows of it: measured)
         if _wgmma(target, n) and m < 64:
             smem += n * bd * e
-        if stages > 1:
+        if variant.loads == "descriptor":  # the whole tile staged for the TMA reduce-add
+            smem += m * bd * 4
+        elif stages > 1:
             smem += min(m, 64) * bd * 4
     threads = 32 * variant.num_warps
     words = 2 * n * bd + 2 * n * m + n * m * e // 4   # dK, dV, S^T/dP^T (f32), dS^T

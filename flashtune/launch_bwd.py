@@ -1,6 +1,8 @@
 """Launch the generated backward kernels for one problem: buffers, grids, strides, constexprs."""
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 
 import torch
@@ -8,8 +10,9 @@ import triton
 
 from .codegen import Variant, load
 from .launcher import Launcher
-from .launch import (_DOT_PRECISION, block_d, block_lists, check_mask_variant,
-                     check_varlen_variant, mask_args, mask_params, packed_view, strides3)
+from .launch import (_DOT_PRECISION, _need_allocator, block_d, block_lists, check_mask_variant,
+                     check_varlen_variant, descriptor_ok, mask_args, mask_params, packed_view,
+                     strides3)
 from .masks import NONE, Masks
 
 
@@ -56,8 +59,6 @@ def kernel_params(variant: Variant, dtype: torch.dtype, head_dim: int, causal: b
 def _check_variant(variant: Variant) -> None:
     if variant.family != "bwd":
         raise ValueError(f"backward needs a 'bwd' variant, got {variant.name}")
-    if variant.loads != "pointer":
-        raise ValueError(f"bwd variant {variant.name}: the bwd template has only pointer loads")
     if variant.dq == "separate" and not (variant.block_m2 and variant.block_n2
                                          and variant.num_warps2 and variant.num_stages2):
         raise ValueError(f"bwd variant {variant.name}: dq='separate' needs block_m2, block_n2, "
@@ -79,7 +80,7 @@ class BwdPlan:
     shape of the per-row float32 buffers (LSE's), `sizes` the kernels' trailing ints; the grids
     cover batch x heads x cdiv(max_q or max_k, block)."""
     __slots__ = ("variant", "params", "scale", "margs", "views", "rows", "sizes", "grids",
-                 "kernels", "precise", "atomic")
+                 "kernels", "precise", "atomic", "descriptor", "twin")
 
     def __init__(self, variant: Variant, params: dict, head_dim: int, dtype: torch.dtype,
                  causal: bool, scale: float | None, *, views, rows: tuple, sizes: tuple,
@@ -91,6 +92,15 @@ class BwdPlan:
         self.scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
         self.precise = dtype == torch.float32
         self.atomic = variant.dq == "atomic"
+        # descriptor loads: Q, dO (and the float32 dQ buffer) must suit TMA, checked per call
+        # (run()); a call whose tensors do not runs the pointer twin's plan, built when first
+        # needed
+        self.descriptor = variant.loads == "descriptor"
+        self.twin = (functools.partial(
+            BwdPlan, dataclasses.replace(variant, loads="pointer"), params, head_dim, dtype, causal,
+            scale, views=views, rows=rows, sizes=sizes, batch=batch, heads=heads,
+            kv_heads=kv_heads, max_q=max_q, max_k=max_k, masks=masks)
+            if self.descriptor else None)
         # the masks' runtime arguments, after sm_scale (launch.mask_args), per kernel
         self.margs = ({kern: mask_args(masks, causal, kern, batch, heads)
                        for kern in ("q", "kv", "state")} if masks.any else
@@ -115,6 +125,12 @@ class BwdPlan:
     def run(self, dout, q, k, v, o, lse, seq_args: tuple = ()):
         """(dq, dk, dv) like q, k, v; seq_args: the cu_seqlens pointers (varlen renders)."""
         views, sizes, scale, margs = self.views, self.sizes, self.scale, self.margs
+        if self.descriptor:
+            if not descriptor_ok(views(q), views(dout)):
+                if not isinstance(self.twin, BwdPlan):
+                    self.twin = self.twin()
+                return self.twin.run(dout, q, k, v, o, lse, seq_args)
+            _need_allocator()
         pre, dkdv, dqk = self.kernels
         # Delta = rowsum(dO * O) and LSE in base 2 (+inf for rows that see no key): float32,
         # tiny. float32 inputs (PRECISE): Delta and R = 1 / rowsum(P) from one pass over the keys

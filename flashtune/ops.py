@@ -91,8 +91,7 @@ def select_bwd(q, k, causal: bool, deterministic: bool, masks: Masks = NONE) -> 
         variant = separate_twin(variant, q.shape[3], q.dtype)
     if masks.any:
         variant = dispatch.mask_twin(variant, masks, q.shape[3], q.dtype)
-    # the bwd template has pointer loads only: a descriptor variant runs as its pointer twin
-    return dispatch.pointer_twin(variant) if variant.loads == "descriptor" else variant
+    return variant  # a descriptor one runs as its pointer twin where TMA cannot (BwdPlan.run)
 
 
 def separate_twin(variant: Variant, head_dim: int, dtype: torch.dtype) -> Variant:

@@ -1,0 +1,102 @@
+"""The bwd family's descriptor render (loads="descriptor"): Q and dO read through tensor
+descriptors, dQ added by a TMA reduce-add (dq="atomic"), against the float64 reference's
+gradients; tails, padded head dims, GQA, masks, and inputs TMA cannot address (the plan runs its
+pointer twin). On the CPU the interpreter's read-add-write stands in for the reduce-add (the
+template's header); the GPU tests run the real one."""
+import pytest
+import torch
+
+import flashtune
+from flashtune import launch_bwd
+from flashtune.codegen import Variant
+from flashtune.codegen.render import render
+
+from _check import qkv
+from test_backward import assert_grads_match
+
+SCHEMES = {
+    "atomic": "bwd-m16-n32-w4-s1-loads=descriptor-dq=atomic",
+    "separate": "bwd-m16-n32-w4-s1-loads=descriptor-dq=separate-mq32-nq16-wq4-sq1",
+    "fused": "bwd-m16-n32-w4-s1-loads=descriptor-dq=fused-mq32-nq16",
+}
+
+
+@pytest.mark.parametrize("scheme", sorted(SCHEMES))
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_descriptor_schemes_match_reference(scheme, causal, dtype, device):
+    # 41 / 70 rows: tails on both sides; D=40 pads to 64; GQA 4:2
+    with flashtune.force(SCHEMES[scheme]):
+        assert_grads_match(*qkv(1, 4, 2, 41, 70, 40, dtype, device), causal=causal)
+
+
+@pytest.mark.parametrize("kw", [{"window": (9, 3)}, {"softcap": 5.0}])
+def test_descriptor_atomic_with_masks(kw, device):
+    with flashtune.force(SCHEMES["atomic"]):
+        assert_grads_match(*qkv(2, 2, 1, 50, 37, 32, torch.float16, device), causal=True, **kw)
+
+
+def test_descriptor_layout_bnhd(device):
+    with flashtune.force(SCHEMES["atomic"]):
+        assert_grads_match(*qkv(2, 2, 2, 33, 33, 32, torch.float16, device, layout="bnhd"))
+
+
+def test_unaligned_inputs_run_the_pointer_twin(device):
+    """A q whose base TMA cannot address (2 bytes off) gets the pointer twin's plan, built on
+    the first such call and kept; the gradients are right either way."""
+    b, h, n, d = 1, 2, 40, 32
+    raw = torch.randn(b * h * n * d + 1, dtype=torch.float16, device=device)
+    q = raw[1:].view(b, h, n, d)
+    _, k, v = qkv(b, h, h, n, n, d, torch.float16, device)
+    variant = Variant.parse(SCHEMES["atomic"])
+    o, lse = flashtune.ops.run_forward(q, k, v, False, None)
+    do = torch.randn_like(o)
+    plan = launch_bwd.plan(q, k, False, None, variant)
+    assert plan.descriptor and not isinstance(plan.twin, launch_bwd.BwdPlan)
+    got = plan.run(do, q, k, v, o, lse)
+    assert isinstance(plan.twin, launch_bwd.BwdPlan) and plan.twin.variant.loads == "pointer"
+    want = launch_bwd.backward(do, q.clone(), k, v, o, lse, False, None,
+                               Variant.parse("bwd-m16-n32-w4-s1-dq=atomic"))
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=2e-3, rtol=1e-3)
+
+
+def test_descriptor_render_reads_q_and_do_through_descriptors():
+    src = render(Variant.parse("bwd-m64-n64-w4-s2-loads=descriptor-dq=atomic"))
+    assert "q_base.load([start_m, 0])" in src and "dq_base.atomic_add([start_m, 0], dq)" in src
+    assert "tl.atomic_add(" not in src
+    pointer = render(Variant.parse("bwd-m64-n64-w4-s2-dq=atomic"))
+    assert "make_tensor_descriptor" not in pointer and "tl.atomic_add(" in pointer
+
+
+# -- GPU: bfloat16 and the real TMA reduce-add --------------------------------------------------
+
+GPU_VARIANTS = {
+    64: "bwd-m64-n128-w8-s2-loads=descriptor-dq=atomic",
+    128: "bwd-m64-n128-w8-s2-loads=descriptor-dq=atomic",
+    256: "bwd-m32-n32-w4-s2-loads=descriptor-dq=atomic",  # spills 68 B (sm_90): right, not fast
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d", sorted(GPU_VARIANTS))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_descriptor_atomic(dtype, d, causal, device):
+    with flashtune.force(GPU_VARIANTS[d]):
+        assert_grads_match(*qkv(2, 4, 2, 1000, 1537, d, dtype, device, layout="bnhd"),
+                           causal=causal)
+        assert_grads_match(*qkv(1, 4, 4, 4096, 4096, d, dtype, device), causal=causal)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", [
+    "bwd-m64-n128-w8-s3-loads=descriptor-dq=fused-mq128-nq64",
+    "bwd-m64-n128-w8-s2-loads=descriptor-dq=separate-mq128-nq64-wq8-sq2",
+    "bwd-m64-n64-w4-s3-loads=descriptor-dq=atomic",
+])
+def test_gpu_descriptor_variants(name, device):
+    with flashtune.force(name):
+        assert_grads_match(*qkv(2, 8, 2, 777, 1025, 128, torch.bfloat16, device), causal=True)
+        assert_grads_match(*qkv(1, 4, 4, 2048, 2048, 96, torch.bfloat16, device),
+                           window=(255, 0), softcap=30.0)
