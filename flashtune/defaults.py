@@ -99,12 +99,17 @@ def _bwd(m, n, w, s, m2, n2, w2, s2):
 #         but sit at 255 registers (28 B spilled, causal, triton 3.9): left to the search.
 #   D=64  separate with m64-n128-w8-s3 and dQ m128-n64-w8-s3 (Flex's tiles): 1.10x Flex geomean,
 #         1.11x the m32 default; the atomic scheme keeps the m32 tiles.
+# D=128 fused, since 2026-11-25: those m64-n128 tiles with loads="descriptor" (Q and dO through
+#   TMA) compile spill-free (252 registers causal, triton 3.9) and ran faster than the m32 fused
+#   default in all 7 cells of the same bench (H100, docs/data/bwd_cands_h100_2026-11-25_tma.jsonl):
+#   0.696-12.61 ms against 0.701-13.84, 1.01-1.12x; vs Flex 1.023x geomean (the old default 0.964x).
+#   Its pointer twin (inputs TMA cannot address) is the 28 B spiller above.
 _BWD = {
     SM90: {64: {**_bwd(32, 128, 8, 3, 128, 64, 8, 2),
                 "separate": _bwd(64, 128, 8, 3, 128, 64, 8, 3)["separate"]},
            128: {**_bwd(32, 128, 8, 2, 128, 64, 8, 2),
-                 "fused": Variant("bwd", block_m=32, block_n=128, num_warps=8, num_stages=3,
-                                  dq="fused", block_m2=128, block_n2=64)},
+                 "fused": Variant("bwd", block_m=64, block_n=128, num_warps=8, num_stages=3,
+                                  dq="fused", block_m2=128, block_n2=64, loads="descriptor")},
            256: _bwd(16, 32, 4, 2, 64, 32, 8, 2)},
     SM80: {64: _bwd(32, 128, 8, 3, 128, 64, 8, 2),
            128: _bwd(32, 64, 8, 2, 64, 64, 8, 2),

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import threading
 from functools import lru_cache
 
 import torch
@@ -18,15 +19,16 @@ def _alloc(size: int, alignment: int, stream):
     return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
-_allocator_set = False
+_allocator_threads = threading.local()
 
 
 def _need_allocator() -> None:
-    """Tensor descriptors built inside a kernel need a global scratch allocator (set once)."""
-    global _allocator_set
-    if not _allocator_set:
+    """Tensor descriptors built inside a kernel need a global scratch allocator. Triton keeps it
+    in a ContextVar, which a new thread starts without: set once per thread (autograd runs CUDA
+    backwards on its own thread, where a backward's descriptors found none)."""
+    if not getattr(_allocator_threads, "set", False):
         triton.set_allocator(_alloc)
-        _allocator_set = True
+        _allocator_threads.set = True
 
 
 def capturing(t: torch.Tensor) -> bool:

@@ -100,3 +100,20 @@ def test_gpu_descriptor_variants(name, device):
         assert_grads_match(*qkv(2, 8, 2, 777, 1025, 128, torch.bfloat16, device), causal=True)
         assert_grads_match(*qkv(1, 4, 4, 2048, 2048, 96, torch.bfloat16, device),
                            window=(255, 0), softcap=30.0)
+
+
+def test_the_allocator_is_set_in_every_thread_that_launches():
+    """Triton's allocator lives in a ContextVar: a backward on autograd's own thread must set it
+    there too (a set once per process left that thread with none)."""
+    import threading
+
+    from triton.runtime import _allocation
+
+    from flashtune import launch
+    launch._need_allocator()
+    seen = []
+    t = threading.Thread(target=lambda: (launch._need_allocator(),
+                                         seen.append(_allocation._allocator.get())))
+    t.start()
+    t.join()
+    assert seen == [launch._alloc]
