@@ -38,7 +38,7 @@ for step in ${STEPS:-fwdtests}; do
               flashtune db export --gpu "$(python3 -c "import torch;print(torch.cuda.get_device_name())")" --db sqlite:////tmp/ft-tuned.db -o "$OUT/tuned_table.json" 2>&1 | tail -2 ;;
     bwdtests) timeout 300 python3 -m pytest -q -m gpu tests/test_backward.py tests/test_compile.py 2>&1 \
                 | tee "$OUT/bwdtests.log" | tail -25 ;;
-    bwdbench) timeout 270 python3 bench/bwd_bench.py 2>&1 | tee "$OUT/bwdbench.log" | tail -50 ;;
+    bwdbench) timeout ${BWDBENCH_TIMEOUT:-270} python3 bench/bwd_bench.py ${BWDBENCH_ARGS:-} 2>&1 | tee "$OUT/bwdbench.log" | tail -50 ;;
     bwdfp32) timeout 200 python3 -m pytest -q tests/test_backward.py -k "float32" 2>&1 | tail -6 ;;
     table)    # the shipped table: the standard grid, then head dims the defaults were not measured on
               for args in "--head-dim 64,128" "--head-dim 256 --seqlen 1024,4096"; do
