@@ -339,8 +339,9 @@ def test_the_shipped_h100_table_is_fresh():
     # and at 4k the 30% and 100% block masks (block16, block64) for every family but the bwd's
     # block64 (session 15: its atomic winner at BH 64 made the bench's B=1 call 20% slower than
     # the dense record's variant, which serves it again),
-    # and the bench's own 10% block mask at 4k (block8, B*H = 16) for fwd, bwd and hopper_fwd
-    # (session 16)
+    # and the bench's own 10% block mask at 4k (block8, B*H = 16) for the bwd (session 16; its
+    # fwd and hopper_fwd records left out: at the same shape they outranked the Hopper heuristic
+    # for the 30% mask too, whose forward took 0.114 ms through them against 0.097)
     masked = collections.Counter((r.bucket.family, r.bucket.mask) for r in recs if r.bucket.mask)
     wide = {(f, f"window{w}"): 1 for f in ("fwd", "bwd", "hopper_fwd", "hopper_bwd")
             for w in (1024, 4096)}
@@ -349,5 +350,5 @@ def test_the_shipped_h100_table_is_fresh():
                       ("bwd", "block16"): 2, ("hopper_fwd", "window256"): 2,
                       ("hopper_fwd", "block16"): 2, ("hopper_bwd", "window256"): 2,
                       ("hopper_bwd", "block16"): 1, **wide, **dense4k,
-                      **{(f, "block8"): 1 for f in ("fwd", "bwd", "hopper_fwd")}}
+                      ("bwd", "block8"): 1}
     assert all(lookup.staleness(r) == () for r in recs)
