@@ -29,7 +29,10 @@ CASES = (("fwd-d256-causal-512", "fwd", 256, True, 512),
          ("fwd-d128-causal-1k", "fwd", 128, True, 1024),
          ("fwd-d128-4k", "fwd", 128, False, 4096),
          ("fwd-d256-4k", "fwd", 256, False, 4096),
-         ("bwd-d128-2k", "bwd", 128, False, 2048))
+         ("bwd-d128-2k", "bwd", 128, False, 2048),
+         # session 16: the long-N D=128 backward, 0.76-0.79x cuDNN (fused dQ, one launch)
+         ("bwd-d128-16k", "bwd", 128, False, 16384),
+         ("bwd-d128-causal-16k", "bwd", 128, True, 16384))
 
 # the metrics the summary prints, by their ncu names (the sections above)
 METRICS = (("Duration", "us"), ("Compute (SM) Throughput", "%"), ("Memory Throughput", "%"),

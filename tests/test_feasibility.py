@@ -32,6 +32,22 @@ def test_shared_memory_model_matches_triton(gpu, name, shared):
     assert abs(r.smem_bytes - shared) <= 4096
 
 
+@pytest.mark.parametrize("name,shared", [
+    # the dK/dV kernel, `flashtune kernels check --head-dim 128 --causal`, sm_90, triton 3.9:
+    # the descriptor atomic stages the float32 dQ tile and dS^T besides the pointer one's buffers
+    ("bwd-m64-n128-w8-s2-loads=descriptor-dq=atomic", 180752),
+    ("bwd-m32-n128-w8-s2-loads=descriptor-dq=atomic", 155920),
+    ("bwd-m64-n64-w4-s3-loads=descriptor-dq=atomic", 173080),
+    ("bwd-m128-n128-w8-s2-loads=descriptor-dq=atomic", 295952),
+    ("bwd-m64-n128-w8-s2-dq=atomic", 164352),
+    ("bwd-m64-n128-w8-s3-loads=descriptor-dq=fused-mq128-nq64", 165888),
+])
+def test_bwd_shared_memory_model_matches_triton(name, shared):
+    p = standard_problem("bwd", "bfloat16", 128, True, 4096)
+    dkdv = dict(feasibility.kernels(Variant.parse(name), p, H100))["attn_bwd_dkdv"]
+    assert abs(dkdv.smem_bytes - shared) <= 4096
+
+
 def test_model_prunes_what_cannot_fit():
     big = Variant.parse("fwd-m128-n128-w8-s4-loads=descriptor")  # 289 KiB > 227 KiB
     v = feasibility.check(big, _p(), H100)
