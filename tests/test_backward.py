@@ -128,6 +128,11 @@ def test_rows_that_see_no_key_get_zero_gradients(scheme, device):
     "bwd-m32-n16-w4-s2-dq=separate-mq16-nq32-wq4-sq2-causal_split=false",
     "bwd-m16-n64-w4-s1-dq=separate-mq64-nq16-wq2-sq1",
     "bwd-m32-n32-w4-s1-dq=atomic-loads=descriptor",  # Q/dO via TMA, dQ by reduce-add
+    # each key block's query loop rotated (several key blocks, several query blocks per loop)
+    "bwd-m16-n16-w4-s1-dq=atomic-stagger=true",
+    "bwd-m16-n32-w4-s2-dq=atomic-stagger=true-causal_split=false",
+    "bwd-m16-n32-w4-s1-loads=descriptor-dq=atomic-stagger=true",
+    "bwd-m16-n32-w4-s1-dq=fused-mq32-nq16-stagger=true",
 ])
 @pytest.mark.parametrize("causal", [False, True])
 def test_structural_variants(name, causal, device):

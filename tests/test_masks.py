@@ -24,10 +24,13 @@ FWD = "fwd-m16-n16-w4-s1"  # small tiles: several blocks in every loop at these 
 BWD = {"atomic": "bwd-m16-n32-w4-s1-dq=atomic",
        "separate": "bwd-m16-n32-w4-s1-dq=separate-mq32-nq16-wq4-sq1",
        "fused": "bwd-m16-n32-w4-s1-dq=fused-mq32-nq16",
-       # Q/dO through tensor descriptors (dQ by a reduce-add): the block-sparse tests only
+       # Q/dO through tensor descriptors (dQ by a reduce-add): the block-sparse test only
        "atomic_desc": "bwd-m16-n32-w4-s1-loads=descriptor-dq=atomic",
-       "fused_desc": "bwd-m16-n32-w4-s1-loads=descriptor-dq=fused-mq32-nq16"}
-POINTER_BWD = ("atomic", "fused", "separate")
+       "fused_desc": "bwd-m16-n32-w4-s1-loads=descriptor-dq=fused-mq32-nq16",
+       # the query loops rotated per key block (the window's three loops; a block mask's lists
+       # keep their order)
+       "atomic_stagger": "bwd-m16-n16-w4-s1-dq=atomic-stagger=true"}
+WINDOW_BWD = ("atomic", "fused", "separate", "atomic_stagger")
 
 
 @contextlib.contextmanager
@@ -79,7 +82,7 @@ def test_window_forward(window, causal, nq, nk, device):
           causal=causal)
 
 
-@pytest.mark.parametrize("bwd", POINTER_BWD)
+@pytest.mark.parametrize("bwd", WINDOW_BWD)
 @pytest.mark.parametrize("window,causal,dtype", [((10, 3), False, torch.float16),
                                                  ((12, -1), True, torch.float32),
                                                  ((0, 20), False, torch.float32)])
