@@ -359,3 +359,15 @@ def test_eager_autograd_equals_the_registered_op(kw, device):
     for a, b in zip(*results):
         assert torch.equal(a, b)
     assert type(results[0][0].grad_fn).__name__ != type(results[1][0].grad_fn).__name__
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("name", ["bwd-m32-n128-w8-s3-dq=atomic-stagger=true",
+                                  "bwd-m32-n128-w8-s2-loads=descriptor-dq=atomic-stagger=true"])
+def test_gpu_stagger(name, causal, device):
+    # the rotated query loops on the GPU, bf16: many key blocks adding into dQ at once
+    with flashtune.force(name):
+        assert_grads_match(*qkv(1, 4, 2, 4096, 4096, 128, torch.bfloat16, device), causal=causal)
+        assert_grads_match(*qkv(2, 4, 1, 1000, 3001, 128, torch.bfloat16, device,
+                                layout="bnhd"), causal=causal)
