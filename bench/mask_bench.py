@@ -20,6 +20,10 @@ Rows (one JSON line each, a table at the end), forward ("fwd") and with --bwd "f
              reading that block pattern (every kept block full); sdpa with the element mask
 On the GPU flashtune and Flex are re-timed interleaved on each mask (--rounds shuffled rounds,
 flashtune.timing.interleaved, each row with its spread); SDPA and the dense rows by do_bench.
+--graph: each of those calls (flashtune's and Flex's, forward or forward + backward) is captured
+in a CUDA graph after its warm-up and the replays are timed: the GPU's time without the host's
+launches, which at N=4k, B=1 moved whole fwd+bwd steps 2x between machine starts for both sides
+(docs/benchmarks.md, sessions 12 and 16). Rows then say timing "graph, interleaved xR".
 Targets (issue 11): 10 %-dense <= 0.15x the dense time at N=16k; at or above FlexAttention.
 FLOPs for TFLOP/s: 4*B*H*D*(visible pairs) (fwd; bwd 2.5x): dense N^2 (causal N^2/2), window
 sum over rows of the keys it sees, block density p * N^2.
@@ -75,6 +79,22 @@ def flex_fn(block_mask):
     return lambda q, k, v: _flex(q, k, v, block_mask=block_mask)
 
 
+def graphed(run):
+    """run() captured in a CUDA graph (after warm-up on a side stream, as torch.cuda.graph asks;
+    a forward + backward's autograd runs inside the capture): returns the graph's replay."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            run()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        run()
+    torch.cuda.synchronize()
+    return g.replay
+
+
 def sdpa_fn(mask):
     return lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(q, k, v,
                                                                              attn_mask=mask)
@@ -107,6 +127,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None, help="JSON lines (default $OUT/mask_bench.jsonl)")
     ap.add_argument("--rounds", type=int, default=5,
                     help="interleaved rounds of flashtune and Flex per mask (GPU)")
+    ap.add_argument("--graph", action="store_true",
+                    help="time flashtune's and Flex's calls as CUDA graph replays (GPU)")
     args = ap.parse_args(argv)
     if args.quick:
         args.n, args.windows, args.densities = 4096, "128,1024,4096", "10,50,100"
@@ -174,6 +196,12 @@ def main(argv=None) -> int:
                     def run(run=run):
                         with torch.no_grad():
                             run()
+                if args.graph:
+                    try:
+                        run = graphed(run)
+                    except Exception as e:  # noqa: BLE001 -- a peer that cannot be captured
+                        emit(kind, param, impl, mode, pairs, error=f"graph: {e!r}"[:200])
+                        continue
                 runs.append(run)
                 names.append(impl)
             # ~100 ms of each first: Flex compiles per mask, and a GPU left idle through it
@@ -186,7 +214,7 @@ def main(argv=None) -> int:
                     torch.cuda.synchronize()
             for impl, (ms, spread) in zip(names, interleaved(runs, rounds=args.rounds)):
                 emit(kind, param, impl, mode, pairs, ms, spread=round(spread, 3),
-                     timing=f"interleaved x{args.rounds}")
+                     timing=("graph, " if args.graph else "") + f"interleaved x{args.rounds}")
 
     import triton
     env = dict(kind="env", torch=torch.__version__, triton=triton.__version__,
