@@ -3,6 +3,7 @@ measurement and notes (`result.phases`, docs/search.md) -- what a device call pr
 short search, to show where a trial's time went.
 
     python3 bench/trial_phases.py /tmp/search.journal
+    python3 bench/trial_phases.py --failed /tmp/search.journal   # the trials that did not measure
 """
 from __future__ import annotations
 
@@ -15,7 +16,16 @@ from search_scaling import trials_of
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("storage", help="journal file or storage URL")
+    ap.add_argument("--failed", action="store_true",
+                    help="list the trials that measured nothing (stage, reason) instead")
     a = ap.parse_args()
+    if a.failed:
+        for t in sorted(trials_of(a.storage), key=lambda t: t.datetime_start or 0):
+            r = t.user_attrs.get("result") or {}
+            if r and not r.get("measured", True):
+                print(f"{t.user_attrs.get('variant', '')[:70]:70} {r.get('stage', '?'):10} "
+                      f"{(r.get('reason') or '')[:160]}")
+        return
     first = []
     for t in sorted(trials_of(a.storage), key=lambda t: t.datetime_start or 0):
         r = t.user_attrs.get("result") or {}
