@@ -253,6 +253,40 @@ def test_separate_dq_with_a_window_and_softcap():
         assert_grads_match(q, k, v, causal=True, window=(200, 0), softcap=30.0)
 
 
+STAGGER = {64: "hopper_bwd-m64-n128-w8-s2-stagger=true",
+           128: "hopper_bwd-m64-n64-w4-s2-stagger=true",
+           256: "hopper_bwd-m64-n64-w8-s2-stagger=true"}
+
+
+@pytest.mark.gpu
+@hopper_gpu
+@pytest.mark.parametrize("d", sorted(STAGGER))
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape", [SHAPES[2], SHAPES[3], SHAPES[5]])
+def test_stagger_matches_reference(d, causal, shape):
+    # each program's query blocks rotated by its key block (GQA: per q head)
+    b, h, hk, nq, nk = shape
+    q, k, v = qkv(b, h, hk, nq, nk, d, torch.bfloat16, "cuda")
+    with flashtune.force(STAGGER[d]):
+        assert_grads_match(q, k, v, causal=causal)
+
+
+@pytest.mark.gpu
+@hopper_gpu
+def test_stagger_with_a_window_and_softcap():
+    q, k, v = qkv(1, 4, 2, 515, 700, 128, torch.float16, "cuda")
+    with flashtune.force(STAGGER[128] + "-window=true-softcap=true"):
+        assert_grads_match(q, k, v, causal=True, window=(200, 0), softcap=30.0)
+
+
+def test_stagger_renders_only_where_asked():
+    from flashtune.codegen import Variant
+    from flashtune.codegen.render import render
+    on = render(Variant.parse(STAGGER[128]))
+    off = render(Variant.parse("hopper_bwd-m64-n64-w4-s2"))
+    assert "gl.program_id(0)) % per_head" in on and "gl.program_id(0)) % per_head" not in off
+
+
 @pytest.mark.gpu
 @hopper_gpu
 def test_runs_the_gluon_kernel_not_the_fallback(monkeypatch):
