@@ -117,3 +117,14 @@ def test_the_allocator_is_set_in_every_thread_that_launches():
     t.start()
     t.join()
     assert seen == [launch._alloc]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_descriptor_varlen(causal, device):
+    # per-sequence descriptors (their rows only; a sequence with no query makes a 1-row one)
+    from test_varlen import assert_varlen_matches, packed
+    lens_q, lens_k = [700, 0, 1, 1537, 64], [900, 300, 1, 1537, 0]
+    with flashtune.force(GPU_VARIANTS[128]):
+        assert_varlen_matches(*packed(lens_q, lens_k, 4, 2, 128, torch.bfloat16, device),
+                              causal=causal)
