@@ -79,22 +79,6 @@ def flex_fn(block_mask):
     return lambda q, k, v: _flex(q, k, v, block_mask=block_mask)
 
 
-def graphed(run):
-    """run() captured in a CUDA graph (after warm-up on a side stream, as torch.cuda.graph asks;
-    a forward + backward's autograd runs inside the capture): returns the graph's replay."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            run()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        run()
-    torch.cuda.synchronize()
-    return g.replay
-
-
 def sdpa_fn(mask):
     return lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(q, k, v,
                                                                              attn_mask=mask)
@@ -197,11 +181,15 @@ def main(argv=None) -> int:
                         with torch.no_grad():
                             run()
                 if args.graph:
-                    try:
-                        run = graphed(run)
-                    except Exception as e:  # noqa: BLE001 -- a peer that cannot be captured
-                        emit(kind, param, impl, mode, pairs, error=f"graph: {e!r}"[:200])
+                    # flashtune.timing.graphed: a forward + backward's autograd runs inside the
+                    # capture; a call that cannot be captured comes back as itself: a row
+                    # with why, not a plain timing passed off as a graph's
+                    from flashtune.timing import graphed
+                    captured = graphed(run)
+                    if captured is run:
+                        emit(kind, param, impl, mode, pairs, error="graph: not capturable")
                         continue
+                    run = captured
                 runs.append(run)
                 names.append(impl)
             # ~100 ms of each first: Flex compiles per mask, and a GPU left idle through it

@@ -233,49 +233,33 @@ SEPARATE = {64: "hopper_bwd-m64-n128-w8-s2-dq=separate",
             256: "hopper_bwd-m64-n64-w8-s2-dq=separate"}
 
 
-@pytest.mark.gpu
-@hopper_gpu
-@pytest.mark.parametrize("d", sorted(SEPARATE))
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("shape", [SHAPES[2], SHAPES[4], SHAPES[5]])
-def test_separate_dq_matches_reference(d, causal, shape):
-    b, h, hk, nq, nk = shape
-    q, k, v = qkv(b, h, hk, nq, nk, d, torch.bfloat16, "cuda")
-    with flashtune.force(SEPARATE[d]):
-        assert_grads_match(q, k, v, causal=causal)
-
-
-@pytest.mark.gpu
-@hopper_gpu
-def test_separate_dq_with_a_window_and_softcap():
-    q, k, v = qkv(1, 4, 2, 515, 700, 128, torch.float16, "cuda")
-    with flashtune.force(SEPARATE[128] + "-window=true-softcap=true"):
-        assert_grads_match(q, k, v, causal=True, window=(200, 0), softcap=30.0)
-
-
 STAGGER = {64: "hopper_bwd-m64-n128-w8-s2-stagger=true",
            128: "hopper_bwd-m64-n64-w4-s2-stagger=true",
            256: "hopper_bwd-m64-n64-w8-s2-stagger=true"}
+# structural choices beside the defaults: dq="separate" (the generic dQ kernel) and stagger
+# (each program's query blocks rotated by its key block, GQA: per q head)
+FIELDS = {"separate": SEPARATE, "stagger": STAGGER}
 
 
 @pytest.mark.gpu
 @hopper_gpu
-@pytest.mark.parametrize("d", sorted(STAGGER))
+@pytest.mark.parametrize("field", sorted(FIELDS))
+@pytest.mark.parametrize("d", sorted(SEPARATE))
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("shape", [SHAPES[2], SHAPES[3], SHAPES[5]])
-def test_stagger_matches_reference(d, causal, shape):
-    # each program's query blocks rotated by its key block (GQA: per q head)
+@pytest.mark.parametrize("shape", [SHAPES[2], SHAPES[3], SHAPES[4], SHAPES[5]])
+def test_field_variants_match_reference(field, d, causal, shape):
     b, h, hk, nq, nk = shape
     q, k, v = qkv(b, h, hk, nq, nk, d, torch.bfloat16, "cuda")
-    with flashtune.force(STAGGER[d]):
+    with flashtune.force(FIELDS[field][d]):
         assert_grads_match(q, k, v, causal=causal)
 
 
 @pytest.mark.gpu
 @hopper_gpu
-def test_stagger_with_a_window_and_softcap():
+@pytest.mark.parametrize("field", sorted(FIELDS))
+def test_field_variants_with_a_window_and_softcap(field):
     q, k, v = qkv(1, 4, 2, 515, 700, 128, torch.float16, "cuda")
-    with flashtune.force(STAGGER[128] + "-window=true-softcap=true"):
+    with flashtune.force(FIELDS[field][128] + "-window=true-softcap=true"):
         assert_grads_match(q, k, v, causal=True, window=(200, 0), softcap=30.0)
 
 
