@@ -392,18 +392,6 @@ PY
               # for D=64). Compiles ahead in a process pool; stops starting cases at --budget-s 380
               timeout ${BWDCANDS_TIMEOUT:-420} python3 bench/bwd_cands_bench.py --out "$OUT/bwd_cands${BWDCANDS_NAME:+_$BWDCANDS_NAME}.jsonl" \
                 ${BWDCANDS_ARGS:-} 2>&1 | tee "$OUT/bwd_cands${BWDCANDS_NAME:+_$BWDCANDS_NAME}.log" | grep -v "^warm " | tail -${BWDCANDS_TAIL:-70} ;;
-    stagger)  # issue 10 (session 16's hypothesis): the atomic dQ schemes with each program's query loop
-              # rotated (stagger=true) -- GPU tests of both families' staggered renders, then backward
-              # only beside the unrotated atomic, the fused default, Flex and cuDNN (bwd_cands,
-              # dense D=128), then hopper_bwd's default with and without it (D=128, 256)
-              timeout ${STAGGER_TESTS_TIMEOUT:-170} python3 -m pytest -q -m gpu tests/test_backward.py \
-                tests/test_hopper_bwd.py -k stagger 2>&1 | tee "$OUT/stagger_tests.log" | tail -6
-              timeout ${STAGGER_CANDS_TIMEOUT:-190} python3 bench/bwd_cands_bench.py --no-window --budget-s 160 \
-                --only atomic-s3,atomic-tma-m32,atomic-s3-stagger,atomic-tma-m32-stagger,atomic-m64n64-stagger,fused-flex-tma \
-                --out "$OUT/bwd_cands_stagger.jsonl" 2>&1 | tee "$OUT/bwd_cands_stagger.log" | grep -v "^warm " | tail -16
-              timeout ${STAGGER_HOPPER_TIMEOUT:-170} python3 bench/bwd_bench.py --hopper --flex --head-dims 128,256 \
-                --seqlens 1024,4096,16384 --only flashtune,flashtune-hopper_bwd,flashtune-hopper_bwd-stagger,sdpa-cudnn,flex \
-                2>&1 | tee "$OUT/stagger_hopper.log" | tail -22 ;;
     *) echo "unknown step $step" ;;
   esac
 done

@@ -1,7 +1,6 @@
 """Launch the generated backward kernels for one problem: buffers, grids, strides, constexprs."""
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 
@@ -96,11 +95,13 @@ class BwdPlan:
         # (run()); a call whose tensors do not runs the pointer twin's plan, built when first
         # needed
         self.descriptor = variant.loads == "descriptor"
-        self.twin = (functools.partial(
-            BwdPlan, dataclasses.replace(variant, loads="pointer"), params, head_dim, dtype, causal,
-            scale, views=views, rows=rows, sizes=sizes, batch=batch, heads=heads,
-            kv_heads=kv_heads, max_q=max_q, max_k=max_k, masks=masks)
-            if self.descriptor else None)
+        self.twin = None
+        if self.descriptor:
+            from .dispatch import pointer_twin
+            self.twin = functools.partial(
+                BwdPlan, pointer_twin(variant), params, head_dim, dtype, causal, scale,
+                views=views, rows=rows, sizes=sizes, batch=batch, heads=heads,
+                kv_heads=kv_heads, max_q=max_q, max_k=max_k, masks=masks)
         # the masks' runtime arguments, after sm_scale (launch.mask_args), per kernel
         self.margs = ({kern: mask_args(masks, causal, kern, batch, heads)
                        for kern in ("q", "kv", "state")} if masks.any else
