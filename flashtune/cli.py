@@ -1,12 +1,29 @@
 """The `flashtune` command: one click group; each verb group lives in its own cli_*.py module."""
 from __future__ import annotations
 
-import click
+import sys
 
-from .cli_bench import bench
-from .cli_db import db, dispatch_group
-from .cli_kernels import kernels
-from .cli_search import search
+from .isolation import start_server
+
+
+def _search_starts_early(argv: list[str]) -> bool:
+    """`flashtune search` (not --dry-run, --status or --help) starts its workers' server before
+    the imports below: the server imports torch while this process does, where it began after
+    them (3-4 s of every search's start-up on the H100s; docs/benchmarks.md, session 17)."""
+    return (bool(argv) and argv[0] == "search"
+            and not {"--dry-run", "--status", "-h", "--help"} & set(argv))
+
+
+if _search_starts_early(sys.argv[1:]):
+    start_server()
+
+import click  # noqa: E402 -- after the server's start
+
+
+from .cli_bench import bench  # noqa: E402
+from .cli_db import db, dispatch_group  # noqa: E402
+from .cli_kernels import kernels  # noqa: E402
+from .cli_search import search  # noqa: E402
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})

@@ -176,6 +176,11 @@ class Worker:
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self) -> "Worker":
+        return self.launch().wait_started()
+
+    def launch(self) -> "Worker":
+        """Ask the server for the process (it forks in the order asked); wait_started() waits
+        for it to be ready."""
         ctx = _context()  # never fork a process that may hold a CUDA context: the server's
         parent, child = ctx.Pipe()
         proc = ctx.Process(target=_serve, args=(child, self.backend, self.role, self.index,
@@ -191,6 +196,12 @@ class Worker:
                 signal.pthread_sigmask(signal.SIG_SETMASK, mask)
             self._proc, self._conn = proc, parent
         child.close()
+        return self
+
+    def wait_started(self) -> "Worker":
+        proc, parent = self._proc, self._conn
+        if parent is None:
+            raise WorkerLost(f"{self.role} worker {self.index} was killed while starting")
         if not parent.poll(self.startup_timeout):
             self.kill()
             raise WorkerLost(f"{self.role} worker {self.index} did not start in "

@@ -56,15 +56,23 @@ class Pipeline:
         if self.inline:
             self.info = self.backend.environment()
             return self
-        compilers = _drain(self._compilers)
-        for w in compilers:
-            self._pool.submit(self._prestart, w)
         timers = _drain(self._timers)
         errors = []
         try:
-            with ThreadPoolExecutor(max_workers=max(1, len(timers)),
+            # the server forks in the order asked: timers first, so they do not queue behind
+            # 16 compile workers (the first trial needs one of each, and CUDA's start is longer)
+            launched = []
+            for w in timers:
+                try:
+                    launched.append(w.launch())
+                except Exception as e:  # noqa: BLE001 -- the search's error, after cleanup
+                    errors.append(e)
+            compilers = _drain(self._compilers)
+            for w in compilers:
+                self._pool.submit(self._prestart, w)
+            with ThreadPoolExecutor(max_workers=max(1, len(launched)),
                                     thread_name_prefix="flashtune-start") as ex:
-                for f in [ex.submit(w.start) for w in timers]:
+                for f in [ex.submit(w.wait_started) for w in launched]:
                     if f.exception() is not None:
                         errors.append(f.exception())
         finally:
