@@ -40,7 +40,7 @@ METRICS = (("Duration", "us"), ("Compute (SM) Throughput", "%"), ("Memory Throug
            ("Issue Slots Busy", "%"), ("No Eligible", "%"), ("Warp Cycles Per Issued Instruction", ""))
 
 
-def run_cases(names) -> None:
+def run_cases(names, bwd_variants=()) -> None:
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.functional import scaled_dot_product_attention as sdpa
@@ -50,16 +50,16 @@ def run_cases(names) -> None:
         if names and name not in names:
             continue
         b, h = 16384 // n, 2048 // d
-        q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16,
-                               requires_grad=mode == "bwd") for _ in range(3))
+        q, k, v_ = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16,
+                                requires_grad=mode == "bwd") for _ in range(3))
         do = torch.randn_like(q)
 
         def ours():
-            return flashtune.attention(q, k, v, causal=causal)
+            return flashtune.attention(q, k, v_, causal=causal)
 
         def cudnn():
             with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                return sdpa(q, k, v, is_causal=causal)
+                return sdpa(q, k, v_, is_causal=causal)
         impls = [("flashtune", ours), ("cudnn", cudnn)]
         if mode == "fwd":
             # the Hopper family's own record, forced: on short causal tiles the dispatcher
@@ -70,8 +70,17 @@ def run_cases(names) -> None:
 
             def hopper(hv=hv):
                 with flashtune.force(hv):
-                    return flashtune.attention(q, k, v, causal=causal)
+                    return flashtune.attention(q, k, v_, causal=causal)
             impls.insert(1, ("hopper_fwd", hopper))
+        else:
+            # forced backward variants beside the dispatched one (--bwd-variants): which loop
+            # and which stall the atomic-dQ schemes lose on (issue 10, session 17)
+            from flashtune.codegen import Variant
+            for name_v in bwd_variants:
+                def forced(v=Variant.parse(name_v)):
+                    with flashtune.force(v):
+                        return flashtune.attention(q, k, v_, causal=causal)
+                impls.insert(-1, (name_v, forced))
         for impl, fn in impls:
             if mode == "fwd":
                 def step(fn=fn):
@@ -82,7 +91,7 @@ def run_cases(names) -> None:
 
                 def step(fn=fn, out=out):
                     o = fn()
-                    out["g"] = torch.autograd.grad(o, (q, k, v), do)
+                    out["g"] = torch.autograd.grad(o, (q, k, v_), do)
             for _ in range(5):
                 step()
             torch.cuda.synchronize()
@@ -152,6 +161,8 @@ def stalls(path: str) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--cases", default="", help="comma-separated case names (default: all)")
+    ap.add_argument("--bwd-variants", default="",
+                    help="comma-separated bwd variant names, each forced beside the dispatched one")
     ap.add_argument("--summary", default=None, help="summarise an ncu CSV instead of running")
     ap.add_argument("--stalls", default=None,
                     help="the stall reasons of an ncu --page raw CSV instead of running")
@@ -162,7 +173,8 @@ def main(argv=None) -> int:
     if args.summary:
         summary(args.summary)
         return 0
-    run_cases({c for c in args.cases.split(",") if c})
+    run_cases({c for c in args.cases.split(",") if c},
+              tuple(v for v in args.bwd_variants.split(",") if v))
     return 0
 
 
