@@ -3,19 +3,22 @@ from __future__ import annotations
 
 import math
 
-import torch
+# torch is imported where it is used: `import flashtune` binds reference() without importing
+# torch, so that `flashtune search` can start its workers' server first (cli.py)
 
-from .masks import dense_mask
 
-
-def causal_mask(nq: int, nk: int, device=None) -> torch.Tensor:
+def causal_mask(nq: int, nk: int, device=None) -> "torch.Tensor":  # noqa: F821
     """True where query i may see key j: j <= i + nk - nq (bottom-right aligned, as FA >= 2.1)."""
+    import torch
     i = torch.arange(nq, device=device)[:, None]
     j = torch.arange(nk, device=device)[None, :]
     return j <= i + (nk - nq)
 
 
 def _attention(q, k, v, causal, scale, dtype, window=None, softcap=None, mask=None):
+    import torch
+
+    from .masks import dense_mask
     b, h, nq, d = q.shape
     hk, nk = k.shape[1], k.shape[2]
     scale = 1.0 / math.sqrt(d) if scale is None else scale
@@ -43,6 +46,7 @@ def reference(q, k, v, *, causal=False, scale=None, return_lse=False, window=Non
     """Attention in float64 with flashtune's semantics; returns float64 (and the row LSE).
     window, softcap: as flashtune.attention (flashtune/masks.py); mask: bool broadcastable to
     (B, H, Nq, Nk), True = keep (a BlockMask's to_dense_mask())."""
+    import torch
     o, lse = _attention(q, k, v, causal, scale, torch.float64, window, softcap, mask)
     return (o, lse) if return_lse else o
 
