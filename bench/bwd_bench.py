@@ -7,7 +7,7 @@ everything else is `flashtune bench --section dense,memory --mode bwd`.
     python3 bench/bwd_bench.py --hopper      # the hopper_bwd family's defaults (Gluon, sm_90)
                                              # beside the generic bwd and SDPA, no memory table
     python3 bench/bwd_bench.py --hopper --flex --seqlens 1024,4096,16384 --only \
-        flashtune,flashtune-hopper_bwd,flashtune-hopper_bwd-sepdq,flashtune-hopper_bwd-stagger,sdpa-cudnn,flex
+        flashtune,flashtune-hopper_bwd,flashtune-hopper_bwd-sepdq,sdpa-cudnn,flex
                                              # a narrower run with compiled Flex beside
 
 Output: $OUT/bwd_bench.json (a `flashtune bench` result: `flashtune bench --from` renders it)
@@ -56,11 +56,6 @@ def main(argv=None):
         peers.append(Forced("flashtune-hopper_bwd-sepdq", sep,
                             "hopper_bwd's default with dq=separate (the generic dQ kernel), "
                             "forced"))
-        # its atomic dQ with each program's query loop rotated (stagger: concurrent programs
-        # add into different dQ rows)
-        stag = {d: dataclasses.replace(v, stagger=True) for d, v in variants.items()}
-        peers.append(Forced("flashtune-hopper_bwd-stagger", stag,
-                            "hopper_bwd's default with stagger=true, forced"))
     peers += [Sdpa("flash"), Sdpa("cudnn")] + ([] if args.hopper else [Sdpa("math")])
     if args.flex:
         peers.append(Flex())

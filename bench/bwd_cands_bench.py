@@ -77,12 +77,6 @@ CANDIDATES = {
         "fused-tma": "bwd-m32-n128-w8-s3-loads=descriptor-dq=fused-mq128-nq64",
         "fused-flex-tma": "bwd-m64-n128-w8-s3-loads=descriptor-dq=fused-mq128-nq64",
         "default-tma": "bwd-m32-n128-w8-s2-loads=descriptor-dq=separate-mq128-nq64-wq8-sq2",
-        # stagger: each key block's query loop starts at its own block, so the key blocks running
-        # at once add into different dQ rows (atomic-s3 and atomic-tma-m32 above without it);
-        # registers causal / non-causal, triton 3.9: 222 / -, 240 / 203, 239 / -
-        "atomic-s3-stagger": "bwd-m32-n128-w8-s3-dq=atomic-stagger=true",
-        "atomic-tma-m32-stagger": "bwd-m32-n128-w8-s2-loads=descriptor-dq=atomic-stagger=true",
-        "atomic-m64n64-stagger": "bwd-m64-n64-w8-s2-dq=atomic-stagger=true",
     },
     64: {
         "default": "bwd-m32-n128-w8-s3-dq=separate-mq128-nq64-wq8-sq2",   # the built-in default
@@ -92,9 +86,6 @@ CANDIDATES = {
         "atomic-tma": "bwd-m64-n128-w8-s2-loads=descriptor-dq=atomic",
         "atomic-tma-m32": "bwd-m32-n128-w8-s2-loads=descriptor-dq=atomic",
         "fused-flex-tma": "bwd-m64-n128-w8-s3-loads=descriptor-dq=fused-mq128-nq64",
-        "atomic-stagger": "bwd-m64-n128-w8-s2-dq=atomic-stagger=true",          # 224 / 214 regs
-        "atomic-tma-stagger": "bwd-m64-n128-w8-s2-loads=descriptor-dq=atomic-stagger=true",
-        "atomic-m32-stagger": "bwd-m32-n128-w8-s3-dq=atomic-stagger=true",
     },
 }
 WINDOW_N, WINDOW_KEYS = 16384, 1024

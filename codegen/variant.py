@@ -49,10 +49,6 @@ class Variant:
     block_n2: int = 0
     num_warps2: int = 0
     num_stages2: int = 0
-    # bwd only (structural): each key block's program walks its query blocks from its own start
-    # (rotated by its index), so with dq="atomic" the programs running at once add into different
-    # dQ rows, not all into the same ones
-    stagger: bool = False
     # splitkv only: programs that share the keys of one (sequence, kv head); 0 = as many as fill
     # the GPU (decided at launch from the SM count and the batch)
     num_splits: int = 0
@@ -194,7 +190,6 @@ class Variant:
                 "varlen": self.varlen, "paged": self.paged, "pingpong": self.pingpong,
                 "loader": self.loader_regs > 0, "l2_order": self.l2_order,
                 "release_barrier": self.release_barrier, "early_rescale": self.early_rescale,
-                "stagger": self.stagger,
                 "window": self.window,
                 "softcap": self.softcap, "block_sparse": self.block_sparse,
                 # any mask beyond causal: the window's bounds and loops (softcap alone runs them

@@ -128,11 +128,6 @@ def test_rows_that_see_no_key_get_zero_gradients(scheme, device):
     "bwd-m32-n16-w4-s2-dq=separate-mq16-nq32-wq4-sq2-causal_split=false",
     "bwd-m16-n64-w4-s1-dq=separate-mq64-nq16-wq2-sq1",
     "bwd-m32-n32-w4-s1-dq=atomic-loads=descriptor",  # Q/dO via TMA, dQ by reduce-add
-    # each key block's query loop rotated (several key blocks, several query blocks per loop)
-    "bwd-m16-n16-w4-s1-dq=atomic-stagger=true",
-    "bwd-m16-n32-w4-s2-dq=atomic-stagger=true-causal_split=false",
-    "bwd-m16-n32-w4-s1-loads=descriptor-dq=atomic-stagger=true",
-    "bwd-m16-n32-w4-s1-dq=fused-mq32-nq16-stagger=true",
 ])
 @pytest.mark.parametrize("causal", [False, True])
 def test_structural_variants(name, causal, device):
@@ -361,13 +356,3 @@ def test_eager_autograd_equals_the_registered_op(kw, device):
     assert type(results[0][0].grad_fn).__name__ != type(results[1][0].grad_fn).__name__
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("name", ["bwd-m32-n128-w8-s3-dq=atomic-stagger=true",
-                                  "bwd-m32-n128-w8-s2-loads=descriptor-dq=atomic-stagger=true"])
-def test_gpu_stagger(name, causal, device):
-    # the rotated query loops on the GPU, bf16: many key blocks adding into dQ at once
-    with flashtune.force(name):
-        assert_grads_match(*qkv(1, 4, 2, 4096, 4096, 128, torch.bfloat16, device), causal=causal)
-        assert_grads_match(*qkv(2, 4, 1, 1000, 3001, 128, torch.bfloat16, device,
-                                layout="bnhd"), causal=causal)

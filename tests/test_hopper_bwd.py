@@ -231,14 +231,8 @@ def test_grads_match_reference(d, name, dtype, causal, shape):
 SEPARATE = {64: "hopper_bwd-m64-n128-w8-s2-dq=separate",
             128: "hopper_bwd-m64-n128-w8-s2-dq=separate",
             256: "hopper_bwd-m64-n64-w8-s2-dq=separate"}
-
-
-STAGGER = {64: "hopper_bwd-m64-n128-w8-s2-stagger=true",
-           128: "hopper_bwd-m64-n64-w4-s2-stagger=true",
-           256: "hopper_bwd-m64-n64-w8-s2-stagger=true"}
-# structural choices beside the defaults: dq="separate" (the generic dQ kernel) and stagger
-# (each program's query blocks rotated by its key block, GQA: per q head)
-FIELDS = {"separate": SEPARATE, "stagger": STAGGER}
+# structural choices beside the defaults: dq="separate" (the generic dQ kernel)
+FIELDS = {"separate": SEPARATE}
 
 
 @pytest.mark.gpu
@@ -261,14 +255,6 @@ def test_field_variants_with_a_window_and_softcap(field):
     q, k, v = qkv(1, 4, 2, 515, 700, 128, torch.float16, "cuda")
     with flashtune.force(FIELDS[field][128] + "-window=true-softcap=true"):
         assert_grads_match(q, k, v, causal=True, window=(200, 0), softcap=30.0)
-
-
-def test_stagger_renders_only_where_asked():
-    from flashtune.codegen import Variant
-    from flashtune.codegen.render import render
-    on = render(Variant.parse(STAGGER[128]))
-    off = render(Variant.parse("hopper_bwd-m64-n64-w4-s2"))
-    assert "gl.program_id(0)) % per_head" in on and "gl.program_id(0)) % per_head" not in off
 
 
 @pytest.mark.gpu

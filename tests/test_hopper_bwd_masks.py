@@ -180,7 +180,7 @@ def test_step_schedule_covers_each_key_exactly(bm, bn, nq, nk, window, causal, s
 # -- CPU: variants, plans, dispatch ---------------------------------------------------------------
 
 def test_masks_are_fields():
-    assert FAM.fields == ("dq", "stagger", "window", "softcap", "block_sparse")  # dq: none or separate
+    assert FAM.fields == ("dq", "window", "softcap", "block_sparse")  # dq: none or separate
     assert FAM.mask_fields("bwd") == ("window", "softcap", "block_sparse")
     v = Variant.parse(DEFAULT + "-window=true-softcap=true")
     assert v.masks == ("window", "softcap") and Variant.parse(v.name) == v

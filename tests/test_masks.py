@@ -26,11 +26,8 @@ BWD = {"atomic": "bwd-m16-n32-w4-s1-dq=atomic",
        "fused": "bwd-m16-n32-w4-s1-dq=fused-mq32-nq16",
        # Q/dO through tensor descriptors (dQ by a reduce-add): the block-sparse test only
        "atomic_desc": "bwd-m16-n32-w4-s1-loads=descriptor-dq=atomic",
-       "fused_desc": "bwd-m16-n32-w4-s1-loads=descriptor-dq=fused-mq32-nq16",
-       # the query loops rotated per key block (the window's three loops; a block mask's lists
-       # keep their order)
-       "atomic_stagger": "bwd-m16-n16-w4-s1-dq=atomic-stagger=true"}
-WINDOW_BWD = ("atomic", "fused", "separate", "atomic_stagger")
+       "fused_desc": "bwd-m16-n32-w4-s1-loads=descriptor-dq=fused-mq32-nq16"}
+WINDOW_BWD = ("atomic", "fused", "separate")
 
 
 @contextlib.contextmanager

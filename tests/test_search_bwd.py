@@ -45,11 +45,8 @@ def test_space_has_every_scheme_and_dq_tiles_only_where_they_exist():
     # fused: the dQ tiles, and the one kernel's warps and stages (num_warps2/num_stages2 unset)
     assert all(v.block_m2 and v.block_n2 and not v.num_warps2 and not v.num_stages2
                for v in fused)
-    # stagger is a Variant field the space leaves at its default (measured no gain)
-    assert not any(v.stagger for v in vs)
-    plain = atomic
-    assert len(separate) == len(plain) * 3 * 4 * 2 * 4  # m2 x n2 x w2 x s2 per dK/dV config
-    assert len(fused) == len(plain) * 3 * 4              # m2 x n2 per dK/dV config
+    assert len(separate) == len(atomic) * 3 * 4 * 2 * 4  # m2 x n2 x w2 x s2 per dK/dV config
+    assert len(fused) == len(atomic) * 3 * 4              # m2 x n2 per dK/dV config
     feas = s.feasible
     assert {v.dq for v in feas} == {"atomic", "separate", "fused"}
     assert all(v.block_m2 >= 8 * v.num_warps for v in feas if v.dq == "fused")

@@ -17,10 +17,8 @@ BWD = {
     "atomic": "bwd-m16-n32-w4-s1-dq=atomic",
     "separate": "bwd-m16-n32-w4-s1-dq=separate-mq32-nq16-wq4-sq1",
     "fused": "bwd-m16-n32-w4-s1-dq=fused-mq32-nq16",
-    # Q/dO through descriptors spanning each sequence's rows (dQ by a reduce-add); the query
-    # loops rotated per key block
+    # Q/dO through descriptors spanning each sequence's rows (dQ by a reduce-add)
     "atomic_desc": "bwd-m16-n32-w4-s1-loads=descriptor-dq=atomic",
-    "atomic_stagger": "bwd-m16-n32-w4-s1-dq=atomic-stagger=true",
 }
 # lengths with an empty sequence on each side, one-token sequences, Nq != Nk, Nq > Nk (causal
 # rows that see nothing) and several 16/32-row blocks in the longest
