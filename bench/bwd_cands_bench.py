@@ -77,6 +77,11 @@ CANDIDATES = {
         "fused-tma": "bwd-m32-n128-w8-s3-loads=descriptor-dq=fused-mq128-nq64",
         "fused-flex-tma": "bwd-m64-n128-w8-s3-loads=descriptor-dq=fused-mq128-nq64",
         "default-tma": "bwd-m32-n128-w8-s2-loads=descriptor-dq=separate-mq128-nq64-wq8-sq2",
+        # dq_loads: the fused dQ programs' K and V through descriptors too (session 17), beside
+        # the sm_90 default and the H100 table's 16k non-causal record without it
+        "fused-flex-tma-kv": "bwd-m64-n128-w8-s3-loads=descriptor-dq=fused-mq128-nq64-dq_loads=descriptor",
+        "fused-m64n64w4": "bwd-m64-n64-w4-s2-dq=fused-mq64-nq64",
+        "fused-m64n64w4-kv": "bwd-m64-n64-w4-s2-dq=fused-mq64-nq64-dq_loads=descriptor",
     },
     64: {
         "default": "bwd-m32-n128-w8-s3-dq=separate-mq128-nq64-wq8-sq2",   # the built-in default

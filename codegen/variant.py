@@ -49,6 +49,9 @@ class Variant:
     block_n2: int = 0
     num_warps2: int = 0
     num_stages2: int = 0
+    # bwd only (structural): how the dQ programs (dq="separate" or "fused") read K and V, as
+    # `loads` says for the dK/dV programs' Q and dO ("descriptor": TMA on Hopper)
+    dq_loads: str = "pointer"
     # splitkv only: programs that share the keys of one (sequence, kv head); 0 = as many as fill
     # the GPU (decided at launch from the SM count and the batch)
     num_splits: int = 0
@@ -98,6 +101,8 @@ class Variant:
             raise ValueError(f"Variant.num_stages must be an int in 1..8, got {self.num_stages!r}")
         if self.loads not in LOADS:
             raise ValueError(f"Variant.loads must be one of {LOADS}, got {self.loads!r}")
+        if self.dq_loads not in LOADS:
+            raise ValueError(f"Variant.dq_loads must be one of {LOADS}, got {self.dq_loads!r}")
         if self.dq not in DQ_SCHEMES:
             raise ValueError(f"Variant.dq must be one of {DQ_SCHEMES}, got {self.dq!r}")
         for f in ("block_m2", "block_n2", "num_warps2"):
@@ -187,6 +192,7 @@ class Variant:
     def structure(self) -> dict:
         """The fields that change the rendered text (the template's `#%if` conditions read these)."""
         return {"causal_split": self.causal_split, "loads": self.loads, "dq": self.dq,
+                "dq_loads": self.dq_loads,
                 "varlen": self.varlen, "paged": self.paged, "pingpong": self.pingpong,
                 "loader": self.loader_regs > 0, "l2_order": self.l2_order,
                 "release_barrier": self.release_barrier, "early_rescale": self.early_rescale,

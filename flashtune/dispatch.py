@@ -193,7 +193,7 @@ def _same_shape(ex: "Explanation") -> bool:
 @lru_cache(maxsize=256)
 def pointer_twin(variant: Variant) -> Variant:
     """The pointer-load twin of a descriptor variant, for inputs TMA cannot address."""
-    return dataclasses.replace(variant, loads="pointer")
+    return dataclasses.replace(variant, loads="pointer", dq_loads="pointer")
 
 
 def mask_twin(variant: Variant, masks, head_dim: int, dtype, family: str | None = None

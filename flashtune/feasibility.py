@@ -152,7 +152,7 @@ def _bwd_dq(variant, problem, target) -> Resources:
     qdo = 2 * m * bd * e
     kv = 2 * n * bd * e
     stages = max(1, variant.num_stages2)
-    if _wgmma(target, m):
+    if _wgmma(target, m) or variant.dq_loads == "descriptor":  # a TMA ring holds every stage
         smem = qdo + stages * kv
     else:
         smem = qdo + (stages - 1) * kv + m * n * e

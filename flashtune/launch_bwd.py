@@ -91,12 +91,12 @@ class BwdPlan:
         self.scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
         self.precise = dtype == torch.float32
         self.atomic = variant.dq == "atomic"
-        # descriptor loads: Q, dO (and the float32 dQ buffer) must suit TMA, checked per call
-        # (run()); a call whose tensors do not runs the pointer twin's plan, built when first
-        # needed
-        self.descriptor = variant.loads == "descriptor"
+        # descriptor loads: Q, dO (and the float32 dQ buffer; dq_loads: K, V) must suit TMA,
+        # checked per call (run()); a call whose tensors do not runs the pointer twin's plan,
+        # built when first needed
+        self.descriptor = (variant.loads == "descriptor", variant.dq_loads == "descriptor")
         self.twin = None
-        if self.descriptor:
+        if any(self.descriptor):
             from .dispatch import pointer_twin
             self.twin = functools.partial(
                 BwdPlan, pointer_twin(variant), params, head_dim, dtype, causal, scale,
@@ -126,8 +126,10 @@ class BwdPlan:
     def run(self, dout, q, k, v, o, lse, seq_args: tuple = ()):
         """(dq, dk, dv) like q, k, v; seq_args: the cu_seqlens pointers (varlen renders)."""
         views, sizes, scale, margs = self.views, self.sizes, self.scale, self.margs
-        if self.descriptor:
-            if not descriptor_ok(views(q), views(dout)):
+        qdo, kv = self.descriptor
+        if qdo or kv:
+            if not ((not qdo or descriptor_ok(views(q), views(dout)))
+                    and (not kv or descriptor_ok(views(k), views(v)))):
                 if not isinstance(self.twin, BwdPlan):
                     self.twin = self.twin()
                 return self.twin.run(dout, q, k, v, o, lse, seq_args)

@@ -18,6 +18,9 @@ SCHEMES = {
     "atomic": "bwd-m16-n32-w4-s1-loads=descriptor-dq=atomic",
     "separate": "bwd-m16-n32-w4-s1-loads=descriptor-dq=separate-mq32-nq16-wq4-sq1",
     "fused": "bwd-m16-n32-w4-s1-loads=descriptor-dq=fused-mq32-nq16",
+    # dq_loads: the dQ programs read K and V through descriptors too (alone, and with `loads`)
+    "separate_kv": "bwd-m16-n32-w4-s1-dq=separate-mq32-nq16-wq4-sq1-dq_loads=descriptor",
+    "fused_kv": "bwd-m16-n32-w4-s1-loads=descriptor-dq=fused-mq32-nq16-dq_loads=descriptor",
 }
 
 
@@ -31,8 +34,9 @@ def test_descriptor_schemes_match_reference(scheme, causal, dtype, device):
 
 
 @pytest.mark.parametrize("kw", [{"window": (9, 3)}, {"softcap": 5.0}])
-def test_descriptor_atomic_with_masks(kw, device):
-    with flashtune.force(SCHEMES["atomic"]):
+@pytest.mark.parametrize("scheme", ["atomic", "fused_kv"])
+def test_descriptor_schemes_with_masks(scheme, kw, device):
+    with flashtune.force(SCHEMES[scheme]):
         assert_grads_match(*qkv(2, 2, 1, 50, 37, 32, torch.float16, device), causal=True, **kw)
 
 
@@ -59,6 +63,32 @@ def test_unaligned_inputs_run_the_pointer_twin(device):
                                Variant.parse("bwd-m16-n32-w4-s1-dq=atomic"))
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, atol=2e-3, rtol=1e-3)
+
+
+def test_unaligned_keys_run_the_pointer_twin_of_dq_loads(device):
+    """dq_loads="descriptor" checks K and V per call: a k TMA cannot address (2 bytes off) runs
+    the twin with pointer loads everywhere; q and dO are not what decides it."""
+    b, h, n, d = 1, 2, 40, 32
+    raw = torch.randn(b * h * n * d + 1, dtype=torch.float16, device=device)
+    k = raw[1:].view(b, h, n, d)
+    q, _, v = qkv(b, h, h, n, n, d, torch.float16, device)
+    variant = Variant.parse(SCHEMES["separate_kv"])
+    o, lse = flashtune.ops.run_forward(q, k, v, False, None)
+    do = torch.randn_like(o)
+    plan = launch_bwd.plan(q, k, False, None, variant)
+    got = plan.run(do, q, k, v, o, lse)
+    assert isinstance(plan.twin, launch_bwd.BwdPlan) and plan.twin.variant.dq_loads == "pointer"
+    want = launch_bwd.backward(do, q, k.clone(), v, o, lse, False, None,
+                               Variant.parse("bwd-m16-n32-w4-s1-dq=separate-mq32-nq16-wq4-sq1"))
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=2e-3, rtol=1e-3)
+
+
+def test_dq_loads_renders_only_into_the_dq_programs():
+    src = render(Variant.parse(SCHEMES["separate_kv"]))
+    assert "k = k_base.load([start_n, 0])" in src and "q_base.load(" not in src
+    plain = render(Variant.parse("bwd-m16-n32-w4-s1-dq=separate-mq32-nq16-wq4-sq1"))
+    assert "make_tensor_descriptor" not in plain
 
 
 def test_descriptor_render_reads_q_and_do_through_descriptors():
@@ -94,6 +124,8 @@ def test_gpu_descriptor_atomic(dtype, d, causal, device):
     "bwd-m64-n128-w8-s3-loads=descriptor-dq=fused-mq128-nq64",
     "bwd-m64-n128-w8-s2-loads=descriptor-dq=separate-mq128-nq64-wq8-sq2",
     "bwd-m64-n64-w4-s3-loads=descriptor-dq=atomic",
+    "bwd-m64-n128-w8-s3-loads=descriptor-dq=fused-mq128-nq64-dq_loads=descriptor",
+    "bwd-m64-n128-w8-s2-dq=separate-mq128-nq64-wq8-sq2-dq_loads=descriptor",
 ])
 def test_gpu_descriptor_variants(name, device):
     with flashtune.force(name):

@@ -26,7 +26,9 @@ BWD = {"atomic": "bwd-m16-n32-w4-s1-dq=atomic",
        "fused": "bwd-m16-n32-w4-s1-dq=fused-mq32-nq16",
        # Q/dO through tensor descriptors (dQ by a reduce-add): the block-sparse test only
        "atomic_desc": "bwd-m16-n32-w4-s1-loads=descriptor-dq=atomic",
-       "fused_desc": "bwd-m16-n32-w4-s1-loads=descriptor-dq=fused-mq32-nq16"}
+       "fused_desc": "bwd-m16-n32-w4-s1-loads=descriptor-dq=fused-mq32-nq16",
+       # and K/V of the dQ programs too (dq_loads)
+       "fused_kvdesc": "bwd-m16-n32-w4-s1-loads=descriptor-dq=fused-mq32-nq16-dq_loads=descriptor"}
 WINDOW_BWD = ("atomic", "fused", "separate")
 
 

@@ -14,7 +14,7 @@ FAMILY = Family(
     template="attn_bwd.py.tmpl",
     kernels=("attn_bwd_preprocess", "attn_bwd_dkdv", "attn_bwd_dq"),
     fields=("causal_split", "loads", "dq", "block_m2", "block_n2", "num_warps2", "num_stages2",
-            "varlen", "window", "softcap", "block_sparse"),
+            "dq_loads", "varlen", "window", "softcap", "block_sparse"),
     rules=(("dq", ("separate", "atomic", "fused"),
             "bwd accumulates dQ 'separate', 'atomic' or 'fused'"),),
     defaults="flashtune.defaults:bwd_default",
