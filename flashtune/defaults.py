@@ -10,6 +10,7 @@ K = shared memory).
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 from .codegen import Variant
@@ -182,8 +183,13 @@ def bwd_default(head_dim: int, dtype: str, *, arch: str | None = None,
 
 def bwd_seeds(head_dim: int, dtype: str, *, arch: str | None = None) -> list:
     """Every dQ scheme's default (the fused one where a table has it): a bwd search has them
-    all in its study from the start."""
+    all in its study from the start. On sm_90 also the fused default with its dQ programs' K/V
+    through descriptors (dq_loads): 40 TPE trials did not find it in the space it doubles, where
+    forced it ran +2-10% on half of session 17's cells."""
     a = table_arch(arch or present_arch())
     table = _BWD_F32 if dtype == "float32" else _BWD[a]
     schemes = table[head_dim_class(head_dim)]
-    return [schemes[s] for s in ("separate", "atomic", "fused") if s in schemes]
+    seeds = [schemes[s] for s in ("separate", "atomic", "fused") if s in schemes]
+    if a == "sm_90" and dtype != "float32" and "fused" in schemes:
+        seeds.append(dataclasses.replace(schemes["fused"], dq_loads="descriptor"))
+    return seeds

@@ -295,3 +295,12 @@ def test_tiny_real_bwd_search(tmp_path):
     assert {Variant.parse(n).dq for n in ok} == {"atomic", "separate"}, done  # both defaults
     assert all(r["max_err"] > 0 for r in ok.values())
     assert not any("recompiled" in r.get("notes", "") for r in ok.values()), done
+
+
+def test_seeds_carry_the_fused_default_with_descriptor_kv_on_sm90_only():
+    from flashtune.defaults import bwd_default, bwd_seeds
+    fused = bwd_default(128, "bfloat16", arch="sm_90", dq="fused")
+    seeds = bwd_seeds(128, "bfloat16", arch="sm_90")
+    assert dataclasses.replace(fused, dq_loads="descriptor") in seeds and fused in seeds
+    assert all(v.dq_loads == "pointer" for v in bwd_seeds(128, "bfloat16", arch="sm_80"))
+    assert all(v.dq_loads == "pointer" for v in bwd_seeds(128, "float32", arch="sm_90"))
