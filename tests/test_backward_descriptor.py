@@ -45,41 +45,34 @@ def test_descriptor_layout_bnhd(device):
         assert_grads_match(*qkv(2, 2, 2, 33, 33, 32, torch.float16, device, layout="bnhd"))
 
 
-def test_unaligned_inputs_run_the_pointer_twin(device):
-    """A q whose base TMA cannot address (2 bytes off) gets the pointer twin's plan, built on
-    the first such call and kept; the gradients are right either way."""
+# (scheme, the input 2 bytes off, its pointer twin): loads="descriptor" checks Q and dO per call,
+# dq_loads="descriptor" K and V; the twin has pointer loads everywhere
+UNALIGNED = {"q": ("atomic", "bwd-m16-n32-w4-s1-dq=atomic"),
+             "k": ("separate_kv", "bwd-m16-n32-w4-s1-dq=separate-mq32-nq16-wq4-sq1")}
+
+
+@pytest.mark.parametrize("which", sorted(UNALIGNED))
+def test_unaligned_inputs_run_the_pointer_twin(which, device):
+    """An input whose base TMA cannot address gets the pointer twin's plan, built on the first
+    such call and kept; the gradients are right either way."""
+    scheme, twin = UNALIGNED[which]
     b, h, n, d = 1, 2, 40, 32
     raw = torch.randn(b * h * n * d + 1, dtype=torch.float16, device=device)
-    q = raw[1:].view(b, h, n, d)
-    _, k, v = qkv(b, h, h, n, n, d, torch.float16, device)
-    variant = Variant.parse(SCHEMES["atomic"])
+    q, k, v = qkv(b, h, h, n, n, d, torch.float16, device)
+    if which == "q":
+        q = raw[1:].view(b, h, n, d)
+    else:
+        k = raw[1:].view(b, h, n, d)
+    variant = Variant.parse(SCHEMES[scheme])
     o, lse = flashtune.ops.run_forward(q, k, v, False, None)
     do = torch.randn_like(o)
     plan = launch_bwd.plan(q, k, False, None, variant)
-    assert plan.descriptor and not isinstance(plan.twin, launch_bwd.BwdPlan)
+    assert any(plan.descriptor) and not isinstance(plan.twin, launch_bwd.BwdPlan)
     got = plan.run(do, q, k, v, o, lse)
-    assert isinstance(plan.twin, launch_bwd.BwdPlan) and plan.twin.variant.loads == "pointer"
-    want = launch_bwd.backward(do, q.clone(), k, v, o, lse, False, None,
-                               Variant.parse("bwd-m16-n32-w4-s1-dq=atomic"))
-    for g, w in zip(got, want):
-        torch.testing.assert_close(g, w, atol=2e-3, rtol=1e-3)
-
-
-def test_unaligned_keys_run_the_pointer_twin_of_dq_loads(device):
-    """dq_loads="descriptor" checks K and V per call: a k TMA cannot address (2 bytes off) runs
-    the twin with pointer loads everywhere; q and dO are not what decides it."""
-    b, h, n, d = 1, 2, 40, 32
-    raw = torch.randn(b * h * n * d + 1, dtype=torch.float16, device=device)
-    k = raw[1:].view(b, h, n, d)
-    q, _, v = qkv(b, h, h, n, n, d, torch.float16, device)
-    variant = Variant.parse(SCHEMES["separate_kv"])
-    o, lse = flashtune.ops.run_forward(q, k, v, False, None)
-    do = torch.randn_like(o)
-    plan = launch_bwd.plan(q, k, False, None, variant)
-    got = plan.run(do, q, k, v, o, lse)
-    assert isinstance(plan.twin, launch_bwd.BwdPlan) and plan.twin.variant.dq_loads == "pointer"
-    want = launch_bwd.backward(do, q, k.clone(), v, o, lse, False, None,
-                               Variant.parse("bwd-m16-n32-w4-s1-dq=separate-mq32-nq16-wq4-sq1"))
+    assert isinstance(plan.twin, launch_bwd.BwdPlan)
+    assert plan.twin.variant == Variant.parse(twin)
+    want = launch_bwd.backward(do, q.clone(), k.clone(), v, o, lse, False, None,
+                               Variant.parse(twin))
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, atol=2e-3, rtol=1e-3)
 
