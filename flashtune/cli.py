@@ -19,7 +19,6 @@ if _search_starts_early(sys.argv[1:]):
 
 import click  # noqa: E402 -- after the server's start
 
-
 from .cli_bench import bench  # noqa: E402
 from .cli_db import db, dispatch_group  # noqa: E402
 from .cli_kernels import kernels  # noqa: E402
