@@ -50,16 +50,16 @@ def run_cases(names, bwd_variants=()) -> None:
         if names and name not in names:
             continue
         b, h = 16384 // n, 2048 // d
-        q, k, v_ = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16,
-                                requires_grad=mode == "bwd") for _ in range(3))
+        q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16,
+                               requires_grad=mode == "bwd") for _ in range(3))
         do = torch.randn_like(q)
 
         def ours():
-            return flashtune.attention(q, k, v_, causal=causal)
+            return flashtune.attention(q, k, v, causal=causal)
 
         def cudnn():
             with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                return sdpa(q, k, v_, is_causal=causal)
+                return sdpa(q, k, v, is_causal=causal)
         impls = [("flashtune", ours), ("cudnn", cudnn)]
         if mode == "fwd":
             # the Hopper family's own record, forced: on short causal tiles the dispatcher
@@ -70,16 +70,16 @@ def run_cases(names, bwd_variants=()) -> None:
 
             def hopper(hv=hv):
                 with flashtune.force(hv):
-                    return flashtune.attention(q, k, v_, causal=causal)
+                    return flashtune.attention(q, k, v, causal=causal)
             impls.insert(1, ("hopper_fwd", hopper))
         else:
             # forced backward variants beside the dispatched one (--bwd-variants): which loop
             # and which stall the atomic-dQ schemes lose on (issue 10, session 17)
             from flashtune.codegen import Variant
             for name_v in bwd_variants:
-                def forced(v=Variant.parse(name_v)):
-                    with flashtune.force(v):
-                        return flashtune.attention(q, k, v_, causal=causal)
+                def forced(variant=Variant.parse(name_v)):
+                    with flashtune.force(variant):
+                        return flashtune.attention(q, k, v, causal=causal)
                 impls.insert(-1, (name_v, forced))
         for impl, fn in impls:
             if mode == "fwd":
@@ -91,7 +91,7 @@ def run_cases(names, bwd_variants=()) -> None:
 
                 def step(fn=fn, out=out):
                     o = fn()
-                    out["g"] = torch.autograd.grad(o, (q, k, v_), do)
+                    out["g"] = torch.autograd.grad(o, (q, k, v), do)
             for _ in range(5):
                 step()
             torch.cuda.synchronize()

@@ -203,6 +203,11 @@ class Variant:
                 "masked": self.window or self.softcap or self.block_sparse}
 
     @property
+    def descriptors(self) -> bool:
+        """Whether any kernel of the variant reads through tensor descriptors (needs TMA)."""
+        return "descriptor" in (self.loads, self.dq_loads)
+
+    @property
     def masks(self) -> tuple:
         """The mask code this variant carries: ("window", "softcap", "block_sparse") or fewer."""
         return tuple(m for m in ("window", "softcap", "block_sparse") if getattr(self, m))

@@ -122,7 +122,7 @@ def _problems(variant: Variant, r: dict, target) -> list[str]:
         why.append(f"shared memory {r['smem']} B > {target.smem_per_block} B")
     if r.get("spill_bytes"):  # local-memory traffic in the inner loop: slow, never a default
         why.append(f"spills {r['spill_bytes']} B")
-    if "descriptor" in (variant.loads, variant.dq_loads) and not target.has("tma"):
+    if variant.descriptors and not target.has("tma"):
         # Triton lowers descriptors to plain loads here: legal, but not what was measured
         why.append(f"descriptor loads need TMA, which {target.short} ({target.arch}) lacks")
     return why

@@ -91,12 +91,13 @@ class BwdPlan:
         self.scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
         self.precise = dtype == torch.float32
         self.atomic = variant.dq == "atomic"
-        # descriptor loads: Q, dO (and the float32 dQ buffer; dq_loads: K, V) must suit TMA,
-        # checked per call (run()); a call whose tensors do not runs the pointer twin's plan,
-        # built when first needed
-        self.descriptor = (variant.loads == "descriptor", variant.dq_loads == "descriptor")
+        # the inputs read through descriptors (run()'s dout, q, k, v by index: loads Q and dO,
+        # and the float32 dQ buffer; dq_loads K and V) must suit TMA, checked per call; a call
+        # whose tensors do not runs the pointer twin's plan, built when first needed
+        self.descriptor = ((0, 1) if variant.loads == "descriptor" else ()) + \
+            ((2, 3) if variant.dq_loads == "descriptor" else ())
         self.twin = None
-        if any(self.descriptor):
+        if self.descriptor:
             from .dispatch import pointer_twin
             self.twin = functools.partial(
                 BwdPlan, pointer_twin(variant), params, head_dim, dtype, causal, scale,
@@ -126,10 +127,9 @@ class BwdPlan:
     def run(self, dout, q, k, v, o, lse, seq_args: tuple = ()):
         """(dq, dk, dv) like q, k, v; seq_args: the cu_seqlens pointers (varlen renders)."""
         views, sizes, scale, margs = self.views, self.sizes, self.scale, self.margs
-        qdo, kv = self.descriptor
-        if qdo or kv:
-            if not ((not qdo or descriptor_ok(views(q), views(dout)))
-                    and (not kv or descriptor_ok(views(k), views(v)))):
+        if self.descriptor:
+            ins = (dout, q, k, v)
+            if not descriptor_ok(*(views(ins[i]) for i in self.descriptor)):
                 if not isinstance(self.twin, BwdPlan):
                     self.twin = self.twin()
                 return self.twin.run(dout, q, k, v, o, lse, seq_args)

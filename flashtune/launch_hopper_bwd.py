@@ -40,7 +40,7 @@ def _generic_variant(head_dim: int, dtype: torch.dtype, masks: Masks = NONE,
     bv = default_variant("bwd", head_dim, dtype_name(dtype), **fields)
     if masks.any:
         bv = mask_twin(bv, masks, head_dim, dtype)
-    return pointer_twin(bv) if "descriptor" in (bv.loads, bv.dq_loads) else bv
+    return pointer_twin(bv) if bv.descriptors else bv
 
 
 class HopperBwdPlan:

@@ -93,7 +93,7 @@ def run_backward_varlen(grad_out, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, m
         variant = dispatch.select_varlen("bwd", q, k, batch, max_seqlen_q, max_seqlen_k, causal)
         if deterministic:
             variant = separate_twin(variant, q.shape[2], q.dtype)
-        if "descriptor" in (variant.loads, variant.dq_loads):  # varlen: pointer loads only
+        if variant.descriptors:  # varlen backward: pointer loads only
             variant = dispatch.pointer_twin(variant)
         if masks.any:
             variant = dispatch.mask_twin(variant, masks, q.shape[2], q.dtype)
