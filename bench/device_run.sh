@@ -190,6 +190,20 @@ for step in ${STEPS:-fwdtests}; do
               tail -3 "$OUT/hopper_ncu_raw.err"
               python3 bench/hopper_ncu.py --summary "$OUT/hopper_ncu.csv" | tail -40
               python3 bench/hopper_ncu.py --stalls "$OUT/hopper_ncu_raw.csv" | tail -40 ;;
+    srcprof)  # issue 10: per-SASS-instruction stall samples (ncu SourceCounters, PC sampling) of the
+              # hopper kernels bench/hopper_ncu.py runs (SRCPROF_ARGS), the source page as CSV; then
+              # bench/sass_stalls.py's summary (which instructions the warps wait at, and on what)
+              timeout ${SRCPROF_TIMEOUT:-240} ncu --clock-control none --profile-from-start off \
+                -k "regex:${SRCPROF_KERNEL:-attn_fwd_hopper}" --section SourceCounters --section WarpStateStats \
+                --section SpeedOfLight --section ComputeWorkloadAnalysis --import-source no -f -o /tmp/srcprof \
+                python3 bench/hopper_ncu.py ${SRCPROF_ARGS:---cases fwd-d256-4k,fwd-d128-4k --only hopper_fwd} \
+                > "$OUT/srcprof.log" 2>&1
+              tail -4 "$OUT/srcprof.log"
+              ncu -i /tmp/srcprof.ncu-rep --page details --csv > "$OUT/srcprof_details.csv" 2>&1
+              ncu -i /tmp/srcprof.ncu-rep --page source --csv --print-source sass \
+                > "$OUT/srcprof_sass.csv" 2> "$OUT/srcprof_page.err"
+              tail -3 "$OUT/srcprof_page.err"; wc -c "$OUT/srcprof_sass.csv"
+              python3 bench/sass_stalls.py "$OUT/srcprof_sass.csv" 2>&1 | tail -60 ;;
     dncu)     timeout 200 ncu --clock-control none -k "regex:splitkv|sdpa|fmha|cudnn|attn" \
                 --metrics gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,dram__bytes_read.sum,launch__grid_size,launch__registers_per_thread,sm__warps_active.avg.pct_of_peak_sustained_active,launch__occupancy_limit_shared_mem,launch__occupancy_limit_registers \
                 --csv python3 bench/decode_sweep.py --ncu > "$OUT/decode_ncu.csv" 2> "$OUT/decode_ncu.err"

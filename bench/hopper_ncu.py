@@ -40,7 +40,7 @@ METRICS = (("Duration", "us"), ("Compute (SM) Throughput", "%"), ("Memory Throug
            ("Issue Slots Busy", "%"), ("No Eligible", "%"), ("Warp Cycles Per Issued Instruction", ""))
 
 
-def run_cases(names, bwd_variants=()) -> None:
+def run_cases(names, bwd_variants=(), fwd_variants=(), only=()) -> None:
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.functional import scaled_dot_product_attention as sdpa
@@ -72,6 +72,14 @@ def run_cases(names, bwd_variants=()) -> None:
                 with flashtune.force(hv):
                     return flashtune.attention(q, k, v, causal=causal)
             impls.insert(1, ("hopper_fwd", hopper))
+            # forced hopper_fwd variants beside the record (--fwd-variants): the per-instruction
+            # stall samples of schedules the record does not use (issue 10, D=256)
+            from flashtune.codegen import Variant
+            for name_v in fwd_variants:
+                def forced_fwd(variant=Variant.parse(name_v)):
+                    with flashtune.force(variant):
+                        return flashtune.attention(q, k, v, causal=causal)
+                impls.insert(-1, (name_v, forced_fwd))
         else:
             # forced backward variants beside the dispatched one (--bwd-variants): which loop
             # and which stall the atomic-dQ schemes lose on (issue 10, session 17)
@@ -82,6 +90,8 @@ def run_cases(names, bwd_variants=()) -> None:
                         return flashtune.attention(q, k, v, causal=causal)
                 impls.insert(-1, (name_v, forced))
         for impl, fn in impls:
+            if only and impl not in only:
+                continue
             if mode == "fwd":
                 def step(fn=fn):
                     with torch.no_grad():
@@ -163,6 +173,11 @@ def main(argv=None) -> int:
     ap.add_argument("--cases", default="", help="comma-separated case names (default: all)")
     ap.add_argument("--bwd-variants", default="",
                     help="comma-separated bwd variant names, each forced beside the dispatched one")
+    ap.add_argument("--fwd-variants", default="",
+                    help="comma-separated hopper_fwd variant names, each forced beside the record")
+    ap.add_argument("--only", default="",
+                    help="comma-separated implementations to run (flashtune, hopper_fwd, cudnn, "
+                         "a forced variant's name; default: all)")
     ap.add_argument("--summary", default=None, help="summarise an ncu CSV instead of running")
     ap.add_argument("--stalls", default=None,
                     help="the stall reasons of an ncu --page raw CSV instead of running")
@@ -174,7 +189,9 @@ def main(argv=None) -> int:
         summary(args.summary)
         return 0
     run_cases({c for c in args.cases.split(",") if c},
-              tuple(v for v in args.bwd_variants.split(",") if v))
+              tuple(v for v in args.bwd_variants.split(",") if v),
+              tuple(v for v in args.fwd_variants.split(",") if v),
+              {c for c in args.only.split(",") if c})
     return 0
 
 

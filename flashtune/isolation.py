@@ -87,9 +87,42 @@ def start_server() -> None:
     _context()
     try:
         from multiprocessing import forkserver
-        forkserver.ensure_running()
+        forkserver._forkserver.ensure_running()  # the instance's: share_server may replace it
     except Exception:  # noqa: BLE001 -- the first worker starts it as before
         pass
+
+
+def server_handle():
+    """What a process the workers' server forked needs to ask that same server for workers of
+    its own (share_server): the server's socket address and, where this Python has one, its
+    authentication key. None while no server runs."""
+    from multiprocessing import forkserver
+    fs = forkserver._forkserver
+    if getattr(fs, "_forkserver_pid", None) is None:
+        return None
+    return fs._forkserver_address, getattr(fs, "_forkserver_authkey", None)
+
+
+def share_server(handle) -> bool:
+    """In a process the server forked (a search process of `--gpus`): take workers from the
+    parent's server instead of starting one of its own, which imported torch again in every
+    search process (3.4 s of each run's start-up on two H200s, session 17). multiprocessing
+    does not do it by itself: a process the server forks inherits the server's liveness pipe
+    but not its key, and the server's pid is not its child to wait on, so the first worker
+    would start a new server. False (a server of its own, as before) when there is nothing to
+    share."""
+    from multiprocessing import forkserver, resource_tracker
+    fs = forkserver._forkserver
+    if handle is None or getattr(fs, "_forkserver_alive_fd", None) is None \
+            or getattr(fs, "_forkserver_pid", None) is not None:
+        return False
+    fs._forkserver_address, key = handle
+    if key is not None:
+        fs._forkserver_authkey = key
+    # the server is the parent's to start and watch: nothing to start here but the resource
+    # tracker, which this process also inherited
+    fs.ensure_running = resource_tracker.ensure_running
+    return True
 
 
 def adopt_env(env: dict) -> None:

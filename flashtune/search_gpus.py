@@ -21,7 +21,8 @@ import queue
 import signal
 import time
 
-from .isolation import _context, _describe_exit, adopt_env
+from .isolation import (_context, _describe_exit, adopt_env, server_handle, share_server,
+                        start_server)
 from .timeline import mark
 
 
@@ -123,10 +124,13 @@ def device_ids(gpus) -> list[str]:
     return out
 
 
-def _child(cfg, target, device: str, q, env: dict) -> None:
+def _child(cfg, target, device: str, q, env: dict, server=None) -> None:
     adopt_env(env)
+    # its workers come from the parent's server (torch imported once for all processes)
+    shared = share_server(server)
     os.environ["CUDA_VISIBLE_DEVICES"] = device  # before anything here touches CUDA
-    mark(f"search process for GPU {device} up")
+    where = "the parent's server" if shared else "a server of its own"
+    mark(f"search process for GPU {device} up (workers from {where})")
     from .search import run_search
     try:
         # started with SIGINT blocked (a Ctrl-C while it imported would kill it mid-import);
@@ -190,6 +194,8 @@ def run_on_gpus(cfg, *, target, progress=None):
                                               // len(gpus)))
     progress = MultiProgress(progress or make_progress(), len(planned), cfg.trials, already)
     ctx = _context()  # forked from a server with torch imported, as the workers are
+    start_server()
+    server = server_handle()  # which the search processes' workers come from too
     q = ctx.Queue()
     procs = {}
     mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
@@ -200,7 +206,8 @@ def run_on_gpus(cfg, *, target, progress=None):
         child = dataclasses.replace(cfg, gpus=(), workers=1, storage=url, resume=True,
                                     compile_workers=cw, tag=f"gpu{g}", time_budget_s=budget,
                                     seed=None if cfg.seed is None else cfg.seed + k)
-        p = ctx.Process(target=_child, args=(child, target, dev, q, dict(os.environ)),
+        p = ctx.Process(target=_child, args=(child, target, dev, q, dict(os.environ),
+                                             server),
                         name=f"flashtune-gpu{g}")
         p.start()
         procs[child.tag] = p

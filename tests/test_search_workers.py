@@ -203,3 +203,50 @@ def test_timing_workers_fork_before_compile_workers(monkeypatch):
     finally:
         pipe.close()
     assert asked == ["time", "compile", "compile", "compile"], asked
+
+
+_SHARE_SCRIPT = '''
+import os
+from multiprocessing import forkserver
+
+
+def report(q):
+    q.put(("worker", os.getppid()))
+
+
+def search_process(handle, q, share):
+    from flashtune.isolation import _context, share_server
+    shared = share_server(handle) if share else False
+    p = _context().Process(target=report, args=(q,))
+    p.start()
+    p.join(60)
+    q.put(("shared", shared))
+
+
+if __name__ == "__main__":
+    from flashtune.isolation import _context, server_handle, start_server
+    start_server()
+    ctx = _context()
+    q = ctx.Queue()
+    for share in (True, False):
+        p = ctx.Process(target=search_process, args=(server_handle(), q, share))
+        p.start()
+        p.join(120)
+        got = dict(q.get(timeout=10) for _ in range(2))
+        print(share, got["shared"], got["worker"] == forkserver._forkserver._forkserver_pid)
+'''
+
+
+def test_search_processes_take_their_workers_from_the_parents_server(tmp_path):
+    """A `--gpus` search process (forked by the workers' server) asks the parent's server for
+    its workers (isolation.share_server) instead of starting a server of its own, which imported
+    torch again in each process: its worker's parent is the parent's server. Without the
+    handle (the second line) the same code gets a new server, which the check tells apart."""
+    import subprocess
+    import sys
+    script = tmp_path / "share.py"
+    script.write_text(_SHARE_SCRIPT)
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                         timeout=300, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split("\n")[:2] == ["True True True", "False False False"], out.stdout

@@ -1,0 +1,108 @@
+"""Where a kernel's warps wait, per SASS instruction: a summary of Nsight Compute's source page.
+
+    ncu ... --section SourceCounters -o rep python3 bench/hopper_ncu.py ...
+    ncu -i rep.ncu-rep --page source --csv --print-source sass > sass.csv
+    python3 bench/sass_stalls.py sass.csv [--top 25]
+
+For each kernel in the file: the instructions with the most warp-state samples (PC sampling:
+where the warps were when sampled, and why they could not issue), their share of the kernel's
+samples, and the samples summed per opcode. The page's columns differ between ncu versions, so
+they are found by name; a file whose columns are not recognised gets its header printed instead.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import re
+import sys
+from collections import defaultdict
+
+
+def _num(x: str) -> float:
+    try:
+        return float(x.replace(",", ""))
+    except (ValueError, AttributeError):
+        return 0.0
+
+
+def tables(path: str):
+    """(title, header, rows) per kernel: a header row is one that names a 'Source' column; any
+    non-table line before it (a kernel's name) becomes the title."""
+    title, header, rows = "", None, []
+    with open(path, newline="", errors="replace") as f:
+        for row in csv.reader(f):
+            if not row:
+                continue
+            if "Source" in row and any("Address" in c for c in row):
+                if header is not None:
+                    yield title, header, rows
+                header, rows = row, []
+                continue
+            if header is None or len(row) != len(header):
+                if header is not None and rows:
+                    yield title, header, rows
+                    header, rows = None, []
+                title = " ".join(row)[:160]
+                continue
+            rows.append(row)
+    if header is not None:
+        yield title, header, rows
+
+
+def opcode(src: str) -> str:
+    """The SASS opcode without predicate and modifiers' operands: '@P0 HGMMA.64x64x16...' ->
+    'HGMMA.64x64x16...' cut at the first space."""
+    s = re.sub(r"^@!?U?P\w+\s+", "", src.strip())
+    return s.split(" ")[0] if s else "?"
+
+
+def summarise(title, header, rows, top: int) -> None:
+    col = {c: i for i, c in enumerate(header)}
+    samp = next((c for c in header if c.startswith("Warp Stall Sampling (All")), None)
+    if samp is None:
+        print(f"## {title}\n(no sampling column recognised) header: {header}")
+        for r in rows[:3]:
+            print("   ", r)
+        return
+    src = col["Source"]
+    addr = next(i for c, i in col.items() if "Address" in c)
+    # per-reason columns, where this ncu version prints them (names start with 'stall_' or end
+    # in '(Samples)'); else only the totals
+    reasons = [c for c in header if c.startswith("stall_") or
+               (c.endswith("Samples)") and not c.startswith("Warp Stall Sampling"))]
+    total = sum(_num(r[col[samp]]) for r in rows) or 1.0
+    print(f"## {title}\n{len(rows)} instructions, {int(total)} samples ({samp})")
+    ranked = sorted(rows, key=lambda r: -_num(r[col[samp]]))
+    for r in ranked[:top]:
+        s = _num(r[col[samp]])
+        why = ""
+        if reasons:
+            top_r = sorted(((_num(r[col[c]]), c) for c in reasons), reverse=True)[:3]
+            why = "  " + ", ".join(f"{c.replace('stall_', '')} {v / max(s, 1):.0%}"
+                                   for v, c in top_r if v > 0)
+        print(f"  {r[addr]:>8} {100 * s / total:5.1f}%  {r[src].strip()[:70]}{why}")
+    per_op = defaultdict(float)
+    for r in rows:
+        per_op[opcode(r[src])] += _num(r[col[samp]])
+    print("  by opcode: " + ", ".join(f"{op} {100 * v / total:.1f}%" for op, v in
+                                      sorted(per_op.items(), key=lambda kv: -kv[1])[:14]))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("csv")
+    ap.add_argument("--top", type=int, default=25)
+    args = ap.parse_args(argv)
+    n = 0
+    for title, header, rows in tables(args.csv):
+        summarise(title, header, rows, args.top)
+        n += 1
+    if not n:
+        print("no source table found; the file starts:")
+        with open(args.csv, errors="replace") as f:
+            print(f.read(1500))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
