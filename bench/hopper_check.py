@@ -123,8 +123,24 @@ RESCALE = {
           "hopper_fwd-m128-n64-w8-s2-lr24",
           "hopper_fwd-m128-n64-w8-s2-lr24-early_rescale=true"],
 }
+# K's half of each stage handed back after S = Q K^T (early_k_release) beside the same schedules
+# without it: the D=256 two-stage ping-pong whose consumers waited on K (ncu, session 18), the
+# D=256 record, FA3's D=256 shape, and each D's default (appended)
+KRELEASE = {
+    128: ["hopper_fwd-m64-n128-w4-s3-pingpong=true-lr24-early_k_release=true",
+          "hopper_fwd-m64-n128-w4-s2-pingpong=true-lr24",
+          "hopper_fwd-m64-n128-w4-s2-pingpong=true-lr24-early_k_release=true"],
+    256: ["hopper_fwd-m64-n64-w4-s2-pingpong=true-lr24",
+          "hopper_fwd-m64-n64-w4-s2-pingpong=true-lr24-early_k_release=true",
+          "hopper_fwd-m64-n64-w4-s2-pingpong=true-lr24-early_rescale=true-early_k_release=true",
+          "hopper_fwd-m64-n64-w4-s3-lr24",
+          "hopper_fwd-m64-n64-w4-s3-lr24-early_k_release=true",
+          "hopper_fwd-m128-n64-w8-s2-lr24-early_k_release=true",
+          "hopper_fwd-m64-n32-w4-s3-pingpong=true-lr24-early_k_release=true"],
+}
 SETS = {"loader": CANDIDATES, "no_loader": NO_LOADER, "tiles": TILES, "qbuf": QBUF,
-        "l2order": L2ORDER, "d256": D256, "release": RELEASE, "rescale": RESCALE}
+        "l2order": L2ORDER, "d256": D256, "release": RELEASE, "rescale": RESCALE,
+        "krelease": KRELEASE}
 # (B, H, Hk, Nq, Nk, causal): odd lengths, a single key/query, GQA, Nq > Nk causal (the first
 # Nq - Nk rows see no key), a multi-tile causal case
 CHECK_SHAPES = [(1, 2, 2, 1, 1, False), (2, 3, 3, 37, 37, True), (1, 4, 2, 113, 203, False),

@@ -420,6 +420,12 @@ RELEASE = with_field("release_barrier=false", ["hopper_fwd-m64-n64-w4-s3-lr24"])
 # rescale was exposed) and the default
 RESCALE = with_field("early_rescale=true", ["hopper_fwd-m128-n64-w8-s2-lr24",
                                             "hopper_fwd-m64-n32-w4-s3-pingpong=true-lr24"])
+# K's half of each stage handed back after S = Q K^T, V's after P V (two barriers per stage); at
+# D=256 the two-stage ping-pong whose consumers waited on K (ncu, session 18), the one-consumer
+# record, and with early_rescale
+K_RELEASE = with_field("early_k_release=true", [
+    "hopper_fwd-m64-n64-w4-s2-pingpong=true-lr24", "hopper_fwd-m64-n64-w4-s3-lr24",
+    "hopper_fwd-m64-n64-w4-s2-pingpong=true-lr24-early_rescale=true"])
 
 
 def forced_grid(variants: dict, shapes: list):
@@ -454,6 +460,11 @@ def test_release_and_rescale_settings_match_reference(d, name, dtype, causal, sh
     _check_forced(d, name, dtype, causal, shape)
 
 
+@forced_grid(K_RELEASE, FIELD_SHAPES)
+def test_early_k_release_matches_reference(d, name, dtype, causal, shape):
+    _check_forced(d, name, dtype, causal, shape)
+
+
 @pytest.mark.gpu
 @hopper_gpu
 @pytest.mark.parametrize("kw", [dict(window=(200, 0), causal=True),
@@ -469,6 +480,41 @@ def test_early_rescale_with_masks(kw):
         out = flashtune.attention(q, k, v, **kw)
     report = compare(out, reference(q, k, v, **kw), same_dtype_math(q, k, v, **kw))
     assert report.ok, str(report)
+
+
+@pytest.mark.gpu
+@hopper_gpu
+@pytest.mark.parametrize("name", [
+    "hopper_fwd-m64-n128-w4-s3-pingpong=true-lr24-early_k_release=true-window=true",
+    "hopper_fwd-m64-n64-w4-s2-pingpong=true-early_k_release=true-window=true"])
+def test_early_k_release_with_a_window(name):
+    """The masked loops hand back both halves of the stages a consumer skips (ping-pong's
+    leading and trailing blocks), with a loader and without (the refill waits on both halves)."""
+    from flashtune.accuracy import compare
+    from flashtune.reference import reference, same_dtype_math
+    q, k, v = qkv(2, 8, 2, 700, 900, 128, torch.bfloat16, "cuda")
+    kw = dict(window=(200, 0), causal=True)
+    with flashtune.force(name):
+        out = flashtune.attention(q, k, v, **kw)
+    report = compare(out, reference(q, k, v, **kw), same_dtype_math(q, k, v, **kw))
+    assert report.ok, str(report)
+
+
+def test_early_k_release_is_structural_and_the_default_renders_as_before():
+    import dataclasses
+    off = Variant.parse("hopper_fwd-m64-n64-w4-s2-pingpong=true-lr24")
+    on = dataclasses.replace(off, early_k_release=True)
+    assert Variant.parse(on.name) == on and "early_k_release=true" in on.name
+    on_src, off_src = render(on), render(off)
+    assert "STAGES + st" not in off_src and "[2 * STAGES, 1]" not in off_src
+    # K's half goes back right after S_j's wait, before the softmax; V's after P V's wait
+    loop = on_src[on_src.index("sc = warpgroup_mma_wait(1"):]
+    assert loop.index("_release(kv_empty, st2, WARPS)") < loop.index("_softmax(") \
+        < loop.index("_release(kv_empty, STAGES + st, WARPS)")
+    # the loader waits for V's half before loading V
+    loader = on_src[on_src.index("def _loader"):on_src.index("def _softmax")]
+    assert loader.index("mbarrier.wait(kv_empty.index(STAGES + st)") \
+        < loader.index("mbarrier.expect(v_ready")
 
 
 def test_early_rescale_is_structural_and_the_default_renders_as_before():
