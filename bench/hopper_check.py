@@ -138,9 +138,24 @@ KRELEASE = {
           "hopper_fwd-m128-n64-w8-s2-lr24-early_k_release=true",
           "hopper_fwd-m64-n32-w4-s3-pingpong=true-lr24-early_k_release=true"],
 }
+# a tile's O store waited for under the next tile's first QK^T (async_o_store) beside the same
+# short-sequence records (two Q buffers, persistent) without it (ncu, session 18: the epilogue's
+# store wait held 6.6% of the causal D=128 N=512 kernel's samples)
+_OSTORE_BASE = {
+    64: ["hopper_fwd-m128-n64-w4-s4-causal_split=false-pingpong=true-persistent=true-lr24-qb2",
+         "hopper_fwd-m64-n128-w4-s3-causal_split=false-pingpong=true-persistent=true-lr32-qb2"
+         "-early_k_release=true"],
+    128: ["hopper_fwd-m64-n64-w4-s4-causal_split=false-pingpong=true-persistent=true-lr56-qb2"
+          "-l2_order=true-early_rescale=true",
+          "hopper_fwd-m64-n64-w4-s4-pingpong=true-persistent=true-lr24-qb2-early_k_release=true"],
+    256: ["hopper_fwd-m64-n32-w4-s3-causal_split=false-pingpong=true-persistent=true-lr32-qb2"
+          "-early_k_release=true"],
+}
+OSTORE = {d: [x for n in names for x in (n, n + "-async_o_store=true")]
+          for d, names in _OSTORE_BASE.items()}
 SETS = {"loader": CANDIDATES, "no_loader": NO_LOADER, "tiles": TILES, "qbuf": QBUF,
         "l2order": L2ORDER, "d256": D256, "release": RELEASE, "rescale": RESCALE,
-        "krelease": KRELEASE}
+        "krelease": KRELEASE, "ostore": OSTORE}
 # (B, H, Hk, Nq, Nk, causal): odd lengths, a single key/query, GQA, Nq > Nk causal (the first
 # Nq - Nk rows see no key), a multi-tile causal case
 CHECK_SHAPES = [(1, 2, 2, 1, 1, False), (2, 3, 3, 37, 37, True), (1, 4, 2, 113, 203, False),

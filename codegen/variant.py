@@ -82,6 +82,9 @@ class Variant:
     # hopper_fwd only (structural): each K/V stage handed back in two halves, K's once S = Q K^T
     # has read it and V's after P V, so the loader refills K a step earlier (FA3's two pipelines)
     early_k_release: bool = False
+    # hopper_fwd only (structural, q_buffers=2): a tile's O store waited for under the next
+    # tile's first QK^T instead of in its own epilogue
+    async_o_store: bool = False
     # structural, masks beyond causal (flashtune/masks.py; only the variants that take them carry
     # their code): local attention with runtime (left, right) bounds; tanh softcapping of the
     # scores; block-sparse key iteration over a flashtune.BlockMask's lists
@@ -199,7 +202,7 @@ class Variant:
                 "varlen": self.varlen, "paged": self.paged, "pingpong": self.pingpong,
                 "loader": self.loader_regs > 0, "l2_order": self.l2_order,
                 "release_barrier": self.release_barrier, "early_rescale": self.early_rescale,
-                "early_k_release": self.early_k_release,
+                "early_k_release": self.early_k_release, "async_o_store": self.async_o_store,
                 "window": self.window,
                 "softcap": self.softcap, "block_sparse": self.block_sparse,
                 # any mask beyond causal: the window's bounds and loops (softcap alone runs them

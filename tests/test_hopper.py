@@ -460,6 +460,42 @@ def test_release_and_rescale_settings_match_reference(d, name, dtype, causal, sh
     _check_forced(d, name, dtype, causal, shape)
 
 
+# the O store waited for under the next tile's first QK^T: the two-Q-buffer schedules (persistent,
+# many tiles per program, so the deferred wait and hand-back run every tile), with the short
+# causal record's fields
+O_STORE = {d: [f"{n}-async_o_store=true" for n in names] for d, names in QBUF.items()}
+O_STORE[128].append("hopper_fwd-m64-n64-w4-s4-causal_split=false-pingpong=true-persistent=true"
+                    "-lr56-qb2-l2_order=true-early_rescale=true-early_k_release=true"
+                    "-async_o_store=true")
+
+
+@forced_grid(O_STORE, MANY_TILES)
+def test_async_o_store_matches_reference_over_many_tiles(d, name, dtype, causal, shape):
+    _check_forced(d, name, dtype, causal, shape)
+
+
+def test_async_o_store_is_structural_and_needs_two_q_buffers():
+    import dataclasses
+    off = Variant.parse("hopper_fwd-m64-n64-w4-s3-pingpong=true-persistent=true-lr24-qb2")
+    on = dataclasses.replace(off, async_o_store=True)
+    assert Variant.parse(on.name) == on and "async_o_store=true" in on.name
+    on_src, off_src = render(on), render(off)
+    assert "def _o_stored" not in off_src and "def _o_stored" in on_src
+    # the epilogue no longer waits for its store; the wait follows the next tile's first QK^T
+    epi = on_src[on_src.index("tma_store(o_desc"):]
+    assert epi.index("pend = qi") < epi.index("t += 1")
+    assert "tma.store_wait(0)\n        sync_warps()" not in epi.split("t += 1")[0]
+    first = on_src.index("sc = warpgroup_mma(q_smem, k_smem.permute((1, 0)), zero_s")
+    assert first < on_src.index("pend = _o_stored(q_empty, pend)", first)
+    assert 'gl.static_assert(QB == 2' in on_src
+    from flashtune.search_space import Space
+    from flashtune.targets import get as get_target
+    space = Space.build("hopper_fwd", get_target("H100"),
+                        dataclasses.replace(_problem(causal=True), family="hopper_fwd"))
+    assert space.check(on).ok
+    assert "async_o_store" in space.check(dataclasses.replace(on, q_buffers=1)).reason
+
+
 @forced_grid(K_RELEASE, FIELD_SHAPES)
 def test_early_k_release_matches_reference(d, name, dtype, causal, shape):
     _check_forced(d, name, dtype, causal, shape)
