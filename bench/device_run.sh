@@ -407,13 +407,15 @@ PY
               timeout ${BWDCANDS_TIMEOUT:-420} python3 bench/bwd_cands_bench.py --out "$OUT/bwd_cands${BWDCANDS_NAME:+_$BWDCANDS_NAME}.jsonl" \
                 ${BWDCANDS_ARGS:-} 2>&1 | tee "$OUT/bwd_cands${BWDCANDS_NAME:+_$BWDCANDS_NAME}.log" | grep -v "^warm " | tail -${BWDCANDS_TAIL:-70} ;;
     research) # a re-search of some families' buckets on the standard grid after their spaces grew
-              # (RESEARCH_SPECS: "family head_dims budget_s" triples, ';'-separated) into /tmp/rs.*;
+              # (RESEARCH_SPECS: "family head_dims budget_s" triples, ';'-separated; RESEARCH_GPUS="0,1"
+              # shares the buckets between a multi-GPU machine's GPUs) into /tmp/rs.*;
               # the records come back in $OUT/tables/research.json, merged with `db import --keep-faster`
               name=$(python3 -c "import torch;print(torch.cuda.get_device_name())")
               IFS=';' read -ra specs <<< "${RESEARCH_SPECS:-hopper_fwd 128 170}"
               for spec in "${specs[@]}"; do
                 set -- $spec
                 timeout $(( $3 + 60 )) flashtune search --gpu auto --family $1 --head-dim $2 \
+                  ${RESEARCH_GPUS:+--gpus $RESEARCH_GPUS} \
                   --trials ${TRIALS:-40} --time-budget $3 --in-order --storage /tmp/rs.journal \
                   --db sqlite:////tmp/rs.db --progress lines 2>&1 | tee -a "$OUT/research.log" \
                   | grep -v "measured so far\|^\[all\]" | tail -16
