@@ -74,23 +74,15 @@ def run_cases(names, bwd_variants=(), fwd_variants=(), only=()) -> None:
                 with flashtune.force(hv):
                     return flashtune.attention(q, k, v, causal=causal)
             impls.insert(1, ("hopper_fwd", hopper))
-            # forced hopper_fwd variants beside the record (--fwd-variants): the per-instruction
-            # stall samples of schedules the record does not use (issue 10, D=256)
-            from flashtune.codegen import Variant
-            for name_v in fwd_variants:
-                def forced_fwd(variant=Variant.parse(name_v)):
-                    with flashtune.force(variant):
-                        return flashtune.attention(q, k, v, causal=causal)
-                impls.insert(-1, (name_v, forced_fwd))
-        else:
-            # forced backward variants beside the dispatched one (--bwd-variants): which loop
-            # and which stall the atomic-dQ schemes lose on (issue 10, session 17)
-            from flashtune.codegen import Variant
-            for name_v in bwd_variants:
-                def forced(variant=Variant.parse(name_v)):
-                    with flashtune.force(variant):
-                        return flashtune.attention(q, k, v, causal=causal)
-                impls.insert(-1, (name_v, forced))
+        # forced variants beside cuDNN: --fwd-variants (hopper_fwd schedules the record does not
+        # use, issue 10's D=256 gap, session 18) or --bwd-variants (which loop and which stall the
+        # atomic-dQ schemes lose on, session 17)
+        from flashtune.codegen import Variant
+        for name_v in fwd_variants if mode == "fwd" else bwd_variants:
+            def forced(variant=Variant.parse(name_v)):
+                with flashtune.force(variant):
+                    return flashtune.attention(q, k, v, causal=causal)
+            impls.insert(-1, (name_v, forced))
         for impl, fn in impls:
             if only and impl not in only:
                 continue

@@ -101,11 +101,12 @@ def seeds(head_dim: int, dtype: str, *, arch=None) -> list:
     compile spill-free (as every default must: tests/test_compile_defaults.py): at D=256 without a
     loader partition and with causal_split off (the loader renders spill 4-20 B causal)."""
     import dataclasses
-    base = default(head_dim, dtype, arch=arch)
-    out = [dataclasses.replace(base, early_k_release=True)]
-    if head_dim > 128:
-        pp = dataclasses.replace(base, block_n=64, num_stages=2, loader_regs=0,
-                                 causal_split=False, early_k_release=True)
+
+    from ..codegen import Variant
+    out = [dataclasses.replace(default(head_dim, dtype, arch=arch), early_k_release=True)]
+    if head_dim > 128:  # spelled out, not derived from the default: it stays when that changes
+        pp = Variant("hopper_fwd", block_m=64, block_n=64, num_warps=4, num_stages=2,
+                     pingpong=True, causal_split=False, early_k_release=True)
         out += [pp, dataclasses.replace(pp, early_rescale=True)]
     return out
 
