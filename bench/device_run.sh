@@ -97,7 +97,13 @@ for step in ${STEPS:-fwdtests}; do
               # FLASHTUNE_TIMELINE: each process's milestones (start-up, first trial, wind-down) in its log
               FLASHTUNE_TIMELINE=${FLASHTUNE_TIMELINE:-1} \
               timeout ${SCALING_TIMEOUT:-590} python3 bench/search_scaling.py --gpus ${SCALING_GPUS:-0 0,1} \
-                ${SCALING_ARGS:---warm} --out "$OUT/scaling.json" 2>&1 | tee "$OUT/scaling.log" | tail -24 ;;
+                ${SCALING_ARGS:---warm} --out "$OUT/scaling.json" 2>&1 | tee "$OUT/scaling.log" | tail -24
+              # the device tool brings back 8 files: the runs' journals travel as one archive
+              (cd "$OUT" && ls *.journal >/dev/null 2>&1 && tar czf scaling-journals.tgz *.journal && rm -f *.journal) ;;
+    cudainit) # where a multi-GPU search's start-up goes: each GPU's CUDA start alone, at once, beside
+              # busy processes, one after another (bench/cuda_init_probe.py)
+              timeout 200 python3 bench/cuda_init_probe.py --gpus $(nvidia-smi -L | wc -l) \
+                --out "$OUT/cuda_init.json" 2>&1 | tee "$OUT/cuda_init.log" | tail -30 ;;
     proposalcost) # one driver per storage, then two drivers on one journal (a bucket each; one bucket),
               # flashtune's journal file beside Optuna's own
               timeout 200 python3 bench/proposal_cost.py --trials ${PC_TRIALS:-120} --storages \

@@ -207,12 +207,18 @@ def _compile_without_context(capability: int) -> None:
     memory each. The target is known (the search's), so the answers are given here; the
     binary and its cache key are the ones a launch on that GPU makes (GPUTarget carries the
     capability, not the device). Without these driver methods (another Triton) nothing
-    changes."""
+    changes.
+
+    The driver is made directly, not through `driver.active`: choosing the active one asks
+    torch.cuda.is_available(), a cuInit in every compile worker; 56 of them at once beside four
+    timing workers held those workers' own CUDA start (0.3 s alone) for 3.4-5 s on 4 H200s."""
     try:
+        from triton.backends import backends
         from triton.backends.compiler import GPUTarget
         from triton.runtime import driver
 
-        active = driver.active
+        active = backends["nvidia"].driver()
+        driver.set_active(active)
         target = GPUTarget("cuda", capability, 32)
         active.get_current_device = lambda: 0
         active.get_current_stream = lambda device=None: 0

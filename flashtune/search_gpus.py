@@ -214,6 +214,7 @@ def run_on_gpus(cfg, *, target, progress=None):
     signal.pthread_sigmask(signal.SIG_SETMASK, mask)
     mark(f"{len(procs)} search processes started")
     results, errors, notes = {}, {}, []
+    ended: set = set()
     interrupted = False
 
     def on_sigint(signum, frame):  # a terminal's Ctrl-C reaches the children too: they stop
@@ -237,10 +238,15 @@ def run_on_gpus(cfg, *, target, progress=None):
                 results[tag] = args[0]
             elif method == "interrupted":
                 interrupted = True
+                ended.add(tag)
             elif method == "error":
                 errors[tag] = args[0]
             else:
                 progress.event(tag, method, args)
+            if method in ("result", "error"):
+                ended.add(tag)
+                if len(ended) == len(procs):  # every process has told its end: no poll to wait out
+                    break
     finally:
         mark("search processes reported")
         for p in procs.values():
@@ -267,15 +273,22 @@ def run_on_gpus(cfg, *, target, progress=None):
                 merged[b.label] = b
     order = [bucket_label(pb.bucket) for pb in planned]
     buckets = tuple(merged[lb] for lb in order if lb in merged)
-    studies = [open_bucket(dataclasses.replace(cfg, resume=True, enqueue_default=False),
-                           storage, pb, liveness) for pb in planned]
-    measured = sum(bs.measured() for bs in studies)
-    if cfg.write_db:  # every pick in storage, this run's and earlier ones (an upsert)
-        records = [_from_final(f)[0] for f in (bs.study.user_attrs.get("final")
-                                               for bs in studies) if f and f.get("record")]
-        if records:
-            _write(cfg, None, records)
+    written = sum(r.db_written for r in results.values())
+    if (not interrupted and not notes and len(results) == len(procs)
+            and len(buckets) == len(order) and all(b.status == "done" for b in buckets)
+            and written >= sum(1 for b in buckets if b.winner)):
+        # every bucket picked, each pick written by its process and counting every process's
+        # trials of its study: nothing to read back (replaying the storage took 1.6-2.3 s)
+        measured = sum(b.measured for b in buckets)
+    else:
+        studies = [open_bucket(dataclasses.replace(cfg, resume=True, enqueue_default=False),
+                               storage, pb, liveness) for pb in planned]
+        measured = sum(bs.measured() for bs in studies)
+        if cfg.write_db:  # every pick in storage, this run's and earlier ones (an upsert)
+            records = [_from_final(f)[0] for f in (bs.study.user_attrs.get("final")
+                                                   for bs in studies) if f and f.get("record")]
+            if records:
+                _write(cfg, None, records)
     return SearchResult(target.short, buckets, time.monotonic() - t_start,
                         interrupted or any(r.interrupted for r in results.values()),
-                        sum(r.db_written for r in results.values()), measured - measured0,
-                        tuple(notes))
+                        written, measured - measured0, tuple(notes))
