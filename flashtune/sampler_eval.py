@@ -96,7 +96,8 @@ def trials_to_best(recording: str, problem: Problem, sampler: str, seed: int, *,
                 hit["n"] = bs_.measured()
         return "n" in hit
 
-    search_bucket(bs, pipeline, len(times), None, NoProgress(), until=reached)
+    search_bucket(bs, pipeline, len(times), None, NoProgress(), until=reached,
+                  draw_after=None)  # the sampler's own proposals, nothing drawn for it
     return Trace(sampler, seed, hit.get("n"), len(times))
 
 

@@ -252,6 +252,19 @@ class BucketStudy:
         """Propose `variant` first (the built-in default: a good first point for TPE)."""
         self.study.enqueue_trial(self.space.optuna_params(variant), skip_if_exists=True)
 
+    def enqueue_unmeasured(self, rng, busy) -> bool:
+        """Propose next a feasible variant nobody has measured (drawn by `rng`; `busy(v)`: this
+        process has it in flight). For small spaces, where the sampler's proposals are mostly
+        infeasible or known (D=256's generic forward: ~24 of them per measured variant, each an
+        ask and a tell on the shared storage). False when none is left."""
+        left = [v for v in self.space.feasible if v.key not in self._known and not busy(v)]
+        if not left:
+            return False
+        # not skip_if_exists: a variant once answered "busy" (another process had it) is
+        # proposed again here, and the answer to this proposal decides it anew
+        self.study.enqueue_trial(self.space.optuna_params(rng.choice(left)))
+        return True
+
     # -- ask / tell --------------------------------------------------------------------------
     def ask(self):
         """(trial, variant, answer): answer is None when the proposal must be measured, an

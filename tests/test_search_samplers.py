@@ -58,3 +58,44 @@ def test_space_contains_exactly_its_variants(family):
                 assert not space.contains(w) and w not in known
                 off += 1
         assert off
+
+
+def test_a_sampler_that_only_repeats_itself_still_fills_the_budget(recording):
+    """search_bucket draws the next proposal from the feasible variants nobody measured once
+    the sampler's proposals keep coming back known: every variant measured is distinct, the
+    budget is met in few asks; with the draw off the bucket stops at what the sampler found."""
+    import optuna
+
+    from flashtune.pipeline import Pipeline
+    from flashtune.replay import ReplayBackend
+    from flashtune.search import search_bucket
+    from flashtune.search_progress import NoProgress
+    from flashtune.search_space import Space
+    from flashtune.search_study import BucketStudy
+
+    path, p = recording
+    space = Space.build(p.family, targets.get("H100"), p)
+    first = space.optuna_params(space.feasible[0])
+
+    class Stuck(optuna.samplers.BaseSampler):  # proposes the same point every time
+        def infer_relative_search_space(self, study, trial):
+            return {}
+
+        def sample_relative(self, study, trial, search_space):
+            return {}
+
+        def sample_independent(self, study, trial, name, distribution):
+            return first.get(name, distribution.to_external_repr(0)
+                             if not hasattr(distribution, "choices") else distribution.choices[0])
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    for draw_after, want in ((6, 12), (None, 1)):
+        bs = BucketStudy(optuna.create_study(direction="maximize", sampler=Stuck()), space, p)
+        search_bucket(bs, Pipeline(ReplayBackend(path), inline=True), 12, None, NoProgress(),
+                      draw_after=draw_after)
+        measured = [t for t in bs.study.get_trials() if (t.user_attrs.get("result") or {})
+                    .get("measured")]
+        names = [t.user_attrs["variant"] for t in measured]
+        assert len(names) == len(set(names)) == want, (draw_after, names)
+        if draw_after:
+            assert len(bs.study.trials) <= 12 * (draw_after + 1) + 1
