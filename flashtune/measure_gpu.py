@@ -190,7 +190,9 @@ class GpuBackend(Backend):
     def device_count(self) -> int:
         import torch
 
-        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+        # torch counts through NVML (is_available() would cuInit: in the parent and in each
+        # search process of --gpus, beside the timing workers' own CUDA start)
+        return torch.cuda.device_count()
 
 
 def _family_names() -> tuple:
@@ -227,26 +229,6 @@ def _compile_without_context(capability: int) -> None:
         pass
 
 
-def _nvml_driver_version(lib_name: str = "libnvidia-ml.so.1") -> str:
-    """The display driver's version from NVML through ctypes ("" where NVML is missing or
-    fails): what pynvml reads, without pynvml (the device image lacks it) and without starting
-    nvidia-smi, which every timing worker of a search did on its way to its first trial."""
-    import ctypes
-    try:
-        lib = ctypes.CDLL(lib_name)
-    except OSError:
-        return ""
-    if lib.nvmlInit_v2() != 0:
-        return ""
-    try:
-        buf = ctypes.create_string_buffer(96)
-        if lib.nvmlSystemGetDriverVersion(buf, ctypes.c_uint(len(buf))) != 0:
-            return ""
-        return buf.value.decode(errors="replace")
-    finally:
-        lib.nvmlShutdown()
-
-
 def _driver_version() -> str:
     try:
         import pynvml
@@ -255,7 +237,8 @@ def _driver_version() -> str:
         return v.decode() if isinstance(v, bytes) else str(v)
     except Exception:  # noqa: BLE001 -- provenance is best effort
         pass
-    v = _nvml_driver_version()
+    from .nvml import driver_version
+    v = driver_version()  # NVML through ctypes: no nvidia-smi process in every timing worker
     if v:
         return v
     try:

@@ -4,7 +4,7 @@ import ctypes
 
 import pytest
 
-from flashtune import measure_gpu
+from flashtune import measure_gpu, nvml
 
 
 class FakeNvml:
@@ -39,7 +39,7 @@ def _with(monkeypatch, lib):
 def test_reads_the_version_and_shuts_nvml_down(monkeypatch):
     lib = FakeNvml()
     _with(monkeypatch, lib)
-    assert measure_gpu._nvml_driver_version() == "580.159.04"
+    assert nvml.driver_version() == "580.159.04"
     assert lib.calls == ["init", "query", "shutdown"]
 
 
@@ -50,7 +50,7 @@ def test_reads_the_version_and_shuts_nvml_down(monkeypatch):
 ])
 def test_no_version_where_nvml_cannot_give_one(monkeypatch, lib, calls):
     _with(monkeypatch, lib)
-    assert measure_gpu._nvml_driver_version() == ""
+    assert nvml.driver_version() == ""
     if lib is not None:
         assert lib.calls == calls
 
@@ -62,3 +62,68 @@ def test_driver_version_prefers_nvml_over_nvidia_smi(monkeypatch):
     monkeypatch.setattr(measure_gpu.subprocess, "run", lambda *a, **k: started.append(a))
     assert measure_gpu._driver_version() == "555.42.06"
     assert not started  # no nvidia-smi process
+
+
+class FakeNvmlDevices(FakeNvml):
+    """NVML with GPUs: their count, handles and names."""
+
+    def __init__(self, names, **kw):
+        super().__init__(**kw)
+        self.names = names
+
+    def nvmlDeviceGetCount_v2(self, count):
+        self.calls.append("count")
+        count._obj.value = len(self.names)
+        return 0
+
+    def nvmlDeviceGetHandleByIndex_v2(self, index, handle):
+        handle._obj.value = index.value + 1
+        return 0
+
+    def nvmlDeviceGetName(self, handle, buf, length):
+        assert length.value == len(buf)
+        buf.value = self.names[handle.value - 1].encode()
+        return 0
+
+
+def test_gpu_names_in_nvml_order(monkeypatch):
+    lib = FakeNvmlDevices(["NVIDIA H200", "NVIDIA H200"])
+    _with(monkeypatch, lib)
+    assert nvml.gpu_names() == ["NVIDIA H200", "NVIDIA H200"]
+    assert lib.calls == ["init", "count", "shutdown"]
+    _with(monkeypatch, None)
+    assert nvml.gpu_names() is None
+
+
+@pytest.mark.parametrize("names,want", [
+    (["NVIDIA H200"] * 4, "H200"),
+    (["NVIDIA H100 80GB HBM3"], "H100"),
+    (["NVIDIA H100 80GB HBM3", "NVIDIA H200"], None),  # mixed: CUDA's own order decides
+    (["NVIDIA GeForce RTX 5090"], None),                # not in TARGETS: read off the device
+    ([], None),
+    (None, None),
+])
+def test_a_host_of_one_known_model_is_told_by_name(names, want):
+    from flashtune import targets
+    t = targets.known_by_name(names)
+    assert (t.short if t else None) == want
+
+
+def test_detect_asks_nvml_before_cuda(monkeypatch):
+    """Where NVML names one known model, detect() answers without torch.cuda (no cuInit); a
+    CPU build of torch, CUDA_VISIBLE_DEVICES="" or an unknown GPU go the torch way."""
+    import torch
+
+    from flashtune import targets
+    _with(monkeypatch, FakeNvmlDevices(["NVIDIA H200"] * 2))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: (_ for _ in ()).throw(
+        AssertionError("torch.cuda asked")))
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert targets.detect().short == "H200"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert targets.detect() is None
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    monkeypatch.setattr(torch.version, "cuda", None)
+    assert targets.detect() is None
