@@ -238,12 +238,11 @@ def run_on_gpus(cfg, *, target, progress=None):
                 results[tag] = args[0]
             elif method == "interrupted":
                 interrupted = True
-                ended.add(tag)
             elif method == "error":
                 errors[tag] = args[0]
             else:
                 progress.event(tag, method, args)
-            if method in ("result", "error"):
+            if method in ("result", "interrupted", "error"):  # each process's last message
                 ended.add(tag)
                 if len(ended) == len(procs):  # every process has told its end: no poll to wait out
                     break

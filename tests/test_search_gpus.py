@@ -164,6 +164,38 @@ def test_a_killed_gpu_process_loses_nothing(tmp_path):
     assert len(TunedDB(f"sqlite:///{tmp_path}/t.db").records()) == 2
 
 
+def test_ctrl_c_stops_every_gpu_process_and_keeps_their_trials(tmp_path):
+    """A terminal's Ctrl-C reaches the parent and both search processes: the command exits 130
+    soon after (each process's last message ends the parent's wait), every completed trial is
+    kept and none is left RUNNING (in flight ones are failed, to be measured again)."""
+    rec = _recording(tmp_path, delay=0.25)
+    cfg = SearchConfig(**dict(BASE, replay=rec, storage=f"journal:///{tmp_path}/s.journal"))
+    proc = _cli(tmp_path, rec, "--gpus", "0,1", "--trials", "60")
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 90:
+        assert proc.poll() is None, proc.stdout.read()
+        time.sleep(0.2)
+        try:
+            trials = [t for ts in _trials(cfg).values() for t in ts]
+        except KeyError:
+            continue
+        owners = {t.user_attrs["owner"]["pid"] for t in _measured(trials)}
+        if len(owners) == 2:  # both processes measuring
+            break
+    before = {(b, t.number): t.user_attrs["variant"] for b, ts in _trials(cfg).items()
+              for t in _measured(ts)}
+    os.killpg(proc.pid, signal.SIGINT)
+    t_int = time.monotonic()
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 130, out
+    assert time.monotonic() - t_int < 30, out
+    by_number = {(b, t.number): t for b, ts in _trials(cfg).items() for t in ts}
+    for key, name in before.items():
+        assert by_number[key].state == TrialState.COMPLETE
+        assert by_number[key].user_attrs["variant"] == name
+    assert not [t for t in by_number.values() if t.state == TrialState.RUNNING]
+
+
 def test_status_says_what_is_done_and_left_and_done_buckets_are_not_retimed(tmp_path):
     from flashtune.cli import main
 
