@@ -123,36 +123,58 @@ def _cli(tmp_path, rec, *extra):
                             text=True, start_new_session=True)
 
 
-def test_a_killed_gpu_process_loses_nothing(tmp_path):
-    rec = _recording(tmp_path, delay=0.25)
-    cfg = SearchConfig(**dict(BASE, replay=rec, storage=f"journal:///{tmp_path}/s.journal"))
-    proc = _cli(tmp_path, rec, "--gpus", "0,1", "--trials", "12")
-    victim, t0 = None, time.monotonic()
-    while victim is None and time.monotonic() - t0 < 90:  # gpu1's search process, mid-trial
+def _wait_until(cfg, proc, pick, timeout=90):
+    """Poll the storage of a running search until pick(trials of every bucket) returns
+    something (returned); the search must not end meanwhile."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
         assert proc.poll() is None, proc.stdout.read()
         time.sleep(0.2)
         try:
             trials = [t for ts in _trials(cfg).values() for t in ts]
-        except KeyError:
+        except KeyError:  # a study not created yet
             continue
+        got = pick(trials)
+        if got:
+            return got
+    return None
+
+
+def _completed(cfg) -> dict:
+    """{(bucket, trial number): variant} of every measured trial so far."""
+    return {(b, t.number): t.user_attrs["variant"] for b, ts in _trials(cfg).items()
+            for t in _measured(ts)}
+
+
+def _kept(cfg, before: dict) -> dict:
+    """Every trial now, after checking each of `before` is still there, unchanged."""
+    after = _trials(cfg)
+    by_number = {(b, t.number): t for b, ts in after.items() for t in ts}
+    for key, name in before.items():
+        assert by_number[key].state == TrialState.COMPLETE
+        assert by_number[key].user_attrs["variant"] == name
+    return after
+
+
+def test_a_killed_gpu_process_loses_nothing(tmp_path):
+    rec = _recording(tmp_path, delay=0.25)
+    cfg = SearchConfig(**dict(BASE, replay=rec, storage=f"journal:///{tmp_path}/s.journal"))
+    proc = _cli(tmp_path, rec, "--gpus", "0,1", "--trials", "12")
+
+    def mid_trial(trials):  # a search process with 2 measured and one running: the victim
         done = collections.Counter(t.user_attrs["owner"]["pid"] for t in _measured(trials))
         running = {t.user_attrs.get("owner", {}).get("pid") for t in trials
                    if t.state == TrialState.RUNNING and "variant" in t.user_attrs}
         ready = [pid for pid, n in done.items() if n >= 2 and pid in running]
-        if len(done) == 2 and ready:
-            victim = ready[0]
+        return ready[0] if len(done) == 2 and ready else None
+    victim = _wait_until(cfg, proc, mid_trial)
     assert victim, "both processes never measured"
-    before = {(b, t.number): t.user_attrs["variant"] for b, ts in _trials(cfg).items()
-              for t in _measured(ts)}
+    before = _completed(cfg)
     os.kill(victim, signal.SIGKILL)  # its workers exit when their pipe closes
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 0, out
     assert "killed by SIGKILL" in out and "2 winners written" in out, out
-    after = _trials(cfg)
-    by_number = {(b, t.number): t for b, ts in after.items() for t in ts}
-    for key, name in before.items():  # every completed trial is still there, unchanged
-        assert by_number[key].state == TrialState.COMPLETE
-        assert by_number[key].user_attrs["variant"] == name
+    after = _kept(cfg, before)  # every completed trial is still there, unchanged
     lost = 0
     for ts in after.values():
         names = [t.user_attrs["variant"] for t in _measured(ts)]
@@ -171,29 +193,16 @@ def test_ctrl_c_stops_every_gpu_process_and_keeps_their_trials(tmp_path):
     rec = _recording(tmp_path, delay=0.25)
     cfg = SearchConfig(**dict(BASE, replay=rec, storage=f"journal:///{tmp_path}/s.journal"))
     proc = _cli(tmp_path, rec, "--gpus", "0,1", "--trials", "60")
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < 90:
-        assert proc.poll() is None, proc.stdout.read()
-        time.sleep(0.2)
-        try:
-            trials = [t for ts in _trials(cfg).values() for t in ts]
-        except KeyError:
-            continue
-        owners = {t.user_attrs["owner"]["pid"] for t in _measured(trials)}
-        if len(owners) == 2:  # both processes measuring
-            break
-    before = {(b, t.number): t.user_attrs["variant"] for b, ts in _trials(cfg).items()
-              for t in _measured(ts)}
+    assert _wait_until(cfg, proc, lambda trials: len(  # both processes measuring
+        {t.user_attrs["owner"]["pid"] for t in _measured(trials)}) == 2)
+    before = _completed(cfg)
     os.killpg(proc.pid, signal.SIGINT)
     t_int = time.monotonic()
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 130, out
     assert time.monotonic() - t_int < 30, out
-    by_number = {(b, t.number): t for b, ts in _trials(cfg).items() for t in ts}
-    for key, name in before.items():
-        assert by_number[key].state == TrialState.COMPLETE
-        assert by_number[key].user_attrs["variant"] == name
-    assert not [t for t in by_number.values() if t.state == TrialState.RUNNING]
+    after = _kept(cfg, before)
+    assert not [t for ts in after.values() for t in ts if t.state == TrialState.RUNNING]
 
 
 def test_status_says_what_is_done_and_left_and_done_buckets_are_not_retimed(tmp_path):
