@@ -255,8 +255,8 @@ class BucketStudy:
     def enqueue_unmeasured(self, rng, busy) -> bool:
         """Propose next a feasible variant nobody has measured (drawn by `rng`; `busy(v)`: this
         process has it in flight). For small spaces, where the sampler's proposals are mostly
-        infeasible or known (D=256's generic forward: ~24 of them per measured variant, each an
-        ask and a tell on the shared storage). False when none is left."""
+        infeasible or known (D=256's generic forward: 10-24 of them per measured variant, each
+        an ask and a tell on the shared storage). False when none is left."""
         left = [v for v in self.space.feasible if v.key not in self._known and not busy(v)]
         if not left:
             return False
