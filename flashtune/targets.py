@@ -63,7 +63,7 @@ def get(short: str) -> Target:
 
 def known_by_name(names: list[str] | None) -> Target | None:
     """The target every one of these GPU names is (None: none given, names that differ, or a
-    GPU not in TARGETS), as detect() would match the device's own name."""
+    GPU not in TARGETS): detect()'s match of a device's own name."""
     if not names or len(set(names)) != 1:
         return None
     for t in TARGETS.values():
@@ -94,9 +94,9 @@ def detect(device_index: int | None = None) -> Target | None:
         return None
     idx = torch.cuda.current_device() if device_index is None else device_index
     props = torch.cuda.get_device_properties(idx)
-    for t in TARGETS.values():
-        if t.name == props.name or slug_of(t.name) == slug_of(props.name):
-            return t
+    t = known_by_name([props.name])
+    if t is not None:
+        return t
     for t in TARGETS.values():  # same chip, other SKU ("H100 PCIe"): closest by short name
         if t.short.lower() in props.name.lower().replace(" ", ""):
             return dataclasses.replace(t, name=props.name, sm_count=props.multi_processor_count)
