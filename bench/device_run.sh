@@ -27,7 +27,9 @@ for step in ${STEPS:-fwdtests}; do
               # Flex (compiled, same mask) and SDPA (explicit mask); dense rows for before/after
               timeout ${MASKS_TIMEOUT:-540} python3 bench/mask_bench.py ${MASKS_ARGS:-} 2>&1 \
                 | tee "$OUT/masks.log" | tail -60 ;;
-    gputests) timeout ${GPUTESTS_TIMEOUT:-300} python3 -m pytest -q -m gpu ${GPUTESTS_ARGS:-tests} 2>&1 | tee "$OUT/gputests.log" | tail -30 ;;
+    gputests) # GPUTESTS_K: a pytest -k expression (quoted as one argument)
+              timeout ${GPUTESTS_TIMEOUT:-300} python3 -m pytest -q -m gpu ${GPUTESTS_ARGS:-tests} \
+                ${GPUTESTS_K:+-k "$GPUTESTS_K"} 2>&1 | tee -a "$OUT/gputests.log" | tail -30 ;;
     dispatch) timeout 120 python3 bench/dispatch_overhead.py 2>&1 | tee "$OUT/dispatch.log" | tail -22 ;;
     sweep)    timeout 290 python3 bench/sweep.py --budget 240 2>&1 | tee "$OUT/sweep.log" | tail -8 ;;
     faults)   timeout 180 python3 bench/faults.py 2>&1 | tee "$OUT/faults.log" | tail -14 ;;
@@ -100,6 +102,14 @@ for step in ${STEPS:-fwdtests}; do
                 ${SCALING_ARGS:---warm} --out "$OUT/scaling.json" 2>&1 | tee "$OUT/scaling.log" | tail -24
               # the device tool brings back 8 files: the runs' journals travel as one archive
               (cd "$OUT" && ls *.journal >/dev/null 2>&1 && tar czf scaling-journals.tgz *.journal && rm -f *.journal) ;;
+    detect)   # the target as NVML names it (no CUDA start) against the one torch reads off the device
+              python3 -c "
+import time, torch; t0 = time.perf_counter()
+from flashtune import nvml, targets
+print('nvml driver', nvml.driver_version(), 'names', nvml.gpu_names())
+t = targets.detect(); print('detect', t.slug if t else None, f'{time.perf_counter() - t0:.3f} s',
+      'cuda initialized:', torch.cuda.is_initialized())
+print('torch', torch.cuda.get_device_name(0), targets.detect(0).slug)" 2>&1 | tee "$OUT/detect.log" ;;
     cudainit) # where a multi-GPU search's start-up goes: each GPU's CUDA start alone, at once, beside
               # busy processes, one after another (bench/cuda_init_probe.py)
               timeout 200 python3 bench/cuda_init_probe.py --gpus $(nvidia-smi -L | wc -l) \
@@ -227,9 +237,15 @@ sys.exit(pytest.main(['-q', '-x', '--tb=long', 'tests/test_transformers_backend.
     # is rewritten after every case (a run cut by the timeout keeps its rows; put it in the
     # worktree and add `--resume that/bench.json` to BENCH_ARGS to go on from there). Plots and
     # the merged report: `flashtune bench --from A/bench.json --from B/bench.json --out DIR`.
-    bench)    d="$OUT/bench${BENCH_NAME:+_$BENCH_NAME}"
-              timeout ${BENCH_TIMEOUT:-560} flashtune bench --no-plots --progress lines --out "$d" \
-                ${BENCH_ARGS:-} > "$d.log" 2>&1; echo "rc $?"; tail -${BENCH_TAIL:-60} "$d.log" ;;
+    bench)    # BENCH_DBS: tuned DBs to dispatch from, one run each ("shipped": the tables alone;
+              # a research step's sqlite:////tmp/rs.db: its records first)
+              for db in ${BENCH_DBS:-shipped}; do
+                d="$OUT/bench${BENCH_NAME:+_$BENCH_NAME}"; [ $db = shipped ] || d="${d}_db"
+                if [ $db = shipped ]; then unset FLASHTUNE_DB; else export FLASHTUNE_DB=$db; fi
+                timeout ${BENCH_TIMEOUT:-560} flashtune bench --no-plots --progress lines --out "$d" \
+                  ${BENCH_ARGS:-} > "$d.log" 2>&1; echo "rc $? ($db)"; tail -${BENCH_TAIL:-60} "$d.log"
+              done
+              unset FLASHTUNE_DB ;;
     benchquick) timeout ${BENCH_TIMEOUT:-560} flashtune bench --quick --no-plots --progress lines \
                 --out "$OUT/benchquick" ${BENCH_ARGS:-} > "$OUT/benchquick.log" 2>&1; echo "rc $?"
               tail -${BENCH_TAIL:-60} "$OUT/benchquick.log" ;;
@@ -422,13 +438,25 @@ PY
                 set -- $spec
                 timeout $(( $3 + 60 )) flashtune search --gpu auto --family $1 --head-dim $2 \
                   ${RESEARCH_GPUS:+--gpus $RESEARCH_GPUS} \
-                  --trials ${TRIALS:-40} --time-budget $3 --in-order --storage /tmp/rs.journal \
+                  --trials ${TRIALS:-40} --time-budget $3 --in-order --storage /tmp/rs.journal ${RESEARCH_ARGS:-} \
                   --db sqlite:////tmp/rs.db --progress lines 2>&1 | tee -a "$OUT/research.log" \
                   | grep -v "measured so far\|^\[all\]" | tail -16
               done
               python3 bench/trial_phases.py --failed /tmp/rs.journal 2>&1 | tail -8
               mkdir -p "$OUT/tables"
               flashtune db export --gpu "$name" --db sqlite:////tmp/rs.db -o "$OUT/tables/research.json" 2>&1 | tail -1 ;;
+    parity)   # the backward beside Flex on PARITY_SEQLENS (default 512), PARITY_RUNS times, as
+              # dispatched -- from $PARITY_DB (a research step's /tmp/rs.db) when set, then the shipped table
+              for i in $(seq ${PARITY_RUNS:-3}); do
+                for db in shipped ${PARITY_DB:-}; do
+                  echo "--- run $i, tuned records: $db" | tee -a "$OUT/parity.log"
+                  if [ $db = shipped ]; then unset FLASHTUNE_DB; else export FLASHTUNE_DB=$db; fi
+                  timeout 150 python3 bench/bwd_bench.py --flex --only flashtune,flex \
+                    --head-dims ${PARITY_D:-128} --seqlens ${PARITY_SEQLENS:-512} 2>&1 \
+                    | tee -a "$OUT/parity.log" | tail -6
+                done
+              done
+              unset FLASHTUNE_DB ;;
     *) echo "unknown step $step" ;;
   esac
 done

@@ -38,7 +38,7 @@ SCHEDULES = {
     "one_consumer": "hopper_fwd-m128-n64-w8-s3-lr24",
     "noloader_pingpong": "hopper_fwd-m64-n128-w4-s3-pingpong=true",
     "noloader_one": "hopper_fwd-m128-n128-w8-s2",
-    "d256": "hopper_fwd-m64-n32-w4-s3-pingpong=true-lr24",
+    "d256": "hopper_fwd-m128-n64-w8-s2-lr24-early_k_release=true",
 }
 # their kernel hashes: the masks' code leaves the dense and causal renders as they were (the tuned
 # records stay fresh). Changed on purpose once since (issue 10: P converted to the PV operand
@@ -290,12 +290,12 @@ def test_masked_defaults_compile_for_sm90_without_spills():
 
     from test_compile_sm90 import kernels_check
     names = sorted({dataclasses.replace(FAM.default(d, "bfloat16"), window=True,
-                                        softcap=True).name for d in (64, 128)})
-    r = kernels_check("--gpu", "H100", "--dtype", "bf16", "--head-dim", "64,128",
+                                        softcap=True).name for d in (64, 128, 256)})
+    r = kernels_check("--gpu", "H100", "--dtype", "bf16", "--head-dim", "64,128,256",
                       "--format", "json", *names)
     rows = json.loads(r.stdout) if r.stdout.startswith("[") else []
     assert rows, r.stdout[-2000:] + r.stderr[-2000:]
-    for d in (64, 128):
+    for d in (64, 128, 256):
         want = dataclasses.replace(FAM.default(d, "bfloat16"), window=True, softcap=True).name
         x = next(x for x in rows if x["head_dim"] == d and x["variant"] == want)
         assert x["fits"] and not x["why"], x
@@ -327,7 +327,8 @@ GPU_GRID = [(s, c, SHAPES[(i + j) % len(SHAPES)],
              (torch.bfloat16, torch.float16)[(i + j // 2) % 2])
             for i, s in enumerate(SCHEDULES) for j, c in enumerate(CASES)
             if (s != "d256" and (i + j) % 2 == 0)
-            or (s == "d256" and c in ("window_causal", "softcap_window"))]
+            or (s == "d256" and c in ("window_causal", "softcap_window", "window_left",
+                                      "softcap_causal"))]
 
 
 @pytest.mark.gpu
