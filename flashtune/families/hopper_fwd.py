@@ -86,7 +86,8 @@ DEFAULTS = {
     # one 8-warp consumer, 64-key steps, two stages whose K goes back after S = Q K^T: spill-free
     # (bf16/fp16, causal or not, tails; `kernels check`) and faster in every cell of the D=256 grid
     # than the ping-pong m64-n32-s3 it replaced (0.81x cuDNN against 0.73x, H100, session 18,
-    # docs/data/session18_h100_2026-11-26/hopper_krelease.jsonl; its forced GPU tests: session 20)
+    # docs/data/session18_h100_2026-11-26/hopper_krelease.jsonl; its forced GPU tests: session 20).
+    # Its window/softcap renders are spill-free too; its block_sparse render spills (prefer_for_dense)
     256: dict(block_m=128, block_n=64, num_warps=8, num_stages=2, early_k_release=True),
 }
 
@@ -169,7 +170,9 @@ def prefer_for_dense(p) -> bool:
     of BH from those records, too far for the records to compete (dispatch._same_shape), so this
     rule decides there. D=256 by extension, not timed with a block mask: the generic fwd runs
     D=256 at 0.35-0.40x cuDNN, hopper_fwd at 0.7-0.9x, and its block render (the default tile)
-    spills 32-36 B (sm_90 compile). Windows and softcap: tuned records decide."""
+    spills 84-88 B (sm_90 compile, triton 3.9, bf16/fp16, causal or not; the m64-n32 ping-pong
+    default before it 36-40 B, the same tile with 32-key steps 16 B; not timed). Windows and
+    softcap: tuned records decide."""
     if p.seqlen_q < 512 or p.seqlen_k < 512 or cannot_serve(p):
         return False
     if set(p.mask_kinds) - {"block_sparse"}:
