@@ -357,7 +357,8 @@ VARIANTS = {64: ["hopper_fwd-m64-n128-w4-s3-pingpong=true-lr24"],            # t
             128: ["hopper_fwd-m64-n128-w4-s3-pingpong=true-lr24",
                   "hopper_fwd-m64-n64-w4-s3-pingpong=true-persistent=true-lr24",  # persistent
                   "hopper_fwd-m128-n64-w8-s3-lr24"],                         # one 8-warp consumer
-            256: ["hopper_fwd-m64-n32-w4-s3-pingpong=true-lr24"]}
+            256: ["hopper_fwd-m128-n64-w8-s2-lr24-early_k_release=true",  # default since session 20
+                  "hopper_fwd-m64-n32-w4-s3-pingpong=true-lr24"]}           # the one before
 # no loader partition (loader_regs 0): the consumers load the ring; 128-key steps at D <= 128
 NO_LOADER = {64: ["hopper_fwd-m64-n128-w4-s3-pingpong=true"],
              128: ["hopper_fwd-m64-n128-w4-s3-pingpong=true",
