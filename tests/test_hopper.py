@@ -468,10 +468,27 @@ def test_release_and_rescale_settings_match_reference(d, name, dtype, causal, sh
 # the O store waited for under the next tile's first QK^T: the two-Q-buffer schedules (persistent,
 # many tiles per program, so the deferred wait and hand-back run every tile), with the short
 # causal record's fields
-O_STORE = {d: [f"{n}-async_o_store=true" for n in names] for d, names in QBUF.items()}
-O_STORE[128].append("hopper_fwd-m64-n64-w4-s4-causal_split=false-pingpong=true-persistent=true"
-                    "-lr56-qb2-l2_order=true-early_rescale=true-early_k_release=true"
-                    "-async_o_store=true")
+def on_qbuf(setting: str, record128: str) -> dict:
+    """QBUF's schedules with `setting` (e.g. "x=true"), and at D=128 a short causal record's
+    fields with it."""
+    out = {d: [f"{n}-{setting}" for n in names] for d, names in QBUF.items()}
+    out[128] = out[128] + [f"{record128}-{setting}"]
+    return out
+
+
+def field_pair(base: str, field: str) -> tuple:
+    """(off, on, off's render, on's render) of the structural bool `field` on variant `base`;
+    on's name carries it and parses back."""
+    import dataclasses
+    off = Variant.parse(base)
+    on = dataclasses.replace(off, **{field: True})
+    assert Variant.parse(on.name) == on and f"{field}=true" in on.name
+    return off, on, render(off), render(on)
+
+
+O_STORE = on_qbuf("async_o_store=true",
+                  "hopper_fwd-m64-n64-w4-s4-causal_split=false-pingpong=true-persistent=true"
+                  "-lr56-qb2-l2_order=true-early_rescale=true-early_k_release=true")
 
 
 @forced_grid(O_STORE, MANY_TILES)
@@ -481,10 +498,8 @@ def test_async_o_store_matches_reference_over_many_tiles(d, name, dtype, causal,
 
 def test_async_o_store_is_structural_and_needs_two_q_buffers():
     import dataclasses
-    off = Variant.parse("hopper_fwd-m64-n64-w4-s3-pingpong=true-persistent=true-lr24-qb2")
-    on = dataclasses.replace(off, async_o_store=True)
-    assert Variant.parse(on.name) == on and "async_o_store=true" in on.name
-    on_src, off_src = render(on), render(off)
+    off, on, off_src, on_src = field_pair(
+        "hopper_fwd-m64-n64-w4-s3-pingpong=true-persistent=true-lr24-qb2", "async_o_store")
     assert "def _o_stored" not in off_src and "def _o_stored" in on_src
     # the epilogue no longer waits for its store; the wait follows the next tile's first QK^T
     epi = on_src[on_src.index("tma_store(o_desc"):]
@@ -505,9 +520,9 @@ def test_async_o_store_is_structural_and_needs_two_q_buffers():
 # schedules over many tiles (every tile boundary takes the new path), with the short causal
 # record's fields (l2_order, early_k_release, async_o_store) and without. Not yet run on a GPU
 # (session 20 built it after its device time ran out); not in the search space until it has.
-T_OVERLAP = {d: [f"{n}-tile_overlap=true" for n in names] for d, names in QBUF.items()}
-T_OVERLAP[128].append("hopper_fwd-m64-n64-w4-s4-pingpong=true-persistent=true-lr24-qb2"
-                      "-l2_order=true-early_k_release=true-async_o_store=true-tile_overlap=true")
+T_OVERLAP = on_qbuf("tile_overlap=true",
+                    "hopper_fwd-m64-n64-w4-s4-pingpong=true-persistent=true-lr24-qb2"
+                    "-l2_order=true-early_k_release=true-async_o_store=true")
 
 
 @forced_grid(T_OVERLAP, MANY_TILES)
@@ -518,10 +533,8 @@ def test_tile_overlap_matches_reference_over_many_tiles(d, name, dtype, causal, 
 def test_tile_overlap_is_structural_and_needs_two_q_buffers_and_a_loader():
     import dataclasses
     from flashtune.codegen import kernel_hash
-    off = Variant.parse("hopper_fwd-m64-n64-w4-s4-pingpong=true-persistent=true-lr24-qb2")
-    on = dataclasses.replace(off, tile_overlap=True)
-    assert Variant.parse(on.name) == on and "tile_overlap=true" in on.name
-    on_src, off_src = render(on), render(off)
+    off, on, off_src, on_src = field_pair(
+        "hopper_fwd-m64-n64-w4-s4-pingpong=true-persistent=true-lr24-qb2", "tile_overlap")
     assert "s0n" not in off_src and "warpgroup_mma_init" not in off_src
     assert kernel_hash(off) != kernel_hash(on)
     # the next tile's S_0 is issued after O is normalised and before it goes to shared memory,
