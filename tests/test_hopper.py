@@ -554,16 +554,17 @@ def test_tile_overlap_is_structural_and_needs_two_q_buffers_and_a_loader():
 
 @pytest.mark.slow
 def test_tile_overlap_compiles_for_sm90_without_spills():
-    """Without l2_order, causal or not. With l2_order it spills 36 B at D=128 m64-n64 (sm_90,
-    triton 3.9: the async S_0 held across the tile loop's back edge beside l2_order's tile
-    arithmetic), which the GPU run will weigh."""
+    """With and without l2_order, causal or not (sm_90, triton 3.9). Each tile's coordinates are
+    computed once, by the tile before it: computed again for the next tile's S_0, l2_order's
+    tile arithmetic spilled 36 B at D=128 m64-n64."""
     from test_compile_sm90 import kernels_check
-    name = "hopper_fwd-m64-n64-w4-s4-pingpong=true-persistent=true-lr24-qb2-tile_overlap=true"
+    base = "hopper_fwd-m64-n64-w4-s4-pingpong=true-persistent=true-lr24-qb2"
+    names = (f"{base}-tile_overlap=true", f"{base}-l2_order=true-tile_overlap=true")
     for causal in ("--causal", "--no-causal"):
         r = kernels_check("--gpu", "H100", "--dtype", "bf16", "--head-dim", "128", causal,
-                          "--format", "json", name)
+                          "--format", "json", *names)
         rows = json.loads(r.stdout) if r.stdout.startswith("[") else []
-        assert rows and all(x["fits"] and not x["why"] for x in rows), \
+        assert len(rows) == 2 and all(x["fits"] and not x["why"] for x in rows), \
             r.stdout[-2000:] + r.stderr[-2000:]
 
 
