@@ -16,6 +16,8 @@ export FLASHTUNE_CACHE_DIR=/tmp/flashtune-cache
 export PYTHONPYCACHEPREFIX=/tmp/pycache
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,temperature.gpu --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda)"
+# the tuned records a step dispatches from: "shipped" (the tables alone) or a tuned DB's URL
+use_db() { if [ "$1" = shipped ]; then unset FLASHTUNE_DB; else export FLASHTUNE_DB=$1; fi; }
 for step in ${STEPS:-fwdtests}; do
   echo "=== $step $(date +%T)"
   case $step in
@@ -251,11 +253,11 @@ sys.exit(pytest.main(['-q', '-x', '--tb=long', 'tests/test_transformers_backend.
               # a research step's sqlite:////tmp/rs.db: its records first)
               for db in ${BENCH_DBS:-shipped}; do
                 d="$OUT/bench${BENCH_NAME:+_$BENCH_NAME}"; [ $db = shipped ] || d="${d}_db"
-                if [ $db = shipped ]; then unset FLASHTUNE_DB; else export FLASHTUNE_DB=$db; fi
+                use_db $db
                 timeout ${BENCH_TIMEOUT:-560} flashtune bench --no-plots --progress lines --out "$d" \
                   ${BENCH_ARGS:-} > "$d.log" 2>&1; echo "rc $? ($db)"; tail -${BENCH_TAIL:-60} "$d.log"
               done
-              unset FLASHTUNE_DB ;;
+              use_db shipped ;;
     benchquick) timeout ${BENCH_TIMEOUT:-560} flashtune bench --quick --no-plots --progress lines \
                 --out "$OUT/benchquick" ${BENCH_ARGS:-} > "$OUT/benchquick.log" 2>&1; echo "rc $?"
               tail -${BENCH_TAIL:-60} "$OUT/benchquick.log" ;;
@@ -456,17 +458,17 @@ PY
               mkdir -p "$OUT/tables"
               flashtune db export --gpu "$name" --db sqlite:////tmp/rs.db -o "$OUT/tables/research.json" 2>&1 | tail -1 ;;
     parity)   # the backward beside Flex on PARITY_SEQLENS (default 512), PARITY_RUNS times, as
-              # dispatched -- from $PARITY_DB (a research step's /tmp/rs.db) when set, then the shipped table
+              # dispatched -- from the shipped table, then from $PARITY_DB (a research step's /tmp/rs.db) when set
               for i in $(seq ${PARITY_RUNS:-3}); do
                 for db in shipped ${PARITY_DB:-}; do
                   echo "--- run $i, tuned records: $db" | tee -a "$OUT/parity.log"
-                  if [ $db = shipped ]; then unset FLASHTUNE_DB; else export FLASHTUNE_DB=$db; fi
+                  use_db $db
                   timeout 150 python3 bench/bwd_bench.py --flex --only flashtune,flex \
                     --head-dims ${PARITY_D:-128} --seqlens ${PARITY_SEQLENS:-512} 2>&1 \
                     | tee -a "$OUT/parity.log" | tail -6
                 done
               done
-              unset FLASHTUNE_DB ;;
+              use_db shipped ;;
     *) echo "unknown step $step" ;;
   esac
 done
