@@ -153,18 +153,9 @@ _OSTORE_BASE = {
 }
 OSTORE = {d: [x for n in names for x in (n, n + "-async_o_store=true")]
           for d, names in _OSTORE_BASE.items()}
-# the next tile's first QK^T issued before the current tile's epilogue (tile_overlap, session 20)
-# beside the same two-Q-buffer persistent records without it, and the H100 table's short causal
-# D=128 records (N=512, 1k) that are persistent with two Q buffers
-_OVERLAP_BASE = {**_OSTORE_BASE, 128: _OSTORE_BASE[128] + [
-    "hopper_fwd-m64-n64-w4-s3-causal_split=false-pingpong=true-persistent=true-lr56-qb2"
-    "-l2_order=true-early_k_release=true-async_o_store=true",
-    "hopper_fwd-m64-n64-w4-s4-pingpong=true-persistent=true-lr24-qb2-l2_order=true"]}
-OVERLAP = {d: [x for n in names for x in (n, n + "-tile_overlap=true")]
-           for d, names in _OVERLAP_BASE.items()}
 SETS = {"loader": CANDIDATES, "no_loader": NO_LOADER, "tiles": TILES, "qbuf": QBUF,
         "l2order": L2ORDER, "d256": D256, "release": RELEASE, "rescale": RESCALE,
-        "krelease": KRELEASE, "ostore": OSTORE, "overlap": OVERLAP}
+        "krelease": KRELEASE, "ostore": OSTORE}
 # (B, H, Hk, Nq, Nk, causal): odd lengths, a single key/query, GQA, Nq > Nk causal (the first
 # Nq - Nk rows see no key), a multi-tile causal case
 CHECK_SHAPES = [(1, 2, 2, 1, 1, False), (2, 3, 3, 37, 37, True), (1, 4, 2, 113, 203, False),

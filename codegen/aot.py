@@ -32,8 +32,25 @@ def _ptxas_candidates() -> list[str]:
     return found + ([shutil.which("ptxas")] if shutil.which("ptxas") else [])
 
 
+# ptxas's own performance notes that make a kernel slower than its source says: on sm_90 a
+# wgmma whose accumulator registers are touched while it is in flight (kept live across a loop's
+# back edge, say) makes ptxas serialize every wgmma of the function (C7512) or wait for it where
+# the source does not (C7517). tile_overlap's S_0 carried across the tile loop did both and ran
+# 25-40% slower on the H100 (session 21) although it compiled spill-free.
+_SERIALIZED = re.compile(r"\((C75\d\d)\) (?:Potential Performance Loss: )?(wgmma[^\n]*?)"
+                         r" (?:in|for) (?:the )?function")
+
+
+def _wgmma_notes(log: str) -> list[str]:
+    """ptxas's wgmma notes in `log`, one per kind ("C7517 wgmma.wait_group is injected ...")."""
+    return sorted({code + " " + re.sub(r" in around line \d+", "", text)
+                   for code, text in _SERIALIZED.findall(log)})
+
+
 def ptxas_usage(ptx: str, arch: str = "sm_90a") -> dict:
-    """Registers and spill bytes that ptxas -v reports ({} when no ptxas reads this PTX)."""
+    """Registers and spill bytes that ptxas -v reports, and its wgmma serialization notes
+    ("wgmma": ["C7512 wgmma.mma_async instructions are serialized due to ...", ...], empty when
+    none) ({} when no ptxas reads this PTX)."""
     with tempfile.TemporaryDirectory() as d:
         p = Path(d) / "k.ptx"
         p.write_text(ptx)
@@ -45,7 +62,8 @@ def ptxas_usage(ptx: str, arch: str = "sm_90a") -> dict:
                 m = re.search(r"Used (\d+) registers", log)
                 s = re.search(r"(\d+) bytes spill stores", log)
                 return {"regs": int(m.group(1)) if m else None,
-                        "spill_bytes": int(s.group(1)) if s else None}
+                        "spill_bytes": int(s.group(1)) if s else None,
+                        "wgmma": _wgmma_notes(log)}
     return {}
 
 

@@ -67,7 +67,8 @@ def show(variant, path):
 def check(variants, gpu, head_dims, dtypes, causal, tails, fmt):
     """Compile VARIANTS (default: the target's built-in defaults) for a GPU without one: shared
     memory, registers and spills per kernel. Exits 1 if a kernel exceeds the target's shared
-    memory, spills registers, or uses a feature the target lacks (descriptor loads need TMA)."""
+    memory, spills registers, has its wgmmas serialized by ptxas (sm_90), or uses a feature the
+    target lacks (descriptor loads need TMA)."""
     from . import env, targets
     from .families import all_families
     from .problem import DTYPE_ALIASES
@@ -122,6 +123,8 @@ def _problems(variant: Variant, r: dict, target) -> list[str]:
         why.append(f"shared memory {r['smem']} B > {target.smem_per_block} B")
     if r.get("spill_bytes"):  # local-memory traffic in the inner loop: slow, never a default
         why.append(f"spills {r['spill_bytes']} B")
+    if r.get("wgmma"):  # ptxas serialized or waited on wgmmas the source keeps in flight: slow
+        why.append("ptxas: " + "; ".join(r["wgmma"]))
     if variant.descriptors and not target.has("tma"):
         # Triton lowers descriptors to plain loads here: legal, but not what was measured
         why.append(f"descriptor loads need TMA, which {target.short} ({target.arch}) lacks")

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 def check_variant(variant, head_dim: int, dtype: str, *, causal: bool = True,
                   tails: bool = False, capability: int = 90, usage: bool = True) -> dict:
-    """{kernel: {"smem", "regs", "spill_bytes"}} for each kernel of the variant's family (its
+    """{kernel: {"smem", "regs", "spill_bytes", "wgmma"}} for each kernel of the variant's family (its
     flashtune/families/ entry knows how the launcher calls them).
     tails: the specialisation for ragged seqlens, GQA and head-dim padding (all masks on)."""
     from .families import get
     res = get(variant.family).check_compile(variant, head_dim, dtype, causal, tails, capability,
                                             usage)
-    return {k: {key: r[key] for key in ("smem", "regs", "spill_bytes") if key in r}
+    return {k: {key: r[key] for key in ("smem", "regs", "spill_bytes", "wgmma") if key in r}
             for k, r in res.items()}

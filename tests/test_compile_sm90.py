@@ -68,3 +68,35 @@ def test_paged_splitkv_loop_stays_pipelined():
     stages = 2 * 64 * 128 * 2 * 2  # two K/V tiles (64 keys x 128 x bf16, K and V) in flight
     assert smem["splitkv-m16-n64-w4-s3"] >= stages
     assert smem["splitkv-m16-n64-w4-s3-paged=true"] >= stages, smem
+
+
+# ptxas -v's own lines for tile_overlap's render (session 21: S_0 carried across the tile loop's
+# back edge; it compiled spill-free and ran 25-40% slower on the H100)
+_SERIALIZED_LOG = """\
+ptxas info    : (C7517) wgmma.wait_group is injected in around line 6243 by compiler to allow use of registers defined by GMMA in function 'attn_fwd_hopper'
+ptxas info    : (C7517) wgmma.wait_group is injected in around line 6245 by compiler to allow use of registers defined by GMMA in function 'attn_fwd_hopper'
+ptxas info    : (C7512) Potential Performance Loss: wgmma.mma_async instructions are serialized due to insufficient register resources for the function 'attn_fwd_hopper'
+ptxas info    : Compiling entry function 'attn_fwd_hopper' for 'sm_90a'
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 168 registers, used 3 barriers
+"""
+
+
+def test_serialized_wgmmas_fail_the_check():
+    """A kernel ptxas serialized (or made wait on its wgmmas) does not ship, spill-free or not:
+    the notes are read once per kind, without their PTX line numbers."""
+    from flashtune import targets
+    from flashtune.cli_kernels import _problems
+    from flashtune.codegen import Variant
+    from flashtune.codegen.aot import _wgmma_notes
+    notes = _wgmma_notes(_SERIALIZED_LOG)
+    assert notes == ["C7512 wgmma.mma_async instructions are serialized due to insufficient "
+                     "register resources",
+                     "C7517 wgmma.wait_group is injected by compiler to allow use of registers "
+                     "defined by GMMA"]
+    assert _wgmma_notes(_SERIALIZED_LOG.split("ptxas info    : Compiling")[1]) == []
+    v = Variant.parse("hopper_fwd-m64-n128-w4-s3-pingpong=true-lr24")
+    h100 = targets.get("H100")
+    why = _problems(v, {"smem": 100_000, "spill_bytes": 0, "wgmma": notes}, h100)
+    assert len(why) == 1 and why[0].startswith("ptxas: C7512") and "C7517" in why[0]
+    assert _problems(v, {"smem": 100_000, "spill_bytes": 0, "wgmma": []}, h100) == []

@@ -516,61 +516,6 @@ def test_async_o_store_is_structural_and_needs_two_q_buffers():
     assert "async_o_store" in space.check(dataclasses.replace(on, q_buffers=1)).reason
 
 
-# the next tile's S_0 issued before the current tile's epilogue: the two-Q-buffer persistent
-# schedules over many tiles (every tile boundary takes the new path), with the short causal
-# record's fields (l2_order, early_k_release, async_o_store) and without. Not yet run on a GPU
-# (session 20 built it after its device time ran out); not in the search space until it has.
-T_OVERLAP = on_qbuf("tile_overlap=true",
-                    "hopper_fwd-m64-n64-w4-s4-pingpong=true-persistent=true-lr24-qb2"
-                    "-l2_order=true-early_k_release=true-async_o_store=true")
-
-
-@forced_grid(T_OVERLAP, MANY_TILES)
-def test_tile_overlap_matches_reference_over_many_tiles(d, name, dtype, causal, shape):
-    _check_forced(d, name, dtype, causal, shape)
-
-
-def test_tile_overlap_is_structural_and_needs_two_q_buffers_and_a_loader():
-    import dataclasses
-    from flashtune.codegen import kernel_hash
-    off, on, off_src, on_src = field_pair(
-        "hopper_fwd-m64-n64-w4-s4-pingpong=true-persistent=true-lr24-qb2", "tile_overlap")
-    assert "s0n" not in off_src and "warpgroup_mma_init" not in off_src
-    assert kernel_hash(off) != kernel_hash(on)
-    # the next tile's S_0 is issued after O is normalised and before it goes to shared memory,
-    # and the tile's start issues S_0 only when the tile before did not
-    end = on_src.index("s0n, tp = _issue_s0(q_bufs.index(qn)")
-    assert on_src.rindex("o = acc / gl.expand_dims", 0, end) < end < on_src.index(
-        "q_smem.store(o.to(dtype))", end)
-    start = on_src.index("if not pre:")
-    assert start < on_src.index("s0n, tp = _issue_s0(q_smem", start) < end
-    assert 'gl.static_assert(QB == 2, "tile_overlap needs q_buffers=2")' in on_src
-    for other in (dataclasses.replace(on, loader_regs=0), dataclasses.replace(on, window=True)):
-        assert 'tile_overlap: dense renders with a loader partition only' in render(other)
-    # the turns keep their order: one _turn per S_0, wherever it is issued (both places call
-    # _issue_s0, which takes it; the tile start's own S_0 issue is not rendered)
-    turn = "tp = _turn(turns, tp, WHICH, PINGPONG)"
-    helper = on_src[on_src.index("def _issue_s0"):on_src.index("return s0, tp")]
-    assert helper.count(turn) == 1 and on_src.count("= _issue_s0(") == 2
-    assert on_src.count(turn) == off_src.count(turn)
-
-
-@pytest.mark.slow
-def test_tile_overlap_compiles_for_sm90_without_spills():
-    """With and without l2_order, causal or not (sm_90, triton 3.9). Each tile's coordinates are
-    computed once, by the tile before it: computed again for the next tile's S_0, l2_order's
-    tile arithmetic spilled 36 B at D=128 m64-n64."""
-    from test_compile_sm90 import kernels_check
-    base = "hopper_fwd-m64-n64-w4-s4-pingpong=true-persistent=true-lr24-qb2"
-    names = (f"{base}-tile_overlap=true", f"{base}-l2_order=true-tile_overlap=true")
-    for causal in ("--causal", "--no-causal"):
-        r = kernels_check("--gpu", "H100", "--dtype", "bf16", "--head-dim", "128", causal,
-                          "--format", "json", *names)
-        rows = json.loads(r.stdout) if r.stdout.startswith("[") else []
-        assert len(rows) == 2 and all(x["fits"] and not x["why"] for x in rows), \
-            r.stdout[-2000:] + r.stderr[-2000:]
-
-
 @forced_grid(K_RELEASE, FIELD_SHAPES)
 def test_early_k_release_matches_reference(d, name, dtype, causal, shape):
     _check_forced(d, name, dtype, causal, shape)
