@@ -1,6 +1,7 @@
 """The `flashtune` command: one click group; each verb group lives in its own cli_*.py module."""
 from __future__ import annotations
 
+import os
 import sys
 
 from .isolation import start_server
@@ -37,5 +38,23 @@ main.add_command(db)
 main.add_command(dispatch_group)
 main.add_command(bench)
 
+def entry() -> None:
+    """The `flashtune` program. A search that wrote its summary leaves without the interpreter's
+    teardown (finalizers, the workers' server and resource tracker shut down one by one): its
+    trials, winners and output are stored and flushed by then, and the teardown took ~0.5 s
+    here and ~1 s of every `--gpus` search on the H200s (session 21). Anything else exits as
+    usual."""
+    try:
+        main()
+    except SystemExit as e:
+        from .cli_search import search_finished
+        if not search_finished():
+            raise
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
 if __name__ == "__main__":
-    main()
+    entry()

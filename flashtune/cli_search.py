@@ -163,8 +163,18 @@ def search(gpu, families, dtypes, head_dims, causal, seqlens, batches, masks, tr
         raise click.UsageError(str(e)) from None
     _summary(result, fmt)
     mark("summary written")
+    global _FINISHED
+    _FINISHED = True
     if result.interrupted:
         raise SystemExit(130)
+
+
+_FINISHED = False
+
+
+def search_finished() -> bool:
+    """A search ran to its summary in this process (`cli.entry` may then skip the teardown)."""
+    return _FINISHED
 
 
 def _dry_run(cfg, target, planned, fmt):

@@ -380,7 +380,11 @@ def search_bucket(bs: BucketStudy, pipeline: Pipeline, trials: int, deadline: fl
 
 
 def run_search(cfg: SearchConfig, *, backend=None, db=None, progress=None,
-               target=None) -> SearchResult:
+               target=None, studies_ready=None) -> SearchResult:
+    """Search cfg's buckets and write their winners. studies_ready (a --gpus child's): called
+    once the workers are up, before the first bucket is opened; it waits until the parent has
+    prepared the studies and returns False where there is nothing to search (then no bucket
+    is opened and the result is empty)."""
     t_start = time.monotonic()
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     target = target or resolve_target(cfg)
@@ -405,6 +409,10 @@ def run_search(cfg: SearchConfig, *, backend=None, db=None, progress=None,
     pipeline = Pipeline(backend, devices=tuple(range(cfg.workers)), compile_workers=cw,
                         trial_timeout=cfg.trial_timeout_s).start()
     mark("workers started")
+    if studies_ready is not None and not studies_ready():
+        heartbeat.stop()
+        pipeline.close()
+        return SearchResult(target.short, (), time.monotonic() - t_start, False, 0, 0)
     run = _Run(cfg, planned, pipeline, storage, db, progress, t_start)
     stop = threading.Event()
     progress.start(len(planned), cfg.trials * len(planned))

@@ -112,8 +112,9 @@ def test_two_gpu_processes_halve_the_search(tmp_path, bound):
             assert b.winner and b.tflops >= best / 1.02, (n, b, best)
 
 
-def _cli(tmp_path, rec, *extra):
-    env = dict(os.environ, FLASHTUNE_CACHE_DIR=str(tmp_path / "cache"), PYTHONUNBUFFERED="1")
+def _cli(tmp_path, rec, *extra, **env_extra):
+    env = dict(os.environ, FLASHTUNE_CACHE_DIR=str(tmp_path / "cache"), PYTHONUNBUFFERED="1",
+               **env_extra)
     env.pop("CUDA_VISIBLE_DEVICES", None)
     args = [sys.executable, "-m", "flashtune.cli", "search", "--gpu", "H100", "--replay", rec,
             "--family", "fwd", "--head-dim", "64", "--seqlen", "1024,2048", "--causal", "false",
@@ -154,6 +155,30 @@ def _kept(cfg, before: dict) -> dict:
         assert by_number[key].state == TrialState.COMPLETE
         assert by_number[key].user_attrs["variant"] == name
     return after
+
+
+def test_gpu_processes_start_before_the_studies_and_wait_for_them(tmp_path):
+    """The children start their workers while the parent prepares the studies (their
+    timelines), and none opens a bucket before the parent says the studies are ready; a second
+    run of the finished search starts them and they stop without opening one."""
+    import re
+    rec = _recording(tmp_path, delay=0.05)
+    marks = []
+    for run in range(2):
+        proc = _cli(tmp_path, rec, "--gpus", "0,1", "--trials", "3", FLASHTUNE_TIMELINE="1")
+        out, _ = proc.communicate(timeout=120)
+        assert proc.returncode == 0, out
+        marks.append([(int(p), float(t), what) for p, t, what in re.findall(
+            r"\[timeline\] pid (\d+) \+[\d.]+s at ([\d.]+): (.*)", out)])
+    first, again = marks
+    parent = next(p for p, _, w in first if w == "search command")
+    at = {w: t for p, t, w in first if p == parent}
+    assert at["2 search processes started"] <= at["studies ready"]
+    opened = [t for p, t, w in first if w == "first bucket open"]
+    assert len(opened) == 2 and min(opened) >= at["studies ready"], first
+    assert len({p for p, _, w in first if w == "search starts"}) == 2
+    assert not [w for _, _, w in again if w == "first bucket open"], again
+    assert [w for _, _, w in again if w == "studies ready"]
 
 
 def test_a_killed_gpu_process_loses_nothing(tmp_path):
