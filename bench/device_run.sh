@@ -97,11 +97,16 @@ for step in ${STEPS:-fwdtests}; do
                 | tee "$OUT/transformers.log" | tail -20 ;;
     scaling)  # the same search with --gpus 0, then 0,1 (SCALING_GPUS="0 0,1 0,1,2,3" on 4 GPUs): wall,
               # trials/s, winners compared; --warm fills Triton's cache first (SCALING_ARGS=--cold: none)
-              nvidia-smi -L
+              nvidia-smi -L; nvidia-smi topo -m
+              # each GPU's SM clock, power and temperature every second of the runs: whether a GPU
+              # that times its trials slower than the others is clocked lower (session 20: two of four)
+              nvidia-smi --query-gpu=timestamp,index,clocks.sm,power.draw,temperature.gpu,utilization.gpu \
+                --format=csv,noheader -l 1 > "$OUT/scaling-smi.csv" 2>/dev/null & smi=$!
               # FLASHTUNE_TIMELINE: each process's milestones (start-up, first trial, wind-down) in its log
               FLASHTUNE_TIMELINE=${FLASHTUNE_TIMELINE:-1} \
               timeout ${SCALING_TIMEOUT:-590} python3 bench/search_scaling.py --gpus ${SCALING_GPUS:-0 0,1} \
                 ${SCALING_ARGS:---warm} --out "$OUT/scaling.json" 2>&1 | tee "$OUT/scaling.log" | tail -24
+              kill $smi 2>/dev/null
               # the device tool brings back 8 files: the runs' journals travel as one archive
               (cd "$OUT" && ls *.journal >/dev/null 2>&1 && tar czf scaling-journals.tgz *.journal && rm -f *.journal) ;;
     detect)   # the target as NVML names it (no CUDA start) against the one torch reads off the device
