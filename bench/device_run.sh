@@ -166,13 +166,15 @@ print('torch', torch.cuda.get_device_name(0), targets.detect(0).slug)" 2>&1 | te
     timerprobe) # issues 10/12 (session 20): the search timed a few small-tile pointer-load variants 5-8%
               # faster than the bench did through the API, the defaults alike in both: each path
               # timed in turn (bench/timer_agreement.py), with the SM clock after each pass
-              for n in 4096 16384; do
+              # (TIMERPROBE_NS: the bwd cells' N; TIMERPROBE_FWD=0 leaves out the fwd probe)
+              for n in ${TIMERPROBE_NS:-4096 16384}; do
                 timeout 150 python3 bench/timer_agreement.py --mode bwd --d 128 --n $n --causal 0 \
                   bwd-m64-n64-w4-s2-dq=fused-mq64-nq64 \
-                  bwd-m64-n128-w8-s3-loads=descriptor-dq=fused-mq128-nq64 2>&1 | tail -40
+                  bwd-m64-n128-w8-s3-loads=descriptor-dq=fused-mq128-nq64 2>&1 | tee -a "$OUT/timerprobe.log" | tail -40
               done
-              timeout 120 python3 bench/timer_agreement.py --mode fwd --d 64 --n 8192 --causal 1 \
-                fwd-m64-n64-w4-s3 hopper_fwd-m64-n128-w4-s3-pingpong=true-lr24 2>&1 | tail -40 ;;
+              [ "${TIMERPROBE_FWD:-1}" = 1 ] && timeout 120 python3 bench/timer_agreement.py --mode fwd --d 64 \
+                --n 8192 --causal 1 fwd-m64-n64-w4-s3 hopper_fwd-m64-n128-w4-s3-pingpong=true-lr24 2>&1 \
+                | tee -a "$OUT/timerprobe.log" | tail -40 ;;
     masksearch) # issue 11: tune the bench's masked buckets (D=128, N=4k/16k: the causal 256-key window, the
               # non-causal block mask of density ~1/4) for every family into /tmp/ms.db (a fresh tuned DB);
               # FLASHTUNE_DB=sqlite:////tmp/ms.db makes a later bench step of this call dispatch through them;

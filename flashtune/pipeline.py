@@ -31,8 +31,6 @@ class Pipeline:
         self._timers: queue.Queue = queue.Queue()
         self._all: list[Worker] = []
         self._measured_on: dict = {}  # (problem, variant) keys -> the timing worker's index
-        self._starting = 0  # compile workers still starting (Pipeline.start's background)
-        self._lock = threading.Lock()
         self.depth = 1
         self.feed = 1  # in flight enough to keep every timing worker busy (one waiting each)
         if inline:
@@ -70,7 +68,6 @@ class Pipeline:
                 except Exception as e:  # noqa: BLE001 -- the search's error, after cleanup
                     errors.append(e)
             compilers = _drain(self._compilers)
-            self._starting = len(compilers)
             for w in compilers:
                 self._pool.submit(self._prestart, w)
             with ThreadPoolExecutor(max_workers=max(1, len(launched)),
@@ -94,8 +91,6 @@ class Pipeline:
         except Exception:  # noqa: BLE001 -- retried on first use, where it is reported
             w.kill()
         finally:
-            with self._lock:
-                self._starting -= 1
             self._compilers.put(w)
 
     @property
@@ -118,13 +113,11 @@ class Pipeline:
             return Outcome.fail("crash", f"{type(e).__name__}: {e}")
 
     def _on(self, workers: queue.Queue, method: str, args, timeout: float, stage: str,
-            prefer=None, clock: list | None = None, worker: Worker | None = None):
-        """`method` on a worker taken from `workers` (or on `worker`, taken from it already),
-        which goes back to `workers` afterwards."""
+            prefer=None, clock: list | None = None):
         t0 = time.monotonic()
-        w = worker or _take(workers, prefer)
-        if clock is not None and worker is None:  # (phase, seconds): the wait for a worker,
-            clock += [(f"{stage}_wait", time.monotonic() - t0)]  # then the call
+        w = _take(workers, prefer)
+        if clock is not None:  # (phase, seconds) pairs: the wait for a worker, then the call
+            clock += [(f"{stage}_wait", time.monotonic() - t0)]
             t0 = time.monotonic()
         try:
             if self._stop.is_set():
@@ -159,34 +152,12 @@ class Pipeline:
 
     def _run(self, variant, problem) -> Outcome:
         clock: list = []
-        t0 = time.monotonic()
-        workers, w = self._compile_worker()
-        clock += [("compile_wait", time.monotonic() - t0)]
-        res = self._on(workers, "compile", (variant, problem), self.compile_timeout, "compile",
-                       clock=clock, worker=w)
+        res = self._on(self._compilers, "compile", (variant, problem), self.compile_timeout,
+                       "compile", clock=clock)
         if res is None:
             res = self._on(self._timers, "measure", (variant, problem), self.trial_timeout,
                            "timing", clock=clock)
         return dataclasses.replace(res, phases=tuple(clock) + res.phases)
-
-    def _compile_worker(self) -> tuple:
-        """(its queue, a worker) for a trial's compile: a free compile worker, or, while every
-        compile worker is still starting, an idle timing worker, whichever is free first. A
-        compile worker imports the families' modules and sympy as it starts (2-3 s, 16 to 56 at
-        once), while the timing worker is ready and idle once it has made the first bucket's
-        inputs: the first trial was told ~2.2 s after that, on one H200 and on four (session
-        20). So the first trials compile in the timing worker."""
-        while True:
-            try:
-                return self._compilers, self._compilers.get_nowait()
-            except queue.Empty:
-                pass
-            if not self._starting:  # every compile worker started: wait for a free one
-                return self._compilers, self._compilers.get()
-            try:
-                return self._timers, self._timers.get_nowait()
-            except queue.Empty:
-                time.sleep(0.005)
 
     # -- final pick ------------------------------------------------------------------------
     def retime(self, variants, problem, rounds: int) -> list:

@@ -71,10 +71,6 @@ class ReplayBackend(Backend):
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         ids = visible.split(",") if visible else [str(i) for i in range(index + 1)]
         object.__setattr__(self, "_index", ids[index] if index < len(ids) else str(index))
-        # the meta line's compile_setup_s: a compile worker's start-up (a GPU host's compile
-        # workers import sympy and the families' modules as they start)
-        if role == "compile":
-            time.sleep(float(read_recording(self.path)[0].get("compile_setup_s", 0.0)))
 
     def _line(self, variant, problem) -> dict | None:
         return read_recording(self.path)[1].get((Bucket.of(problem).key, variant.name))

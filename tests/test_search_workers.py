@@ -100,31 +100,6 @@ def test_compile_workers_yield_the_cpu_to_the_timing_worker(tmp_path):
     assert time_nice == mine and compile_nice == min(19, mine + COMPILE_NICENESS)
 
 
-def test_first_trials_compile_on_the_idle_timing_worker_while_compile_workers_start(tmp_path):
-    """A compile worker takes seconds to start (it imports sympy and the families' modules; the
-    recording's compile_setup_s plays that): meanwhile the idle timing worker compiles the
-    first trials, so the first result comes before any compile worker could have given it."""
-    from flashtune.codegen import Variant
-    from flashtune.replay import read_recording
-    rec = tmp_path / "rec.jsonl"
-    pb = plan_of(SearchConfig(**BASE), H100)[0]
-    synthesize(rec, H100, [pb.problem], fail_rate=0.0, compile_setup_s=4.0)
-    names = [n for (_, n), d in read_recording(str(rec))[1].items() if not d.get("stage")][:3]
-    p = Pipeline(ReplayBackend(str(rec)), devices=(0,), compile_workers=2).start()
-    try:
-        t0 = time.monotonic()
-        outs = [p.submit(Variant.parse(n), pb.problem) for n in names]
-        first = [f.result(timeout=30) for f in outs]
-        early = time.monotonic() - t0
-        time.sleep(4.5 - early)  # the compile workers are up now, and take the compiles
-        later = p.submit(Variant.parse(names[0]), pb.problem).result(timeout=30)
-    finally:
-        p.close()
-    assert all(o.ok for o in first) and later.ok, (first, later)
-    assert early < 2.0, early  # three trials compiled and measured before 4 s
-    assert p._starting == 0
-
-
 class _WarmProbe(Backend):
     """A timing worker that says whether warm() ran (and for which problem) before measure()."""
     name = "warmprobe"
