@@ -10,7 +10,7 @@ the causal sliding window N=16k W=1024 (B=1, H=16), then the dense standard grid
 tokens, H = 2048 / D) at N = 16k, 4k, 1k, causal and not. Peers: "flashtune" (the bwd as
 dispatched: tuned table or built-in default), one Forced peer per candidate (CANDIDATES, below;
 a window call runs each one's window twin), "flex", "sdpa-cudnn", "sdpa-flash" (dense only).
-Timing, inputs and the backward alone on one saved graph are flashtune/bench's (runner.run_case:
+Timing, inputs and the backward alone on one saved graph are flashtune/bench's (runner.time_cell:
 CUDA events, L2 flushed, median); max_abs_diff is against the dispatched bwd's gradients.
 
 Before timing, every (case, peer) runs once in a pool of --jobs processes, each on the GPU
@@ -239,13 +239,8 @@ def main(argv=None) -> int:
             print(f"budget: {case.label} and later cases not run", flush=True)
             break
         inp = P.make_inputs(case, dev)
-        ref = None
-        for peer in peer_list:
-            if not runs(case, peer):
-                continue
-            row, out = runner.run_case(case, peer, inp, dev, args.budget_ms, False, ref)
-            if peer.name == "flashtune" and out is not None:
-                ref = out
+        here = [peer for peer in peer_list if runs(case, peer)]
+        for peer, row in zip(here, runner.time_cell(case, here, inp, dev, args.budget_ms, False)):
             row["variant"] = _what_ran(case, peer, inp)
             rows.append(row)
             f.write(json.dumps(row) + "\n")
@@ -254,7 +249,7 @@ def main(argv=None) -> int:
                                                       "mask", "peer", "ms", "throughput",
                                                       "max_abs_diff", "error", "skipped")}),
                   flush=True)
-        del inp, ref
+        del inp
     f.close()
     _table(rows)
     print(f"wall {time.perf_counter() - t0:.0f} s; rows: {out_path}")

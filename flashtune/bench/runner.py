@@ -12,7 +12,7 @@ from .grid import Case
 from .peers import Inputs, Peer, Unavailable, make_inputs
 from .progress import Progress
 from .report import OURS, case_key, write_json
-from .timing import ceilings, measure, peak_mib
+from .timing import ceilings, measure_together, peak_mib, timed_form
 
 _SCALE = {"TFLOP/s": 1e12, "GB/s": 1e9}
 
@@ -82,18 +82,23 @@ def _error(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[:300]}"
 
 
-def run_case(case: Case, peer: Peer, inp: Inputs, device: str, budget_ms: float,
-             graph: bool, ref=None, more: tuple = ()) -> tuple[dict, object]:
-    """more: further layers' inputs (decode): the timed step runs the case on inp and on each
-    of them (same shapes, distinct memory), and the row's time is per layer."""
+ROUNDS = 4  # a cell's peers are timed in this many rounds, there and back (measure_together)
+
+
+def _prepare(case: Case, peer: Peer, inp: Inputs, device: str, graph: bool,
+             more: tuple = ()) -> tuple[dict, object, object]:
+    """(row, what to time or None, what it computed). A memory cell's peak is measured here;
+    a timed cell's callable is made in the peer's context (compiled, run once, captured as a
+    CUDA graph for decode). more: further layers' inputs (decode): the timed step runs the case
+    on inp and on each of them (same shapes, distinct memory), and the row's time is per layer.
+    A peer that cannot run gets its reason (skipped) or its error in the row, and None."""
     row = {**case.to_dict(), "peer": peer.name}
-    out = None
     why = peer.why_not(case, device)
     if why is None and case.section == "memory" and device != "cuda":
         why = "peak memory is measured on CUDA only"
     if why:
         row["skipped"] = why
-        return row, None
+        return row, None, None
     try:
         with peer.context(case):
             fn = peer.prepare(case, inp)
@@ -106,41 +111,75 @@ def run_case(case: Case, peer: Peer, inp: Inputs, device: str, budget_ms: float,
                     return torch.autograd.grad(fn(*xs), xs, do)
                 step()  # compiles (flex, Triton) and their workspaces stay out of the peak
                 row["peak_mib"] = peak_mib(step, device)
-            else:
-                call, out = _timed(case, fn, inp)
-                if more:
-                    calls = [call] + [_timed(case, peer.prepare(case, m), m)[0] for m in more]
+                return row, None, None
+            call, out = _timed(case, fn, inp)
+            if more:
+                calls = [call] + [_timed(case, peer.prepare(case, m), m)[0] for m in more]
+                row["layers"] = len(calls)
 
-                    def call():
-                        return [c() for c in calls]
-                ms, note = measure(call, device, budget_ms=budget_ms,
-                                   graph=graph and case.section == "decode")
-                if more:
-                    ms /= len(calls)
-                    row["layers"] = len(calls)
-                row.update(ms=ms, throughput=case.work() / (ms * 1e-3) / _SCALE[case.unit],
-                           timing=note)
-                diff = None if ref is None else _max_diff(out, ref)
-                if diff is not None:
-                    row["max_abs_diff"] = diff  # of the output (fwd) or the gradients
-                    wrong = _wrong(diff, ref)
-                    if wrong:  # a time for another answer is no time: out of the ratios
-                        row["error"] = wrong
-                        row["wrong_ms"] = row.pop("ms")
-                        row.pop("throughput")
-    except Unavailable as e:
+                def call():
+                    return [c() for c in calls]
+            call, note = timed_form(call, device, graph and case.section == "decode")
+            if note:
+                row["timing"] = note
+            return row, call, out
+    except Exception as e:  # noqa: BLE001 -- a peer that fails is a cell, not a crash
+        _failed(row, e, case)
+        return row, None, None
+    finally:
+        if device == "cuda":
+            torch.cuda.empty_cache()
+
+
+def _failed(row: dict, e: BaseException, case: Case) -> None:
+    if isinstance(e, Unavailable):
         row["skipped"] = str(e)
-    except torch.cuda.OutOfMemoryError:
+    elif isinstance(e, torch.cuda.OutOfMemoryError):
         if case.section == "memory":
             row["peak_mib"] = "OOM"
         else:
             row["error"] = "out of memory"
-    except Exception as e:  # noqa: BLE001 -- a peer that fails is a cell, not a crash
+    else:
         row["error"] = _error(e)
-    finally:
-        if device == "cuda":
-            torch.cuda.empty_cache()
-    return row, out
+
+
+def time_cell(case: Case, peers: list[Peer], inp: Inputs, device: str, budget_ms: float,
+              graph: bool, more: tuple = (), rounds: int = ROUNDS) -> list[dict]:
+    """One row per peer: each peer's callable made, then all of them timed together
+    (measure_together: rounds there and back, so the GPU's drift through the cell hits them
+    alike),
+    each result compared with flashtune's (a wrong answer's time is left out)."""
+    prepared = [_prepare(case, p, inp, device, graph, more) for p in peers]
+    timed = [(k, call) for k, (_, call, _) in enumerate(prepared) if call is not None]
+    got = measure_together([call for _, call in timed], device, budget_ms=budget_ms,
+                           rounds=rounds, contexts=[
+                               (lambda p=peers[k]: p.context(case)) for k, _ in timed])
+    ref = next((out for p, (_, _, out) in zip(peers, prepared)
+                if p.name == OURS and out is not None), None)
+    for (k, _), res in zip(timed, got):
+        row, _, out = prepared[k]
+        if isinstance(res, BaseException):
+            _failed(row, res, case)
+            continue
+        ms, spread = res
+        if "layers" in row:
+            ms /= row["layers"]
+        note = f"spread {spread:.3f}" if device == "cuda" else "cpu wall clock"
+        if device == "cuda" and rounds > 1:
+            note = f"{rounds} rounds with the other peers; " + note
+        row.update(ms=ms, throughput=case.work() / (ms * 1e-3) / _SCALE[case.unit],
+                   timing=(row["timing"] + "; " + note) if row.get("timing") else note)
+        diff = None if ref is None or peers[k].name == OURS else _max_diff(out, ref)
+        if diff is not None:
+            row["max_abs_diff"] = diff  # of the output (fwd) or the gradients
+            wrong = _wrong(diff, ref)
+            if wrong:  # a time for another answer is no time: out of the ratios
+                row["error"] = wrong
+                row["wrong_ms"] = row.pop("ms")
+                row.pop("throughput")
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return [row for row, _, _ in prepared]
 
 
 def _summary(case: Case, rows: list[dict]) -> str:
@@ -230,17 +269,13 @@ def run(shapes: grid.Shapes, sections, peers: list[Peer], device: str, *, quick:
             if device == "cuda":
                 torch.cuda.empty_cache()
             continue
-        mine, ref = [], None
         more = _layers(case, inp, device, decode_layers, decode_max_gib * 2**30)
+        mine = time_cell(case, case_peers, inp, device, budget_ms, graph, more)
         for peer in case_peers:
-            row, out = run_case(case, peer, inp, device, budget_ms, graph, ref, more)
-            if peer.name == OURS and out is not None:
-                ref = out  # what the other peers' results are compared to
-            mine.append(row)
             bar.step(f"{case.label} {peer.name}")
         rows += mine
         bar.line(_summary(case, done + mine))
-        del inp, ref, more
+        del inp, more
         if checkpoint is not None:
             write_json({**doc, "partial": True}, checkpoint)
     bar.close()

@@ -14,24 +14,91 @@ def measure(fn, device: str, *, budget_ms: float = 60.0, graph: bool = False) ->
     """(median ms of fn(), note). graph=True times a CUDA-graph replay of fn (the GPU's work
     without Python's launch cost); a step that cannot be captured is timed eagerly, noted."""
     if device != "cuda":
-        fn()
-        times = []
-        for _ in range(2):
-            t = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t) * 1e3)
-        return statistics.median(times), "cpu wall clock"
+        return _cpu_ms(fn), "cpu wall clock"
     from .. import timing
-    note = ""
-    if graph:
-        try:
-            fn = graphed(fn)
-            note = "cuda graph"
-        except Exception as e:  # noqa: BLE001 -- eager timing is still a number
-            torch.cuda.synchronize()
-            note = f"eager (graph capture failed: {type(e).__name__})"
+    fn, note = timed_form(fn, device, graph)
     ms, spread = timing.bench(fn, budget_ms=budget_ms)
     return ms, (note + "; " if note else "") + f"spread {spread:.3f}"
+
+
+def _cpu_ms(fn) -> float:
+    fn()
+    times = []
+    for _ in range(2):
+        t = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(times)
+
+
+def timed_form(fn, device: str, graph: bool) -> tuple:
+    """(what is timed for fn, note): its CUDA-graph replay with graph=True where it can be
+    captured, else fn itself."""
+    if device != "cuda" or not graph:
+        return fn, ""
+    try:
+        return graphed(fn), "cuda graph"
+    except Exception as e:  # noqa: BLE001 -- eager timing is still a number
+        torch.cuda.synchronize()
+        return fn, f"eager (graph capture failed: {type(e).__name__})"
+
+
+def measure_together(fns: list, device: str, *, budget_ms: float = 60.0,
+                     rounds: int = 4, contexts: list | None = None) -> list:
+    """Each of a cell's peers' fns (timed_form already applied) timed in `rounds` rounds, each
+    round visiting them in the order of the one before reversed, about budget_ms per fn in all: a GPU heating up
+    through the cell (the H100's SM clock fell 1980 -> 1785 MHz over a minute of load, session
+    21) slows every peer alike instead of the ones timed last. Per fn: (median ms over all its
+    samples, relative spread p80/p20 - 1), or the exception its timing raised. contexts: per
+    fn, a callable returning the context its runs need (a peer's backend choice), entered
+    around each of its visits."""
+    import contextlib
+    contexts = contexts or [contextlib.nullcontext] * len(fns)
+    if device != "cuda":
+        out = []
+        for f, ctx in zip(fns, contexts):
+            try:
+                with ctx():
+                    out.append((_cpu_ms(f), 0.0))
+            except Exception as e:  # noqa: BLE001 -- that peer's error, not the cell's
+                out.append(e)
+        return out
+    from .. import timing
+    flush = 256 << 20
+    state = []  # per fn: [reps per round, samples] or the exception
+    for f, ctx in zip(fns, contexts):
+        try:
+            with ctx():
+                f()  # first-call costs (module load, autotune caches) stay out of the numbers
+                torch.cuda.synchronize()
+                est = statistics.median(timing.samples(f, 3, flush))
+            reps = int(min(100 // rounds, max(2, budget_ms / rounds / max(est, 1e-3))))
+            state.append([reps, [], est])
+        except Exception as e:  # noqa: BLE001
+            torch.cuda.synchronize()
+            state.append(e)
+    for r in range(rounds):
+        live = [i for i, st in enumerate(state) if not isinstance(st, Exception)]
+        # there and back: over an even number of rounds every fn's mean place is the same,
+        # so a drift linear in time adds the same to each
+        for i in (live if r % 2 == 0 else live[::-1]):
+            reps, got, est = state[i]
+            try:
+                with contexts[i]():
+                    timing.warm_gpu(fns[i], est, 10.0)  # after another peer's work
+                    got += timing.samples(fns[i], reps, flush)
+            except Exception as e:  # noqa: BLE001
+                torch.cuda.synchronize()
+                state[i] = e
+    out = []
+    for st in state:
+        if isinstance(st, Exception):
+            out.append(st)
+            continue
+        t = sorted(st[1])
+        p20, p80 = t[len(t) // 5], t[(4 * len(t)) // 5]
+        out.append((statistics.median(t), (p80 / p20 - 1.0) if p20 > 0 else 0.0))
+    return out
 
 
 def graphed(fn):

@@ -1,0 +1,75 @@
+"""flashtune bench's timing of a cell's peers: measured together, in rotated rounds, so a GPU
+whose clock drifts through the cell (the H100 fell 1980 -> 1785 MHz over a minute of load,
+session 21) slows every peer alike. A simulated GPU here: each timed run costs a little more
+than the one before it."""
+import pytest
+import torch
+
+from flashtune import timing
+from flashtune.bench import timing as bench_timing
+
+
+@pytest.fixture
+def drifting(monkeypatch):
+    """The CUDA timer replaced by a GPU whose every run is 0.2% slower than the last; returns
+    the log of which fn ran, in order."""
+    state = {"runs": 0}
+    log = []
+
+    def samples(fn, reps, flush_bytes):
+        out = []
+        for _ in range(reps):
+            fn()
+            log.append(fn)
+            state["runs"] += 1
+            out.append(fn.work * (1.0 + 0.002 * state["runs"]))
+        return out
+
+    def warm_gpu(fn, est, warm_ms):
+        state["runs"] += 3
+
+    monkeypatch.setattr(timing, "samples", samples)
+    monkeypatch.setattr(timing, "warm_gpu", warm_gpu)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    return log
+
+
+class _Peer:
+    def __init__(self, work):
+        self.work = work
+
+    def __call__(self):
+        return None
+
+
+def test_identical_peers_time_alike_under_drift(drifting):
+    peers = [_Peer(1.0) for _ in range(4)]
+    together = [ms for ms, _ in bench_timing.measure_together(peers, "cuda", budget_ms=60.0)]
+    assert max(together) / min(together) < 1.02, together
+    # one after another, as the bench timed its peers before: the last peer reads ~10% slower
+    # than the first for the same work
+    alone = [bench_timing.measure_together([p], "cuda", budget_ms=60.0, rounds=1)[0][0]
+             for p in peers]
+    assert alone[-1] / alone[0] > 1.08, alone
+    # and a faster peer still reads faster
+    fast = bench_timing.measure_together([_Peer(1.0), _Peer(0.8)], "cuda")
+    assert fast[1][0] < 0.85 * fast[0][0]
+
+
+def test_rounds_go_there_and_back_and_a_failing_peer_is_its_own_error(drifting):
+    class Bad(_Peer):
+        calls = 0
+
+        def __call__(self):
+            Bad.calls += 1
+            if Bad.calls > 4:  # its first estimate runs (4 calls), then it breaks
+                raise RuntimeError("peer broke")
+
+    a, b, c = _Peer(1.0), Bad(1.0), _Peer(1.0)
+    got = bench_timing.measure_together([a, b, c], "cuda", budget_ms=6.0, rounds=4)
+    assert isinstance(got[1], RuntimeError) and "peer broke" in str(got[1])
+    assert all(isinstance(g, tuple) and g[0] > 0 for g in (got[0], got[2]))
+    visits = [fn for i, fn in enumerate(drifting) if i == 0 or drifting[i - 1] is not fn]
+    # the estimates a, b, c; then rounds a c | c a | a c | c a (consecutive visits of one fn
+    # read as one here)
+    assert visits == [a, b, c, a, c, a, c, a], visits
