@@ -109,6 +109,10 @@ for step in ${STEPS:-fwdtests}; do
               kill $smi 2>/dev/null
               # the device tool brings back 8 files: the runs' journals travel as one archive
               (cd "$OUT" && ls *.journal >/dev/null 2>&1 && tar czf scaling-journals.tgz *.journal && rm -f *.journal) ;;
+    firstcompile) # issue 12: where a compile worker's first compile goes (fresh processes, cold then
+              # warm caches; the warm one profiled)
+              timeout ${FIRSTCOMPILE_TIMEOUT:-120} python3 bench/first_compile_probe.py 2>&1 \
+                | tee "$OUT/first_compile.log" | tail -${FIRSTCOMPILE_TAIL:-70} ;;
     detect)   # the target as NVML names it (no CUDA start) against the one torch reads off the device
               python3 -c "
 import time, torch; t0 = time.perf_counter()
