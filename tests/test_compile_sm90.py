@@ -100,3 +100,25 @@ def test_serialized_wgmmas_fail_the_check():
     why = _problems(v, {"smem": 100_000, "spill_bytes": 0, "wgmma": notes}, h100)
     assert len(why) == 1 and why[0].startswith("ptxas: C7512") and "C7517" in why[0]
     assert _problems(v, {"smem": 100_000, "spill_bytes": 0, "wgmma": []}, h100) == []
+
+
+def test_a_shipped_tables_records_compile_clean():
+    """--table compiles the records of the GPU's shipped table at their buckets' head dim,
+    dtype and causality (narrowed here to hopper_fwd at D=64, non-causal): every distinct one,
+    each spill-free and without serialized wgmmas (session 21 checked the whole H100 and H200
+    tables so)."""
+    from pathlib import Path
+    doc = json.loads((Path(__file__).parents[1] / "tuned_db" / "tables"
+                      / "nvidia-h100-80gb-hbm3.json").read_text())
+    want = {json.dumps(r["variant"], sort_keys=True) for r in doc["records"]
+            if r["variant"]["family"] == "hopper_fwd" and r["bucket"]["head_dim"] == 64
+            and not r["bucket"]["causal"]}
+    r = kernels_check("--gpu", "H100", "--table", "--family", "hopper_fwd", "--head-dim", "64",
+                      "--no-causal", "--format", "json")
+    rows = json.loads(r.stdout) if r.stdout.startswith("[") else None
+    assert r.returncode == 0 and rows, r.stdout[-3000:] + r.stderr[-3000:]
+    assert len(rows) == len(want) >= 2
+    assert all(x["head_dim"] == 64 and not x["causal"] and x["variant"].startswith("hopper_fwd")
+               and x["fits"] and x["spill_bytes"] == 0 and x["wgmma"] == [] for x in rows), rows
+    bad = kernels_check("--table", "fwd-m64-n64-w4-s2")
+    assert bad.returncode == 2 and "VARIANTS or --table" in bad.stderr, bad.stderr
