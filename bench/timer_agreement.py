@@ -14,6 +14,9 @@ History (issue 12): session 15 found the search rebuilding Gluon plans on every 
 (fixed); session 20 found the search timing bwd-m64-n64-w4-s2-dq=fused-mq64-nq64 (D=128
 non-causal 4k/16k) at 431 TFLOP/s where the bench read 397-409, and fwd-m64-n64-w4-s3 (D=64
 causal 8k) at 444 against 409-415, while the defaults agreed (docs/benchmarks.md, session 20).
+Session 21: at 4k the record read ~6% lower on the API path in every pass, the default did not;
+a forced variant's plan was then built on every call (its host time timed with the kernel),
+which flashtune/ops.py now keeps like a dispatched one's: re-run to see what gap is left.
 Three passes of each path in turn, with the GPU's SM clock and power read after each pass
 (a sustained run clocks down: nvidia-smi).
 

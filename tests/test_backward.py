@@ -182,10 +182,11 @@ def test_forced_variant_reaches_a_backward_on_another_thread(device, monkeypatch
     # autograd runs CUDA backwards on a thread of its own, where force()'s thread-local is unset
     import threading
 
-    from flashtune import launch_bwd
-    used = []
-    real = launch_bwd.backward
-    monkeypatch.setattr(launch_bwd, "backward", lambda *a: used.append(a[-1]) or real(*a))
+    from flashtune import ops
+    used = []  # the variant of each backward plan built
+    real = ops._bwd_plan
+    monkeypatch.setattr(ops, "_bwd_plan", lambda *a: used.append(a[5]) or real(*a))
+    ops._bwd_plans.clear()
     q, k, v = (t.requires_grad_() for t in qkv(1, 2, 2, 20, 20, 32, torch.float16, device))
     with flashtune.force(SCHEMES["separate"]) as forced:
         out = flashtune.attention(q, k, v)

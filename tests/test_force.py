@@ -51,11 +51,12 @@ def test_pinned_variant_runs(device, monkeypatch):
 def test_a_bwd_variant_forced_around_the_backward_runs(device, monkeypatch):
     # the fwd variant forced around the forward is carried to the backward (autograd's CUDA
     # thread does not see force()), but a variant forced where the backward runs wins
-    from flashtune import launch_bwd
+    from flashtune import launch_bwd, ops
     bwd = "bwd-m16-n32-w4-s1-dq=atomic"
-    ran = []
-    real = launch_bwd.backward
-    monkeypatch.setattr(launch_bwd, "backward", lambda *a, **kw: ran.append(a[8]) or real(*a, **kw))
+    ran = []  # the variant of each backward plan built (a plan is kept per call signature)
+    real = launch_bwd.plan
+    monkeypatch.setattr(launch_bwd, "plan", lambda *a, **kw: ran.append(a[4]) or real(*a, **kw))
+    ops._bwd_plans.clear()
     q, k, v = (t.requires_grad_() for t in qkv(1, 2, 1, 40, 50, 32, torch.float16, device))
     with flashtune.force(NAME):
         out = flashtune.attention(q, k, v, causal=True)
@@ -66,6 +67,25 @@ def test_a_bwd_variant_forced_around_the_backward_runs(device, monkeypatch):
         out = flashtune.attention(q, k, v, causal=True)
     torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
     assert ran[-1].family == "bwd" and ran[-1].name != bwd
+
+
+def test_a_forced_variant_keeps_its_plan(device, monkeypatch):
+    """A forced variant's plan is built once per call signature, as a dispatched one's: built
+    on every call, its host time was timed with the kernel wherever a bench forced a variant.
+    Another forced variant, or none, is another plan; each call's answer is its own."""
+    from flashtune import ops
+    built = []
+    real = ops._plan
+    monkeypatch.setattr(ops, "_plan", lambda *a, **kw: built.append(a[5].name) or real(*a, **kw))
+    ops._plans.clear()
+    q, k, v = qkv(1, 2, 1, 40, 50, 32, torch.float16, device)
+    other = "fwd-m64-n32-w4-s2"
+    for name in (NAME, NAME, other, NAME, other):
+        with flashtune.force(name):
+            assert_matches_reference(q, k, v, causal=True)
+    assert built == [NAME, other]
+    assert_matches_reference(q, k, v, causal=True)  # dispatched: a plan of its own
+    assert len(built) == 3 and len(ops._plans) == 3
 
 
 @pytest.mark.parametrize("bad,exc,words", [

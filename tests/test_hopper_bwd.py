@@ -261,13 +261,15 @@ def test_field_variants_with_a_window_and_softcap(field):
 @hopper_gpu
 def test_runs_the_gluon_kernel_not_the_fallback(monkeypatch):
     """On the H100 the plan launches attn_bwd_hopper (the generic bwd is not called)."""
-    from flashtune import launch_bwd
+    from flashtune import ops
     q, k, v = qkv(2, 4, 2, 300, 300, 128, torch.bfloat16, "cuda")
-    calls = []
-    monkeypatch.setattr(launch_bwd, "backward", lambda *a, **kw: calls.append(a))
+    built = []  # the variant of each backward plan built
+    real = ops._bwd_plan
+    monkeypatch.setattr(ops, "_bwd_plan", lambda *a: built.append(a[5]) or real(*a))
+    ops._bwd_plans.clear()
     with flashtune.force("hopper_bwd-m64-n128-w8-s2"):
         assert_grads_match(q, k, v, causal=True)
-    assert not calls
+    assert built and all(b.family == "hopper_bwd" for b in built), built
 
 
 @pytest.mark.gpu

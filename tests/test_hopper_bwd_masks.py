@@ -348,18 +348,30 @@ def _assert_grads(got, q, k, v, do, kw):
         assert rep.ok, f"{gname}: {rep}"
 
 
+def no_generic(monkeypatch) -> None:
+    """A backward plan of the generic bwd family fails the test (a call the Gluon kernel was to
+    run fell back); plans kept from earlier calls are dropped first, so each call builds its own."""
+    real = ops._bwd_plan
+
+    def plan(q, k, v, causal, scale, variant, masks):
+        if variant.family == "bwd":
+            pytest.fail(f"generic fallback: {variant.name}")
+        return real(q, k, v, causal, scale, variant, masks)
+    monkeypatch.setattr(ops, "_bwd_plan", plan)
+    ops._bwd_plans.clear()
+
+
 def backward_alone(name, q, k, v, masks: Masks, kw: dict, monkeypatch) -> tuple:
     """The backward alone (ops.run_backward, as autograd calls it) with `name` forced, on the
     float64 reference's O and LSE (kw: the reference's masks): no forward kernel compiles, the
     Gluon kernel must run (no generic fallback), and its gradients match the reference.
     Returns (the variant selected, dq, dk, dv)."""
-    from flashtune import launch_bwd
     from flashtune.reference import reference
     causal = kw.get("causal", False)
     do = torch.randn_like(q)
     ref_o, ref_lse = reference(q, k, v, return_lse=True, **kw)
     o, lse = ref_o.to(q.dtype), ref_lse.float()
-    monkeypatch.setattr(launch_bwd, "backward", lambda *a, **k: pytest.fail("generic fallback"))
+    no_generic(monkeypatch)
     with flashtune.force(name):
         chosen = ops.select_bwd(q, k, causal, False, masks)
         grads = ops.run_backward(do, q, k, v, o, lse, causal, None, masks=masks)
@@ -495,7 +507,6 @@ def test_autograd_through_attention_runs_the_hopper_twin(monkeypatch):
 def forced_autograd(monkeypatch, shape, **kw) -> None:
     """_autograd_check of the default at D=128, bf16, `shape` (B, H, Hk, Nq, Nk) on the GPU, the
     Gluon backward required (no generic fallback)."""
-    from flashtune import launch_bwd
-    monkeypatch.setattr(launch_bwd, "backward", lambda *a, **k: pytest.fail("generic fallback"))
+    no_generic(monkeypatch)
     q, k, v = qkv(*shape, 128, torch.bfloat16, "cuda")
     _autograd_check(q, k, v, DEFAULT, **kw)
