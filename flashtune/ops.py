@@ -30,23 +30,27 @@ dispatch.on_clear(_plans.clear)
 _bwd_plans: dict = {}
 dispatch.on_clear(_bwd_plans.clear)
 _PLANS_MAX = 4096
-# A variant given or force()d keeps its plan too, under its own key: built on every call, the
-# plan cost each call the host time of building it, which the GPU waits out when the kernel is
-# short, so benches that force a variant (bench/hopper_check.py, bwd_cands_bench.py's
-# candidates, timer_agreement.py's API path) read such variants low against the dispatched path
-# (session 21: a forced bwd record read ~6% below the same kernel from its search's kept plan).
+
+
+def _plan_key(q, k, v, causal: bool, scale, masks: Masks, variant, *extra) -> tuple:
+    """A call's key in _plans / _bwd_plans: its signature and masks, and the variant given or
+    force()d, which keeps its own plan too. Built on every call, a pinned variant's plan cost
+    each call the host time of building it, which the GPU waits out when the kernel is short:
+    benches that force a variant (bench/hopper_check.py, bwd_cands_bench.py's candidates,
+    timer_agreement.py's API path) read such variants low against the dispatched path (session
+    21: a forced bwd record read ~6% below the same kernel from its search's kept plan)."""
+    key = (q.device, q.dtype, q.shape, q.stride(), k.shape, k.stride(), v.stride(), causal,
+           scale, *extra)
+    if masks.any:
+        key += masks.key
+    pinned = variant if variant is not None else dispatch.forced_variant()
+    return key if pinned is None else key + (pinned,)
 
 
 def run_forward(q, k, v, causal: bool, scale, variant=None, masks: Masks = NONE):
     """Validated inputs -> (O, LSE). Handles the empty cases the kernel never sees.
     masks: window / softcap / block mask beyond causal (flashtune/masks.py), validated."""
-    key = (q.device, q.dtype, q.shape, q.stride(), k.shape, k.stride(), v.stride(), causal,
-           scale)
-    if masks.any:
-        key += masks.key
-    pinned = variant if variant is not None else dispatch.forced_variant()
-    if pinned is not None:  # its own plan: see the note above run_forward
-        key += (pinned,)
+    key = _plan_key(q, k, v, causal, scale, masks, variant)
     plan = _plans.get(key)
     if plan is None:
         if q.numel() == 0 or k.shape[2] == 0:
@@ -59,7 +63,6 @@ def run_forward(q, k, v, causal: bool, scale, variant=None, masks: Masks = NONE)
     if plan.descriptor and (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15:
         plan = _plan(q, k, v, causal, scale, dispatch.pointer_twin(plan.variant), masks)
     return plan.run(q, k, v)
-
 
 
 def _plan(q, k, v, causal, scale, variant: Variant, masks: Masks = NONE):
@@ -148,13 +151,7 @@ def run_backward(grad_out, q, k, v, o, lse, causal: bool, scale, deterministic: 
         grad_out = grad_out.contiguous()
     lse = lse.contiguous()
     # a repeated call: a tuple, a dict lookup, the buffers and the launches
-    key = (q.device, q.dtype, q.shape, q.stride(), k.shape, k.stride(), v.stride(), causal,
-           scale, deterministic)
-    if masks.any:
-        key += masks.key
-    pinned = variant if variant is not None else dispatch.forced_variant()
-    if pinned is not None:  # its own plan: see the note above run_forward
-        key += (pinned,)
+    key = _plan_key(q, k, v, causal, scale, masks, variant, deterministic)
     plan = _bwd_plans.get(key)
     if plan is None:
         if variant is None:
