@@ -147,8 +147,7 @@ def time_cell(case: Case, peers: list[Peer], inp: Inputs, device: str, budget_ms
               graph: bool, more: tuple = (), rounds: int = ROUNDS) -> list[dict]:
     """One row per peer: each peer's callable made, then all of them timed together
     (measure_together: rounds there and back, so the GPU's drift through the cell hits them
-    alike),
-    each result compared with flashtune's (a wrong answer's time is left out)."""
+    alike), each result compared with flashtune's (a wrong answer's time is left out)."""
     prepared = [_prepare(case, p, inp, device, graph, more) for p in peers]
     timed = [(k, call) for k, (_, call, _) in enumerate(prepared) if call is not None]
     got = measure_together([call for _, call in timed], device, budget_ms=budget_ms,
