@@ -153,10 +153,13 @@ def _serve(conn, backend, role: str, index: int, env: dict | None = None) -> Non
     # (started with SIGINT blocked, so that one during start-up does not kill the import)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    # the timeline follows every timing worker and the first compile worker (not all 16-56)
+    name = "timing worker" if role == "time" else "compile worker"
+    told = role == "time" or index == 0
     if role == "compile":
         _yield_cpu()
-    else:
-        mark(f"timing worker {index} forked")
+    if told:
+        mark(f"{name} {index} forked")
     try:
         backend.setup(role, index)
         if role == "time":
@@ -165,6 +168,8 @@ def _serve(conn, backend, role: str, index: int, env: dict | None = None) -> Non
             mark(f"timing worker {index} environment read")
         else:
             info = {}
+            if told:
+                mark(f"{name} {index} set up")
         conn.send(("ready", info))
     except BaseException as e:  # noqa: BLE001 -- reported to the driver, which gives up
         conn.send(("setup-error", f"{type(e).__name__}: {e}"))
@@ -178,11 +183,15 @@ def _serve(conn, backend, role: str, index: int, env: dict | None = None) -> Non
         if msg is None:
             return prof.dump()
         method, args = msg
+        t0 = time.perf_counter()
         try:
             with prof:
                 reply = ("ok", getattr(backend, method)(*args))
         except BaseException as e:  # noqa: BLE001 -- a failed call is data, not a crash
             reply = ("error", f"{type(e).__name__}: {e}")
+        if told and method in ("compile", "measure"):  # what a search's first trial waits on
+            mark(f"{name} {index}: first {method} took {time.perf_counter() - t0:.2f} s",
+                 once_key=f"first {method}")
         # the process state may be broken (a CUDA error poisons the context): say so, so the
         # driver replaces this process before its next call
         try:

@@ -179,6 +179,21 @@ def test_gpu_processes_start_before_the_studies_and_wait_for_them(tmp_path):
     assert len({p for p, _, w in first if w == "search starts"}) == 2
     assert not [w for _, _, w in again if w == "first bucket open"], again
     assert [w for _, _, w in again if w == "studies ready"]
+    # what a process's first trial waits on, in its timeline: its first compile worker's start
+    # and first compile, its timing worker's first measure (each GPU process starts both
+    # workers; one that found no trial left to take compiles and measures nothing)
+    for steps in (["compile worker 0 forked", "compile worker 0 set up",
+                   "compile worker 0: first compile took"],
+                  ["timing worker 0 forked", "timing worker 0: first measure took"]):
+        pids = {p for p, _, w in first if w == steps[0]}
+        assert len(pids) == 2, first
+        worked = 0
+        for pid in pids:
+            seen = [w for p, _, w in first if p == pid]
+            at = [i for step in steps for i, w in enumerate(seen) if w.startswith(step)]
+            assert at == sorted(at) and len(at) in (len(steps) - 1, len(steps)), seen
+            worked += len(at) == len(steps)  # the last step once: the first call only
+        assert worked >= 1, first
 
 
 def test_a_killed_gpu_process_loses_nothing(tmp_path):
