@@ -36,7 +36,7 @@ def _plan_key(q, k, v, causal: bool, scale, masks: Masks, variant, *extra) -> tu
     """A call's key in _plans / _bwd_plans: its signature and masks, and the variant given or
     force()d, which keeps its own plan too. Built on every call, a pinned variant's plan cost
     each call the host time of building it, which the GPU waits out when the kernel is short:
-    benches that force a variant (bench/hopper_check.py, bwd_cands_bench.py's candidates,
+    benches that force a variant through the API (bwd_cands_bench.py's candidates,
     timer_agreement.py's API path) read such variants low against the dispatched path (session
     21: a forced bwd record read ~6% below the same kernel from its search's kept plan)."""
     key = (q.device, q.dtype, q.shape, q.stride(), k.shape, k.stride(), v.stride(), causal,
