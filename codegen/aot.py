@@ -36,7 +36,7 @@ def _ptxas_candidates() -> list[str]:
 # wgmma whose accumulator registers are touched while it is in flight (kept live across a loop's
 # back edge, say) makes ptxas serialize every wgmma of the function (C7512) or wait for it where
 # the source does not (C7517). tile_overlap's S_0 carried across the tile loop did both and ran
-# 25-40% slower on the H100 (session 21) although it compiled spill-free.
+# 24-47% slower on the H100 (session 21) although it compiled spill-free.
 _SERIALIZED = re.compile(r"\((C75\d\d)\) (?:Potential Performance Loss: )?(wgmma[^\n]*?)"
                          r" (?:in|for) (?:the )?function")
 

@@ -27,16 +27,14 @@ def since_start() -> float:
         return time.perf_counter() - _T0
 
 
-def mark(what: str, once: bool = False, once_key: str | None = None) -> None:
-    """Print the milestone `what` (with once, only its first time in this process; with
-    once_key, only the first milestone of that key: a text that carries a number)."""
+def mark(what: str, once: bool = False) -> None:
+    """Print the milestone `what` (with once, only its first time in this process)."""
     if not timeline():
         return
-    key = once_key or (what if once else None)
-    if key is not None:
-        if key in _once:
+    if once:
+        if what in _once:
             return
-        _once.add(key)
+        _once.add(what)
     # one write of the whole line: print() writes the text and its newline apart, and with
     # stderr unbuffered (PYTHONUNBUFFERED) two processes' marks ran together on one line
     sys.stderr.write(f"[timeline] pid {os.getpid()} +{since_start():.2f}s at {time.time():.3f}: "

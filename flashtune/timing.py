@@ -73,10 +73,14 @@ def bench(fn, *, budget_ms: float = 60.0, min_reps: int = 5, max_reps: int = 100
     est = statistics.median(samples(fn, 3, flush_bytes))
     warm_gpu(fn, est, warm_ms)
     reps = int(min(max_reps, max(min_reps, budget_ms / max(est, 1e-3))))
-    t = sorted(samples(fn, reps, flush_bytes))
-    med = statistics.median(t)
+    return summary(samples(fn, reps, flush_bytes))
+
+
+def summary(times: list) -> tuple[float, float]:
+    """(median, relative spread p80/p20 - 1) of timings."""
+    t = sorted(times)
     p20, p80 = t[len(t) // 5], t[(4 * len(t)) // 5]
-    return med, (p80 / p20 - 1.0) if p20 > 0 else 0.0
+    return statistics.median(t), (p80 / p20 - 1.0) if p20 > 0 else 0.0
 
 
 def interleaved(fns: list, rounds: int, reps: int = 5, flush_bytes: int = 256 << 20,

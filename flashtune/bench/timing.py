@@ -46,9 +46,9 @@ def timed_form(fn, device: str, graph: bool) -> tuple:
 def measure_together(fns: list, device: str, *, budget_ms: float = 60.0,
                      rounds: int = 4, contexts: list | None = None) -> list:
     """Each of a cell's peers' fns (timed_form already applied) timed in `rounds` rounds, each
-    round visiting them in the order of the one before reversed, about budget_ms per fn in all: a GPU heating up
-    through the cell (the H100's SM clock fell 1980 -> 1785 MHz over a minute of load, session
-    21) slows every peer alike instead of the ones timed last. Per fn: (median ms over all its
+    round visiting them in the order of the one before reversed, about budget_ms per fn in all:
+    a GPU heating up through the cell (the H100's SM clock fell 1980 -> 1785 MHz over a minute
+    of load, session 21) slows every peer alike instead of the ones timed last. Per fn: (median ms over all its
     samples, relative spread p80/p20 - 1), or the exception its timing raised. contexts: per
     fn, a callable returning the context its runs need (a peer's backend choice), entered
     around each of its visits."""
@@ -65,7 +65,7 @@ def measure_together(fns: list, device: str, *, budget_ms: float = 60.0,
         return out
     from .. import timing
     flush = 256 << 20
-    state = []  # per fn: [reps per round, samples] or the exception
+    state = []  # per fn: [reps per round, samples, first estimate in ms] or the exception
     for f, ctx in zip(fns, contexts):
         try:
             with ctx():
@@ -95,9 +95,7 @@ def measure_together(fns: list, device: str, *, budget_ms: float = 60.0,
         if isinstance(st, Exception):
             out.append(st)
             continue
-        t = sorted(st[1])
-        p20, p80 = t[len(t) // 5], t[(4 * len(t)) // 5]
-        out.append((statistics.median(t), (p80 / p20 - 1.0) if p20 > 0 else 0.0))
+        out.append(timing.summary(st[1]))
     return out
 
 
