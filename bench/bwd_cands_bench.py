@@ -82,6 +82,16 @@ CANDIDATES = {
         "fused-flex-tma-kv": "bwd-m64-n128-w8-s3-loads=descriptor-dq=fused-mq128-nq64-dq_loads=descriptor",
         "fused-m64n64w4": "bwd-m64-n64-w4-s2-dq=fused-mq64-nq64",
         "fused-m64n64w4-kv": "bwd-m64-n64-w4-s2-dq=fused-mq64-nq64-dq_loads=descriptor",
+        # hopper_bwd: the H100 table's D=128 record, and with dq_overlap (session 22)
+        "hb": "hopper_bwd-m64-n128-w8-s1",
+        "hb-ov": "hopper_bwd-m64-n128-w8-s1-dq_overlap=true",
+    },
+    # hopper_bwd, the one D=256 tile: the H100 table's record (s2; s1 beside it), and with
+    # dq_overlap (session 22; sm_90 compile, bf16: s2 239-254 registers, 0 B spilled)
+    256: {
+        "hb": "hopper_bwd-m64-n64-w8-s2",
+        "hb-ov": "hopper_bwd-m64-n64-w8-s2-dq_overlap=true",
+        "hb-s1-ov": "hopper_bwd-m64-n64-w8-s1-dq_overlap=true",
     },
     64: {
         "default": "bwd-m32-n128-w8-s3-dq=separate-mq128-nq64-wq8-sq2",   # the built-in default
@@ -91,6 +101,8 @@ CANDIDATES = {
         "atomic-tma": "bwd-m64-n128-w8-s2-loads=descriptor-dq=atomic",
         "atomic-tma-m32": "bwd-m32-n128-w8-s2-loads=descriptor-dq=atomic",
         "fused-flex-tma": "bwd-m64-n128-w8-s3-loads=descriptor-dq=fused-mq128-nq64",
+        "hb": "hopper_bwd-m64-n128-w8-s2",
+        "hb-ov": "hopper_bwd-m64-n128-w8-s2-dq_overlap=true",
     },
 }
 WINDOW_N, WINDOW_KEYS = 16384, 1024

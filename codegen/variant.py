@@ -85,6 +85,9 @@ class Variant:
     # hopper_fwd only (structural, q_buffers=2): a tile's O store waited for under the next
     # tile's first QK^T instead of in its own epilogue
     async_o_store: bool = False
+    # hopper_bwd only (structural, dq="none"): dQ's atomics issued while a product runs (dK's;
+    # D=256's second dQ chunk under the next step's S^T / dP^T) instead of with none in flight
+    dq_overlap: bool = False
     # structural, masks beyond causal (flashtune/masks.py; only the variants that take them carry
     # their code): local attention with runtime (left, right) bounds; tanh softcapping of the
     # scores; block-sparse key iteration over a flashtune.BlockMask's lists
@@ -203,6 +206,7 @@ class Variant:
                 "loader": self.loader_regs > 0, "l2_order": self.l2_order,
                 "release_barrier": self.release_barrier, "early_rescale": self.early_rescale,
                 "early_k_release": self.early_k_release, "async_o_store": self.async_o_store,
+                "dq_overlap": self.dq_overlap,
                 "window": self.window,
                 "softcap": self.softcap, "block_sparse": self.block_sparse,
                 # any mask beyond causal: the window's bounds and loops (softcap alone runs them

@@ -70,6 +70,35 @@ def test_variant_names_round_trip_and_rules():
         Variant.parse("hopper_bwd-m64-n128-w8-s2-dq=atomic")
     sep = Variant.parse("hopper_bwd-m64-n128-w8-s2-dq=separate")
     assert sep.dq == "separate" and Variant.parse(sep.name) == sep
+    ov = Variant.parse("hopper_bwd-m64-n64-w8-s2-dq_overlap=true")
+    assert ov.dq_overlap and Variant.parse(ov.name) == ov
+    with pytest.raises(ValueError, match="dq_overlap"):  # hopper_bwd's field only
+        Variant.parse("bwd-m64-n64-w4-s2-dq_overlap=true")
+
+
+def test_dq_overlap_issues_dq_before_the_product_its_atomics_run_under():
+    """The overlap render issues dQ's wgmma, then dK's or dV's, waits for dQ's alone and adds it
+    while the other runs; the default render's code (so its records' kernel hash) has none of
+    it; the space proposes the field only with dq="none"."""
+    import dataclasses
+
+    from flashtune import targets
+    from flashtune.codegen.render import _code_lines
+    from flashtune.search_space import Space
+    base = Variant.parse("hopper_bwd-m64-n64-w8-s2")
+    ov = dataclasses.replace(base, dq_overlap=True)
+    code = "\n".join(_code_lines(render(ov)))
+    assert "p_smem" not in "\n".join(_code_lines(render(base))) and "p_smem" in code
+    i_dq = code.index("dq = warpgroup_mma(ds_smem.permute")
+    i_wait = code.index("dq = warpgroup_mma_wait(1, deps=(dq,))", i_dq)
+    i_add = code.index("gl.atomic_add(dq_base", i_wait)
+    assert i_dq < code.index("dk = warpgroup_mma(", i_dq) < i_wait < i_add
+    assert i_dq < code.index("dv = warpgroup_mma(p_smem", i_dq) < i_wait
+    p = dataclasses.replace(_problem(d=256), family="hopper_bwd")
+    space = Space.build("hopper_bwd", targets.get("H100"), p)
+    assert space.contains(ov) and space.check(ov).ok
+    sep = Variant.parse("hopper_bwd-m64-n64-w8-s2-dq=separate")
+    assert space.contains(sep) and not space.contains(dataclasses.replace(sep, dq_overlap=True))
 
 
 def test_separate_dq_renders_no_dq_and_its_plan_runs_the_generic_dq_kernel():
@@ -121,9 +150,10 @@ def test_d256_space_is_the_one_tile_two_warpgroups_can_hold():
     from flashtune.search_space import Space
     p = dataclasses.replace(_problem(d=256), family="hopper_bwd")
     names = {v.name for v in Space.build("hopper_bwd", targets.get("H100"), p).feasible}
-    # each with dQ by atomics here (dq none) or by the generic dQ kernel (dq separate)
+    # each with dQ by atomics here (dq none, its adds overlapped or not) or by the generic dQ
+    # kernel (dq separate)
     assert names == {f"hopper_bwd-m64-n64-w8-s{s}{dq}" for s in (1, 2)
-                     for dq in ("", "-dq=separate")}
+                     for dq in ("", "-dq_overlap=true", "-dq=separate")}
 
 
 @pytest.mark.parametrize("arch,problem,why", [
@@ -212,7 +242,8 @@ SHAPES = [  # (B, H, Hk, Nq, Nk): odd lengths, one query, GQA, Nq > Nk (rows tha
 VARIANTS = {64: ["hopper_bwd-m64-n128-w8-s2", "hopper_bwd-m64-n64-w4-s3",
                  "hopper_bwd-m64-n128-w4-s1"],
             128: ["hopper_bwd-m64-n128-w8-s2", "hopper_bwd-m64-n64-w4-s2"],
-            256: ["hopper_bwd-m64-n64-w8-s2", "hopper_bwd-m64-n64-w8-s1"]}
+            256: ["hopper_bwd-m64-n64-w8-s2", "hopper_bwd-m64-n64-w8-s1",
+                  "hopper_bwd-m64-n64-w8-s2-dq_overlap=true"]}
 
 
 @pytest.mark.gpu
@@ -231,8 +262,12 @@ def test_grads_match_reference(d, name, dtype, causal, shape):
 SEPARATE = {64: "hopper_bwd-m64-n128-w8-s2-dq=separate",
             128: "hopper_bwd-m64-n128-w8-s2-dq=separate",
             256: "hopper_bwd-m64-n64-w8-s2-dq=separate"}
-# structural choices beside the defaults: dq="separate" (the generic dQ kernel)
-FIELDS = {"separate": SEPARATE}
+OVERLAP = {64: "hopper_bwd-m64-n128-w8-s2-dq_overlap=true",
+           128: "hopper_bwd-m64-n64-w4-s2-dq_overlap=true",
+           256: "hopper_bwd-m64-n64-w8-s1-dq_overlap=true"}
+# structural choices beside the defaults: dq="separate" (the generic dQ kernel), dq_overlap
+# (dQ's atomics under dK's / dV's products; D=256's s2 render is in VARIANTS)
+FIELDS = {"separate": SEPARATE, "overlap": OVERLAP}
 
 
 @pytest.mark.gpu

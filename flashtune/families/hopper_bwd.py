@@ -23,7 +23,7 @@ FAMILY = Family(
         "atomic dQ (or the generic dQ kernel: dq=separate)",
     template="attn_hopper_bwd.py.tmpl",
     kernels=("attn_bwd_hopper",),
-    fields=("dq", "window", "softcap", "block_sparse"),
+    fields=("dq", "dq_overlap", "window", "softcap", "block_sparse"),
     defaults="flashtune.families.hopper_bwd:default",
     measure="flashtune.measure_hopper_bwd:OPS",
     compile_check="flashtune.families.hopper_bwd:compile_check",
@@ -107,9 +107,11 @@ def grid(family: str, dtype: str, head_dim: int, causal: bool, seqlens=(), batch
 
 
 def smem_bytes(variant, head_dim: int, elem: int = 2) -> int:
-    """K and V tiles, the Q/dO ring, dS^T (+ 1 KB for barriers and alignment)."""
+    """K and V tiles, the Q/dO ring, dS^T, with dq_overlap at D=256 P^T (+ 1 KB for barriers and
+    alignment)."""
+    tiles_t = 2 if variant.dq_overlap and head_dim > 128 else 1
     return elem * (2 * variant.block_n * head_dim + 2 * variant.num_stages * variant.block_m
-                   * head_dim + variant.block_n * variant.block_m) + 1024
+                   * head_dim + tiles_t * variant.block_n * variant.block_m) + 1024
 
 
 def resources(variant, problem, target) -> tuple:
