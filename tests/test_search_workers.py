@@ -2,6 +2,7 @@
 backend's delay_s, a sleep in the timing worker), so a bucket's wall time is timing-bound and
 should shrink about N-fold with N timing workers -- without losing or repeating a trial.
 """
+import json
 import os
 import time
 
@@ -11,6 +12,7 @@ from optuna.trial import TrialState
 
 from flashtune import targets
 from flashtune.measure import Backend, Outcome
+from flashtune.measure_gpu import FIRST_IMPORTS
 from flashtune.pipeline import Pipeline
 from flashtune.replay import ReplayBackend
 from flashtune.sampler_eval import synthesize
@@ -127,6 +129,57 @@ def test_timing_workers_warm_in_the_background_before_the_first_trial():
     finally:
         pipe.close()
     assert out.ok and out.notes == p.key, out
+
+
+def _fresh(code: str) -> str:
+    """Run `code` in a fresh interpreter (setup() edits the process: TRITON_INTERPRET, torch's
+    threads); returns its last printed line."""
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=180)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout.strip().splitlines()[-1]
+
+
+def test_compile_workers_hash_triton_in_setup():
+    """setup("compile") leaves triton_key() computed (lru-cached for the process), so a
+    compile worker's first compile does not hash Triton's sources and libtriton (0.40 s of its
+    0.55 s on the H100, on warm caches)."""
+    code = ("from flashtune.measure_gpu import GpuBackend; "
+            "GpuBackend(smem_limit=1 << 20).setup('compile', 0); "
+            "from triton.runtime.cache import triton_key; print(triton_key.cache_info().currsize)")
+    assert _fresh(code) == "1"
+
+
+def test_timing_workers_warm_triton_before_the_first_launch():
+    """warm() (while the first candidates compile) also computes triton_key() and imports what
+    the JIT's binder imports on a first kernel: the timing worker's first launch paid them
+    (0.4 s of its 0.7 s first call on the H100). No GPU here: the driver, the family's ops and
+    the synchronize are stood in for."""
+    code = """
+import json, sys, types, torch
+from triton.runtime import driver
+from triton.runtime.cache import triton_key
+from flashtune.measure_gpu import FIRST_IMPORTS, GpuBackend
+from flashtune.problem import Problem
+driver.set_active(types.SimpleNamespace(get_current_target=lambda: None))
+torch.cuda.synchronize = lambda: None
+made = []
+ops = types.SimpleNamespace(gate_problem=lambda p: p, inputs=lambda p, s: made.append(s) or s,
+                            reference=lambda p, x: made.append("ref"))
+sys.modules["_stub_ops"] = types.SimpleNamespace(OPS=ops)
+state = lambda: [triton_key.cache_info().currsize, sorted(m for m in FIRST_IMPORTS
+                                                          if m in sys.modules)]
+before = state()
+GpuBackend(smem_limit=1, family_modules=(("fwd", "_stub_ops"),)).warm(
+    Problem("fwd", "float16", 64, False, 1, 1, 2, 128, 128))
+print(json.dumps([before, state(), made]))
+"""
+    before, after, made = json.loads(_fresh(code))
+    assert before[0] == 0 and "triton.experimental.gluon.nvidia.hopper" not in before[1]
+    assert after == [1, sorted(FIRST_IMPORTS)], after
+    assert made == [0, "ref", 1]  # the gate's inputs and reference, the timing inputs, as before
 
 
 def test_the_gate_does_not_import_sympy():
