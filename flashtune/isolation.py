@@ -74,9 +74,13 @@ def _context():
     global _CTX
     if _CTX is None:
         ctx = mp.get_context("forkserver")
-        # not sympy as well: imported here it held every worker's start ~11 s (H100 x2,
-        # session 13); compile workers import it as they start (GpuBackend.setup)
-        ctx.set_forkserver_preload(["torch"])
+        # and torch's symbolic shapes (sympy, no Triton), which every compile worker imports in
+        # GpuBackend.setup: 56 of them at once on four H100s set up in 3.9 s, against 2.9 s for
+        # 16 on one, and the first trials waited for them (session 22). Session 13 had tried it
+        # and seen every worker's start held ~11 s, before the site-packages' bytecode was
+        # cached (PYTHONPYCACHEPREFIX in bench/device_run.sh) and before start_server ran it
+        # under the parent's own start-up
+        ctx.set_forkserver_preload(["torch", "torch.fx.experimental.symbolic_shapes"])
         _CTX = ctx
     return _CTX
 
