@@ -74,13 +74,13 @@ def _context():
     global _CTX
     if _CTX is None:
         ctx = mp.get_context("forkserver")
-        # and torch's symbolic shapes (sympy, no Triton), which every compile worker imports in
-        # GpuBackend.setup: 56 of them at once on four H100s set up in 3.9 s, against 2.9 s for
-        # 16 on one, and the first trials waited for them (session 22). Session 13 had tried it
-        # and seen every worker's start held ~11 s, before the site-packages' bytecode was
-        # cached (PYTHONPYCACHEPREFIX in bench/device_run.sh) and before start_server ran it
-        # under the parent's own start-up
-        ctx.set_forkserver_preload(["torch", "torch.fx.experimental.symbolic_shapes"])
+        # not sympy as well: imported here it held every worker's start ~11 s (H100 x2,
+        # session 13); compile workers import it as they start (GpuBackend.setup). Session 22
+        # (4x H200, run 23): preloaded, the compile workers set up in 1.1-1.4 s instead of
+        # 2.9-3.9 s, but the server forks nothing until its preload is done, so the search
+        # processes started 2 s later and the first trials came later (one GPU: 8.7 s after
+        # the command, against 6.9 s)
+        ctx.set_forkserver_preload(["torch"])
         _CTX = ctx
     return _CTX
 
