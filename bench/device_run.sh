@@ -445,6 +445,10 @@ PY
               # Narrow a call with TV_ARGS="--family fwd" (or --head-dim 128, --seqlen 4096).
               timeout ${TV_TIMEOUT:-520} python3 bench/tuning_value.py --budget ${TV_BUDGET:-400} \
                 --out "$OUT/tuning_value.jsonl" ${TV_ARGS:-} 2>&1 | tee "$OUT/tuning_value.log" | tail -${TV_TAIL:-30} ;;
+    bwdablation) # issue 10: hopper_bwd's kernels per variant and ablation (no-atomics: dQ's adds
+              # masked off), split by the CUDA profiler (bench/bwd_ablation.py; BWDABL_ARGS)
+              timeout ${BWDABL_TIMEOUT:-300} python3 bench/bwd_ablation.py --out "$OUT/bwd_ablation.jsonl" \
+                ${BWDABL_ARGS:---d 256 --n 4096,16384 --causal 0,1} 2>&1 | tee "$OUT/bwd_ablation.log" | tail -30 ;;
     bwdcands) # issues 10/11: bwd candidates (flex-like tiles, fused dQ, ...) forced vs the bwd as
               # dispatched vs compiled Flex vs SDPA cuDNN/flash, backward only, bf16: N=16k window 1024,
               # then dense N=16k/4k/1k causal and not (D=128; BWDCANDS_ARGS="--head-dims 64 --no-window"

@@ -101,6 +101,27 @@ def test_dq_overlap_issues_dq_before_the_product_its_atomics_run_under():
     assert space.contains(sep) and not space.contains(dataclasses.replace(sep, dq_overlap=True))
 
 
+def test_the_ablation_bench_edits_every_atomic_render_and_refuses_others():
+    """bench/bwd_ablation.py's no-atomics edit takes every dQ atomic out of the plain and the
+    dq_overlap renders (their wgmmas stay), and refuses a render it does not match, so an
+    ablation never times the unedited kernel under its name."""
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / "bench" / "bwd_ablation.py"
+    spec = importlib.util.spec_from_file_location("bwd_ablation", path)
+    abl = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(abl)
+    for name in ("hopper_bwd-m64-n64-w8-s2", "hopper_bwd-m64-n64-w8-s2-dq_overlap=true",
+                 "hopper_bwd-m64-n128-w8-s1-dq_overlap=true"):
+        src = render(Variant.parse(name))
+        out = abl.ablated_source(src, "no-atomics")
+        assert "gl.atomic_add(" not in out and "(sm_scale < 0)" in out
+        assert out.count("warpgroup_mma(") == src.count("warpgroup_mma(")
+    with pytest.raises(ValueError, match="no-atomics"):
+        abl.ablated_source(render(Variant.parse("hopper_bwd-m64-n64-w8-s2-dq=separate")),
+                           "no-atomics")
+
+
 def test_separate_dq_renders_no_dq_and_its_plan_runs_the_generic_dq_kernel():
     """dq="separate": the kernel computes dK and dV only (no dS^T buffer, no dQ atomics), and
     the plan runs the generic bwd's dQ kernel (built on meta tensors, as the search's

@@ -180,7 +180,8 @@ def test_step_schedule_covers_each_key_exactly(bm, bn, nq, nk, window, causal, s
 # -- CPU: variants, plans, dispatch ---------------------------------------------------------------
 
 def test_masks_are_fields():
-    assert FAM.fields == ("dq", "window", "softcap", "block_sparse")  # dq: none or separate
+    # dq: none or separate; dq_overlap: the atomics under a product
+    assert FAM.fields == ("dq", "dq_overlap", "window", "softcap", "block_sparse")
     assert FAM.mask_fields("bwd") == ("window", "softcap", "block_sparse")
     v = Variant.parse(DEFAULT + "-window=true-softcap=true")
     assert v.masks == ("window", "softcap") and Variant.parse(v.name) == v
