@@ -9,7 +9,7 @@ shipped or searched:
               compiler cannot know), so dQ's wgmmas still run and nothing reaches memory: what
               the atomics cost the kernel. Its dQ is wrong; nothing checks it here.
 A dq="separate" variant gives the dK/dV kernel without dQ's product or atomics, with the generic
-dQ kernel beside it (the two rows of its kernels).
+dQ kernel beside it; dq="gluon" the same dK/dV kernel with the template's Gluon dQ kernel.
 
 Each (variant, ablation) runs in its own process (a variant's module is memoized by its fields,
 so an ablated render needs a fresh one): the forward once, then the backward on that graph,
@@ -33,12 +33,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-VARIANTS = {
+VARIANTS = {  # the H100 table's records, with dq_overlap, and dQ by a separate kernel
     256: ["hopper_bwd-m64-n64-w8-s2", "hopper_bwd-m64-n64-w8-s2-dq_overlap=true",
-          "hopper_bwd-m64-n64-w8-s2-dq=separate"],
+          "hopper_bwd-m64-n64-w8-s2-dq=separate", "hopper_bwd-m64-n64-w8-s2-dq=gluon"],
     128: ["hopper_bwd-m64-n128-w8-s1", "hopper_bwd-m64-n128-w8-s1-dq_overlap=true",
-          "hopper_bwd-m64-n128-w8-s1-dq=separate"],
-    64: ["hopper_bwd-m64-n128-w8-s2", "hopper_bwd-m64-n128-w8-s2-dq_overlap=true"],
+          "hopper_bwd-m64-n128-w8-s1-dq=separate", "hopper_bwd-m64-n128-w8-s2-dq=gluon"],
+    64: ["hopper_bwd-m64-n128-w8-s2", "hopper_bwd-m64-n128-w8-s2-dq_overlap=true",
+         "hopper_bwd-m64-n128-w8-s2-dq=gluon"],
 }
 # (old, new) text edits per ablation; each must match in every render it is applied to
 EDITS = {
@@ -130,7 +131,7 @@ def main(argv=None) -> int:
                 for c in args.causal.split(","):
                     for name in names:
                         for abl in args.ablations.split(","):
-                            if abl != "none" and "separate" in name:
+                            if abl != "none" and ("separate" in name or "gluon" in name):
                                 continue  # no atomics to take out
                             spec = f"{name}|{abl}|{d}|{n}|{c}"
                             try:

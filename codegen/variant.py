@@ -11,7 +11,7 @@ import hashlib
 # change the rendered text; the rest reach the kernel as constexprs (BLOCK_M, ...) or launch
 # knobs (num_warps, num_stages).
 LOADS = ("pointer", "descriptor")
-DQ_SCHEMES = ("none", "separate", "atomic", "fused")
+DQ_SCHEMES = ("none", "separate", "atomic", "fused", "gluon")
 
 # Short spellings used in variant names: fwd-m128-n64-w8-s3
 _ABBREV = {"block_m": "m", "block_n": "n", "num_warps": "w", "num_stages": "s",

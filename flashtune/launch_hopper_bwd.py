@@ -50,7 +50,8 @@ class HopperBwdPlan:
     run(dout, q, k, v, o, lse) -> (dq, dk, dv) in the dtype and layout of q, k, v, as
     launch_bwd.backward."""
     __slots__ = ("variant", "kernel", "grid", "scale", "causal", "consts", "layouts", "why",
-                 "generic", "masks", "mask_args", "fallback", "pre", "dq_plan")
+                 "generic", "masks", "mask_args", "fallback", "pre", "dq_plan", "dq_kernel",
+                 "dq_grid")
     descriptor = False
 
     def __init__(self, q, k, v, causal: bool, scale: float | None, variant: Variant,
@@ -66,6 +67,9 @@ class HopperBwdPlan:
                     f"its tiles must fit the block mask's block_size {masks.block_mask.block_size}"
                     f" (as {bad}; dispatch.mask_twin fits them)")))
         check_mask_variant(variant, masks)
+        if variant.dq == "gluon" and (variant.masks or masks.any):
+            raise ValueError(f"{variant.name}: dq='gluon' has no masked dQ kernel yet (window, "
+                             "softcap, block mask): use dq='none' or 'separate'")
         b, h, nq, d = q.shape
         self.variant = variant
         self.causal = bool(causal)
@@ -74,6 +78,7 @@ class HopperBwdPlan:
         self.generic = _generic_variant(d, q.dtype)  # its preprocess (no masks in 16 bits)
         self.fallback = None  # the generic bwd's plan, built when first needed
         self.dq_plan = None  # dq="separate": the generic bwd's plan that runs dQ
+        self.dq_kernel = None  # dq="gluon": the template's dQ kernel, one program a query block
         self.why = unsupported(d, q.dtype) or _device_blocker(q.device)
         if not self.why and d > 128 and (variant.block_m, variant.block_n,
                                          variant.num_warps) != D256_TILE:
@@ -93,6 +98,11 @@ class HopperBwdPlan:
                            num_warps=variant.num_warps, **mask_params(masks))
         self.kernel = Launcher(load(variant).attn_bwd_hopper, **self.consts)
         self.pre = preprocess_launch(q, k, self.causal, self.generic)
+        if variant.dq == "gluon":
+            self.dq_kernel = Launcher(load(variant).attn_bwd_dq_hopper, **{
+                k: self.consts[k] for k in ("HEAD_DIM", "BLOCK_M", "BLOCK_N", "STAGES", "GROUP",
+                                            "IS_CAUSAL", "num_warps")})
+            self.dq_grid = (triton.cdiv(nq, variant.block_m), b * h)
         # dq="separate": the generic bwd's dQ kernel (its default tiles, the call's masks)
         if variant.dq == "separate":
             from . import launch_bwd
@@ -112,8 +122,8 @@ class HopperBwdPlan:
             return self.fallback.run(dout, q, k, v, o, lse)
         from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
         delta, lse2 = preprocess(self.pre, dout, q, k, v, o, lse, self.scale)
-        separate = self.dq_plan is not None
-        # the kernel adds dQ into a float32 buffer (dq="none"); separate: it writes none
+        separate = self.dq_plan is not None or self.dq_kernel is not None
+        # the kernel adds dQ into a float32 buffer (dq="none"); separate, gluon: it writes none
         dq_acc = delta if separate else torch.zeros(q.shape, dtype=torch.float32,
                                                      device=q.device)
         bm, bn, d = self.variant.block_m, self.variant.block_n, q.shape[3]
@@ -125,7 +135,15 @@ class HopperBwdPlan:
                     desc(dk, bn), desc(dv, bn), dq_acc, lse2, delta, self.scale,
                     *self.mask_args, q.shape[1], q.shape[2], k.shape[2])
         dq = torch.empty_like(q)  # q's layout, as the generic bwd (dq_acc is contiguous)
-        if separate:
+        if self.dq_kernel is not None:
+            # TMA stores dQ in q's layout; one it cannot address goes through a contiguous copy
+            out = dq if addressable(dq) else torch.empty(q.shape, dtype=q.dtype, device=q.device)
+            self.dq_kernel(self.dq_grid, desc(q, bm), desc(k, bn), desc(v, bn), desc(dout, bm),
+                           desc(out, bm), lse2, delta, self.scale, q.shape[1], q.shape[2],
+                           k.shape[2])
+            if out is not dq:
+                dq.copy_(out)
+        elif separate:
             self.dq_plan.run_dq(dout, q, k, v, dq, lse2, delta)
         else:
             dq.copy_(dq_acc)

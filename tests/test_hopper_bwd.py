@@ -142,6 +142,44 @@ def test_separate_dq_renders_no_dq_and_its_plan_runs_the_generic_dq_kernel():
     assert masked.dq_plan.variant.window and masked.dq_plan.variant.softcap
 
 
+def test_gluon_dq_renders_its_own_dq_kernel_and_no_atomics():
+    """dq="gluon": the dK/dV kernel computes no dQ (as "separate") and the plan launches the
+    template's attn_bwd_dq_hopper over query blocks (built on meta tensors, as the search's
+    compile-ahead builds it); it has no masked render, so a masked call is refused by name.
+    Not in the search space until it has run on a GPU."""
+    import dataclasses
+
+    from flashtune import targets
+    from flashtune.codegen.render import _code_lines
+    from flashtune.launch_hopper_bwd import HopperBwdPlan
+    from flashtune.search_space import Space
+    g = Variant.parse("hopper_bwd-m64-n64-w8-s2-dq=gluon")
+    code = "\n".join(_code_lines(render(g)))
+    assert "def attn_bwd_dq_hopper(" in code and "atomic_add" not in code
+    assert "def attn_bwd_dq_hopper(" not in render(Variant.parse("hopper_bwd-m64-n64-w8-s2"))
+    q = torch.empty(2, 4, 300, 256, dtype=torch.bfloat16, device="meta")
+    k = torch.empty(2, 2, 300, 256, dtype=torch.bfloat16, device="meta")
+    plan = HopperBwdPlan(q, k, k, True, None, g)
+    assert not plan.why and plan.dq_plan is None and plan.dq_kernel is not None
+    assert plan.dq_grid == (5, 8)  # cdiv(300, 64) query blocks, batch * q heads
+    with pytest.raises(ValueError, match="gluon"):
+        HopperBwdPlan(q, k, k, True, None, Variant.parse(g.name + "-window=true"),
+                      Masks((64, 0)))
+    p = dataclasses.replace(_problem(d=256), family="hopper_bwd")
+    assert not Space.build("hopper_bwd", targets.get("H100"), p).contains(g)
+
+
+@pytest.mark.slow
+def test_gluon_dq_compiles_for_sm90():
+    from test_compile_sm90 import kernels_check
+    for d, name in ((128, "hopper_bwd-m64-n128-w8-s2-dq=gluon"),
+                    (256, "hopper_bwd-m64-n64-w8-s2-dq=gluon")):
+        r = kernels_check("--gpu", "H100", "--dtype", "bf16", "--head-dim", str(d), "--causal",
+                          "--format", "json", name)
+        rows = json.loads(r.stdout) if r.stdout.startswith("[") else []
+        assert len(rows) == 2 and all(x["fits"] and not x["why"] for x in rows), rows or r.stderr
+
+
 def test_search_space_admits_the_defaults():
     import dataclasses
 
@@ -286,9 +324,13 @@ SEPARATE = {64: "hopper_bwd-m64-n128-w8-s2-dq=separate",
 OVERLAP = {64: "hopper_bwd-m64-n128-w8-s2-dq_overlap=true",
            128: "hopper_bwd-m64-n64-w4-s2-dq_overlap=true",
            256: "hopper_bwd-m64-n64-w8-s1-dq_overlap=true"}
+GLUON = {64: "hopper_bwd-m64-n128-w8-s2-dq=gluon",
+         128: "hopper_bwd-m64-n128-w8-s2-dq=gluon",
+         256: "hopper_bwd-m64-n64-w8-s2-dq=gluon"}
 # structural choices beside the defaults: dq="separate" (the generic dQ kernel), dq_overlap
-# (dQ's atomics under dK's / dV's products; D=256's s2 render is in VARIANTS)
-FIELDS = {"separate": SEPARATE, "overlap": OVERLAP}
+# (dQ's atomics under dK's / dV's products; D=256's s2 render is in VARIANTS), dq="gluon" (the
+# template's own dQ kernel; no masked render, so not in the window test below)
+FIELDS = {"separate": SEPARATE, "overlap": OVERLAP, "gluon": GLUON}
 
 
 @pytest.mark.gpu
@@ -306,7 +348,7 @@ def test_field_variants_match_reference(field, d, causal, shape):
 
 @pytest.mark.gpu
 @hopper_gpu
-@pytest.mark.parametrize("field", sorted(FIELDS))
+@pytest.mark.parametrize("field", sorted(set(FIELDS) - {"gluon"}))
 def test_field_variants_with_a_window_and_softcap(field):
     q, k, v = qkv(1, 4, 2, 515, 700, 128, torch.float16, "cuda")
     with flashtune.force(FIELDS[field][128] + "-window=true-softcap=true"):

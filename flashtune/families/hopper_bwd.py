@@ -1,7 +1,8 @@
 """hopper_bwd: the backward for Hopper (sm_90) in Gluon -- K/V loaded once by TMA per key block,
 Q and dO streamed through a shared-memory ring on mbarriers, S^T, dP^T, dV, dK and dQ on async
 wgmma, dQ added into a float32 buffer by atomics (dq="separate": dK/dV only here, dQ by the
-generic bwd's dQ kernel). Template attn_hopper_bwd.py.tmpl (version shims
+generic bwd's dQ kernel; dq="gluon": by the template's own Gluon dQ kernel, not yet run on a GPU,
+forced only). Template attn_hopper_bwd.py.tmpl (version shims
 in flashtune/gluon_compat.py); launched by flashtune/launch_hopper_bwd.py (HopperBwdPlan);
 measured by flashtune/measure_hopper_bwd.py; space search_spaces/hopper_bwd.json.
 
@@ -42,8 +43,9 @@ FAMILY = Family(
            ("block_m", (64, 128), "query rows per step: dQ's wgmma takes 64 rows per warpgroup"),
            ("block_n", (64, 128), "keys per program: 64 per warpgroup on the wgmma M axis"),
            ("num_stages", (1, 2, 3, 4), "the Q/dO ring: 1..4 stages"),
-           ("dq", ("none", "separate"), "dQ by atomics from this kernel (none) or by the generic "
-            "bwd family's dQ kernel (separate)")),
+           ("dq", ("none", "separate", "gluon"), "dQ by atomics from this kernel (none), by the "
+            "generic bwd family's dQ kernel (separate) or by the template's Gluon dQ kernel "
+            "(gluon)")),
 )
 
 # Defaults: NOT measured yet (first GPU run pending: bench/device_run.sh STEPS=hopperbwd). They
@@ -149,5 +151,15 @@ def compile_check(variant, head_dim: int, dtype: str, causal: bool, tails: bool,
     consts = dict(HEAD_DIM=head_dim, BLOCK_M=variant.block_m, BLOCK_N=variant.block_n,
                   STAGES=variant.num_stages, GROUP=4 if tails else 1, IS_CAUSAL=causal,
                   num_warps=variant.num_warps, **example_masks(variant, causal))
-    return {"bwd": compile_for(load(variant).attn_bwd_hopper, consts, dtype, variant.num_warps,
-                               1, capability=cap, usage=usage, types=types)}
+    out = {"bwd": compile_for(load(variant).attn_bwd_hopper, consts, dtype, variant.num_warps,
+                              1, capability=cap, usage=usage, types=types)}
+    if variant.dq == "gluon":  # the template's own dQ kernel: query blocks of block_m rows
+        dq_types = {"q_desc": desc(variant.block_m), "do_desc": desc(variant.block_m),
+                    "dq_desc": desc(variant.block_m), "k_desc": desc(variant.block_n),
+                    "v_desc": desc(variant.block_n), "LSE2": "*fp32", "Delta": "*fp32"}
+        dq_consts = {k: consts[k] for k in ("HEAD_DIM", "BLOCK_M", "BLOCK_N", "STAGES", "GROUP",
+                                            "IS_CAUSAL", "num_warps")}
+        out["dq"] = compile_for(load(variant).attn_bwd_dq_hopper, dq_consts, dtype,
+                                variant.num_warps, 1, capability=cap, usage=usage,
+                                types=dq_types)
+    return out
