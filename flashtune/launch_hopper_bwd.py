@@ -22,6 +22,8 @@ from .masks import NONE, Masks
 
 HEAD_DIMS = (64, 128, 256)  # D=256: two warpgroups split D for dK / dV (the template's SPLIT)
 D256_TILE = (64, 64, 8)     # (block_m, block_n, num_warps): the one D=256 tile that fits
+# the constexprs of dq="gluon"'s dQ kernel, a subset of the dK/dV kernel's (no masks)
+DQ_KERNEL_CONSTS = ("HEAD_DIM", "BLOCK_M", "BLOCK_N", "STAGES", "GROUP", "IS_CAUSAL", "num_warps")
 
 
 def unsupported(head_dim: int, dtype: torch.dtype) -> str:
@@ -99,9 +101,8 @@ class HopperBwdPlan:
         self.kernel = Launcher(load(variant).attn_bwd_hopper, **self.consts)
         self.pre = preprocess_launch(q, k, self.causal, self.generic)
         if variant.dq == "gluon":
-            self.dq_kernel = Launcher(load(variant).attn_bwd_dq_hopper, **{
-                k: self.consts[k] for k in ("HEAD_DIM", "BLOCK_M", "BLOCK_N", "STAGES", "GROUP",
-                                            "IS_CAUSAL", "num_warps")})
+            self.dq_kernel = Launcher(load(variant).attn_bwd_dq_hopper,
+                                      **{k: self.consts[k] for k in DQ_KERNEL_CONSTS})
             self.dq_grid = (triton.cdiv(nq, variant.block_m), b * h)
         # dq="separate": the generic bwd's dQ kernel (its default tiles, the call's masks)
         if variant.dq == "separate":

@@ -135,7 +135,7 @@ def compile_check(variant, head_dim: int, dtype: str, causal: bool, tails: bool,
     variant's bounds and cap are run-time arguments too; a block_sparse one takes
     launch.example_masks' block sizes, with an element mask). float32 and head dims other than
     64/128/256 have no kernel (the generic bwd serves them)."""
-    from ..launch_hopper_bwd import HEAD_DIMS
+    from ..launch_hopper_bwd import DQ_KERNEL_CONSTS, HEAD_DIMS
     if dtype == "float32" or cap < 90 or head_dim not in HEAD_DIMS:
         return {}
     from ..codegen import load
@@ -157,8 +157,7 @@ def compile_check(variant, head_dim: int, dtype: str, causal: bool, tails: bool,
         dq_types = {"q_desc": desc(variant.block_m), "do_desc": desc(variant.block_m),
                     "dq_desc": desc(variant.block_m), "k_desc": desc(variant.block_n),
                     "v_desc": desc(variant.block_n), "LSE2": "*fp32", "Delta": "*fp32"}
-        dq_consts = {k: consts[k] for k in ("HEAD_DIM", "BLOCK_M", "BLOCK_N", "STAGES", "GROUP",
-                                            "IS_CAUSAL", "num_warps")}
+        dq_consts = {k: consts[k] for k in DQ_KERNEL_CONSTS}
         out["dq"] = compile_for(load(variant).attn_bwd_dq_hopper, dq_consts, dtype,
                                 variant.num_warps, 1, capability=cap, usage=usage,
                                 types=dq_types)
