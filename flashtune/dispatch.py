@@ -245,7 +245,8 @@ def mask_fit(variant: Variant, masks, family: str) -> tuple:
                                             variant.num_warps2 or variant.num_warps)
             else:
                 tiles["block_n"] = fit(tiles["block_n"], tiles["block_m"], variant.num_warps)
-    return _twin(variant, tuple(sorted({**want, **tiles}.items()))), ""
+    changes = {**want, **tiles, **fam.masked_changes(variant, masks)}
+    return _twin(variant, tuple(sorted(changes.items()))), ""
 
 
 @lru_cache(maxsize=1024)

@@ -19,7 +19,7 @@ from .problem import dtype_name
 
 
 # the bwd dQ schemes without atomics: the same inputs give the same gradients, bit for bit
-DETERMINISTIC_DQ = ("separate", "fused")
+DETERMINISTIC_DQ = ("separate", "fused", "gluon")
 
 # call signature -> launch.FwdPlan: a repeated call costs a tuple, a dict lookup and the launch.
 # Cleared with the dispatcher's lookups (a new tuned DB or table can change the variant).
@@ -87,10 +87,11 @@ def select_bwd(q, k, causal: bool, deterministic: bool, masks: Masks = NONE) -> 
     twin (same dK/dV tiles, the dQ kernel's tiles from the built-in defaults)."""
     variant = dispatch.select_for_call("bwd", q, k, causal, masks)
     if variant.family != "bwd":  # a family that serves bwd calls (hopper_bwd)
-        if deterministic:  # its dQ is atomic: the generic bwd family's default instead
-            variant = default_variant("bwd", q.shape[3], dtype_name(q.dtype))
-        elif masks.any:  # its masked twin (Family.serve_masks), else the bwd default's
+        if masks.any:  # its masked twin (Family.serve_masks), else the bwd default's
             variant = dispatch.mask_twin(variant, masks, q.shape[3], q.dtype, "bwd")
+        if deterministic and variant.family != "bwd" and variant.dq not in DETERMINISTIC_DQ:
+            # its dQ is atomic: the generic bwd family's default instead (masks rendered below)
+            variant = default_variant("bwd", q.shape[3], dtype_name(q.dtype))
         if variant.family != "bwd":
             return variant
     if deterministic:
@@ -157,7 +158,7 @@ def run_backward(grad_out, q, k, v, o, lse, causal: bool, scale, deterministic: 
         if variant is None:
             variant = select_bwd(q, k, causal, deterministic, masks)
         elif deterministic and variant.dq not in DETERMINISTIC_DQ:
-            raise ValueError(f"deterministic=True needs a dq='separate' or 'fused' variant, got "
+            raise ValueError(f"deterministic=True needs a dq in {DETERMINISTIC_DQ} variant, got "
                              f"{variant.name}")
         if len(_bwd_plans) >= _PLANS_MAX:
             _bwd_plans.clear()

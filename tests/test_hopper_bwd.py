@@ -145,8 +145,8 @@ def test_separate_dq_renders_no_dq_and_its_plan_runs_the_generic_dq_kernel():
 def test_gluon_dq_renders_its_own_dq_kernel_and_no_atomics():
     """dq="gluon": the dK/dV kernel computes no dQ (as "separate") and the plan launches the
     template's attn_bwd_dq_hopper over query blocks (built on meta tensors, as the search's
-    compile-ahead builds it); it has no masked render, so a masked call is refused by name.
-    Not in the search space until it has run on a GPU."""
+    compile-ahead builds it); it has no masked render, so a masked call is refused by name
+    (the dispatcher runs its dq="none" twin instead: hopper_bwd.mask_changes)."""
     import dataclasses
 
     from flashtune import targets
@@ -165,8 +165,11 @@ def test_gluon_dq_renders_its_own_dq_kernel_and_no_atomics():
     with pytest.raises(ValueError, match="gluon"):
         HopperBwdPlan(q, k, k, True, None, Variant.parse(g.name + "-window=true"),
                       Masks((64, 0)))
+    # the space proposes it (H100, session 23: 1.17-1.24x dq_overlap at D=256), never beside
+    # dq_overlap (an atomics schedule)
     p = dataclasses.replace(_problem(d=256), family="hopper_bwd")
-    assert not Space.build("hopper_bwd", targets.get("H100"), p).contains(g)
+    space = Space.build("hopper_bwd", targets.get("H100"), p)
+    assert space.contains(g) and not space.contains(Variant.parse(g.name + "-dq_overlap=true"))
 
 
 @pytest.mark.slow
@@ -209,10 +212,10 @@ def test_d256_space_is_the_one_tile_two_warpgroups_can_hold():
     from flashtune.search_space import Space
     p = dataclasses.replace(_problem(d=256), family="hopper_bwd")
     names = {v.name for v in Space.build("hopper_bwd", targets.get("H100"), p).feasible}
-    # each with dQ by atomics here (dq none, its adds overlapped or not) or by the generic dQ
-    # kernel (dq separate)
+    # each with dQ by atomics here (dq none, its adds overlapped or not), by the generic dQ
+    # kernel (dq separate) or by the template's Gluon dQ kernel (dq gluon)
     assert names == {f"hopper_bwd-m64-n64-w8-s{s}{dq}" for s in (1, 2)
-                     for dq in ("", "-dq_overlap=true", "-dq=separate")}
+                     for dq in ("", "-dq_overlap=true", "-dq=separate", "-dq=gluon")}
 
 
 @pytest.mark.parametrize("arch,problem,why", [
@@ -254,6 +257,15 @@ def test_deterministic_calls_go_to_the_generic_bwd_windowed_ones_to_the_masked_t
         # window / softcap: its own render (tests/test_hopper_bwd_masks.py)
         masked = ops.select_bwd(q, k, False, False, Masks(window=(4, 0)))
         assert masked.family == "hopper_bwd" and masked.window
+    # dq="gluon" writes dQ without atomics: deterministic calls keep it; it has no masked dQ
+    # kernel, so a masked call runs its atomic twin (and a deterministic masked one the generic)
+    gluon = "hopper_bwd-m64-n128-w8-s2-dq=gluon"
+    with flashtune.force(gluon):
+        assert ops.select_bwd(q, k, False, True).name == gluon
+        masked = ops.select_bwd(q, k, True, False, Masks(window=(4, 0), softcap=2.0))
+        assert masked.name == "hopper_bwd-m64-n128-w8-s2-window=true-softcap=true"
+        det = ops.select_bwd(q, k, False, True, Masks(window=(4, 0)))
+        assert det.family == "bwd" and det.dq == "separate" and det.window
 
 
 def test_plan_falls_back_to_the_generic_default_off_hopper(device):

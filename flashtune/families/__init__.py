@@ -71,6 +71,9 @@ class Family:
     # family default); "" = the generic rule in dispatch.mask_twin (BLOCK_M | BS_Q,
     # BLOCK_N | BS_KV, the element mask's tile limit)
     fit_block_mask: str = ""
+    # "module:fn": (variant, Masks) -> the field changes a masked render needs beyond the masks
+    # and the tiles (hopper_bwd: dq="gluon"'s dQ kernel has no mask code); "" = none
+    mask_changes: str = ""
     # "module:fn": (BlockMask, Nq, GROUP, paged) -> why a served call's plan cannot walk the
     # block mask ("" = it can): that plan then runs the served family's default, and explain()
     # says why (splitkv: a tile's rows must share one list row)
@@ -141,6 +144,10 @@ class Family:
         if block_mask is None or not self.block_mask_blocker:
             return ""
         return _resolve(self.block_mask_blocker)(block_mask, nq, group, paged)
+
+    def masked_changes(self, variant, masks) -> dict:
+        """Field changes `variant` needs to render `masks` (mask_changes), beyond masks and tiles."""
+        return _resolve(self.mask_changes)(variant, masks) if self.mask_changes else {}
 
     def fit_tiles(self, variant, block_mask) -> tuple:
         """(tile changes, why not) of `variant` for a block mask (fit_block_mask)."""

@@ -34,6 +34,7 @@ FAMILY = Family(
     serve_plan="flashtune.launch_hopper_bwd:HopperBwdPlan",
     serve_masks=("window", "softcap", "block_sparse"),
     fit_block_mask="flashtune.families.hopper_bwd:fit_block_mask",
+    mask_changes="flashtune.families.hopper_bwd:mask_changes",
     support="flashtune.families.hopper_bwd:cannot_serve",
     grid="flashtune.families.hopper_bwd:grid",
     interpreter=False,
@@ -89,6 +90,13 @@ def fit_block_mask(variant, block_mask) -> tuple:
     if variant.num_warps == 8 and block_n == 64 and variant.block_n != 64:
         tiles["num_warps"] = 4  # an n128-w8 tile: D <= 128 (D=256's one tile is n64-w8 already)
     return tiles, ""
+
+
+def mask_changes(variant, masks) -> dict:
+    """dq="gluon"'s dQ kernel has no window, softcap or block-mask code: a masked call's twin adds
+    dQ by atomics from the dK/dV kernel (dq="none", the plain schedule: dq_overlap's D=256
+    softcap render spills)."""
+    return {"dq": "none", "dq_overlap": False} if variant.dq == "gluon" else {}
 
 
 def cannot_serve(p) -> str:
