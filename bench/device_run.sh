@@ -109,6 +109,17 @@ for step in ${STEPS:-fwdtests}; do
               kill $smi 2>/dev/null
               # the device tool brings back 8 files: the runs' journals travel as one archive
               (cd "$OUT" && ls *.journal >/dev/null 2>&1 && tar czf scaling-journals.tgz *.journal && rm -f *.journal) ;;
+    startprobe) # issue 12: where a search's start-up goes on this machine -- the CLI's imports, torch's
+              # alone, then a small --gpus search twice (the second with warm caches) with its timeline
+              python3 -X importtime -c "import flashtune.cli" 2> /tmp/imp.txt
+              sort -t'|' -k2 -n /tmp/imp.txt | tail -${STARTPROBE_TAIL:-10} | tee "$OUT/startprobe.log"
+              /usr/bin/time -f "import torch %e s" python3 -c "import torch" 2>&1 | tee -a "$OUT/startprobe.log"
+              for i in 1 2; do
+                /usr/bin/time -f "search wall %e s" env FLASHTUNE_TIMELINE=1 timeout 120 flashtune search \
+                  --gpu auto --gpus ${STARTPROBE_GPUS:-0} --fresh --head-dim 64 --seqlen 1024 --causal no \
+                  --trials 6 --storage /tmp/sp.journal --db sqlite:////tmp/sp.db --progress none 2>&1 \
+                  | grep "timeline\|wall" | tee -a "$OUT/startprobe.log"
+              done ;;
     firstcompile) # issue 12: where a compile worker's first compile goes (fresh processes, cold then
               # warm caches; the warm one profiled)
               timeout ${FIRSTCOMPILE_TIMEOUT:-120} python3 bench/first_compile_probe.py 2>&1 \

@@ -178,7 +178,9 @@ def run_on_gpus(cfg, *, target, progress=None):
     if cfg.workers != 1:
         raise ValueError("--gpus runs one timing worker per GPU process: leave out --workers")
     backend = _backend(cfg, target)
+    mark("backend built")
     n_dev = backend.device_count()
+    mark("devices counted")
     if max(gpus) >= n_dev:
         raise ValueError(f"--gpus {','.join(map(str, gpus))}: this host has {n_dev} GPU(s)")
     missing = [f for f in cfg.families if not backend.supports(f)]
@@ -190,12 +192,14 @@ def run_on_gpus(cfg, *, target, progress=None):
     url = cfg.storage or default_storage()
     storage = make_storage(url)
     liveness = Liveness(storage)
+    mark("buckets planned, storage open")
     # each process's share of the cores less its driver and timing worker
     cw = cfg.compile_workers or max(1, min(16, ((os.cpu_count() or 2) - 2 * len(gpus))
                                               // len(gpus)))
     ctx = _context()  # forked from a server with torch imported, as the workers are
     start_server()
     server = server_handle()  # which the search processes' workers come from too
+    mark("workers' server ready")
     q = ctx.Queue()
     # the children start first: their workers' start-up (CUDA, imports) runs while the studies
     # are prepared below (0.8 s for 36 buckets, session 20), and each waits for `go` before
@@ -216,6 +220,7 @@ def run_on_gpus(cfg, *, target, progress=None):
                             name=f"flashtune-gpu{g}")
             p.start()
             procs[child.tag] = p
+            mark("first search process started", once=True)
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, mask)
     mark(f"{len(procs)} search processes started")

@@ -70,3 +70,21 @@ def test_a_call_runs_the_tables_variant_and_matches_the_reference(table):
     assert ex.record is not None and ex.origin == table.path, ex
     assert_matches_reference(q[:1, :2], k[:1, :2], v[:1, :2], causal=b.causal,
                              out=flashtune.attention(q, k, v, causal=b.causal)[:1, :2])
+
+
+def test_each_backward_variant_the_table_ships_matches_the_reference(table):
+    """Every distinct dense variant of this GPU's table that serves backward calls (hopper_bwd,
+    dq="gluon" included: session 23's records), forced on odd lengths with GQA, causal and not,
+    bf16 and fp16: the gradients against the float64 reference (the search's gate checked each
+    on its own bucket's shape only)."""
+    from _check import qkv
+    from test_backward import assert_grads_match
+    names = sorted({(r.bucket.head_dim, r.variant.name) for r in table.records
+                    if r.bucket.family == "hopper_bwd" and not r.variant.masks})
+    assert names, "the table has hopper_bwd records"
+    for d, name in names:
+        for dtype in (torch.bfloat16, torch.float16):
+            for causal in (False, True):
+                q, k, v = qkv(1, 4, 2, 193, 250, d, dtype, "cuda")
+                with flashtune.force(name):
+                    assert_grads_match(q, k, v, causal=causal)
