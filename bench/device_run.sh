@@ -116,7 +116,7 @@ for step in ${STEPS:-fwdtests}; do
               /usr/bin/time -f "import torch %e s" python3 -c "import torch" 2>&1 | tee -a "$OUT/startprobe.log"
               for i in 1 2; do
                 /usr/bin/time -f "search wall %e s" env FLASHTUNE_TIMELINE=1 timeout 120 flashtune search \
-                  --gpu auto --gpus ${STARTPROBE_GPUS:-0} --fresh --head-dim 64 --seqlen 1024 --causal no \
+                  --gpu auto --gpus ${STARTPROBE_GPUS:-0} --fresh --head-dim 64 --seqlen 1024 --causal false \
                   --trials 6 --storage /tmp/sp.journal --db sqlite:////tmp/sp.db --progress none 2>&1 \
                   | grep "timeline\|wall" | tee -a "$OUT/startprobe.log"
               done ;;
