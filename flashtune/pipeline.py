@@ -19,9 +19,6 @@ from .measure import Outcome
 from .timeline import mark
 
 
-FIRST_COMPILERS = 2  # compile workers started with the timing workers; the rest follow
-
-
 class Pipeline:
     def __init__(self, backend, *, devices=(0,), compile_workers: int = 2,
                  trial_timeout: float = 120.0, compile_timeout: float = 300.0,
@@ -71,12 +68,8 @@ class Pipeline:
                 except Exception as e:  # noqa: BLE001 -- the search's error, after cleanup
                     errors.append(e)
             compilers = _drain(self._compilers)
-            # the first FIRST_COMPILERS at once, the rest once the first is ready: the first
-            # trial waits for one compile worker, and 56 setting up at once on four GPUs' 64
-            # cores took 3.9 s each against 2.9 s for 16 on one (session 22, run 22)
-            first, rest = compilers[:FIRST_COMPILERS], compilers[FIRST_COMPILERS:]
-            for i, w in enumerate(first):
-                self._pool.submit(self._prestart, w, rest if i == 0 else ())
+            for w in compilers:
+                self._pool.submit(self._prestart, w)
             with ThreadPoolExecutor(max_workers=max(1, len(launched)),
                                     thread_name_prefix="flashtune-start") as ex:
                 for f in [ex.submit(w.wait_started) for w in launched]:
@@ -91,8 +84,7 @@ class Pipeline:
         self.info = timers[0].info if timers else {}
         return self
 
-    def _prestart(self, w: Worker, then=()) -> None:
-        """Start compile worker `w`, then (started or not) the workers `then`."""
+    def _prestart(self, w: Worker) -> None:
         try:
             if not self._stop.is_set():
                 w.start()
@@ -100,8 +92,6 @@ class Pipeline:
             w.kill()
         finally:
             self._compilers.put(w)
-            for x in then:
-                self._pool.submit(self._prestart, x)
 
     @property
     def restarts(self) -> int:

@@ -258,41 +258,6 @@ def test_timing_workers_fork_before_compile_workers(monkeypatch):
     assert asked == ["time", "compile", "compile", "compile"], asked
 
 
-def test_compile_workers_after_the_first_two_start_once_the_first_is_ready(monkeypatch):
-    """Two compile workers start with the timing worker; the others are asked for only once the
-    first is set up, so the first trial's worker does not set up beside all of them (session
-    22: 56 at once on four GPUs took 3.9 s each, 16 on one 2.9 s)."""
-    from flashtune import isolation, pipeline
-    events = []
-    real_launch, real_wait = isolation.Worker.launch, isolation.Worker.wait_started
-
-    def launch(self):
-        events.append(("launch", self.role, self.index))
-        return real_launch(self)
-
-    def wait_started(self):
-        out = real_wait(self)
-        events.append(("ready", self.role, self.index))
-        return out
-    monkeypatch.setattr(isolation.Worker, "launch", launch)
-    monkeypatch.setattr(isolation.Worker, "wait_started", wait_started)
-    assert pipeline.FIRST_COMPILERS == 2
-    pipe = Pipeline(_WarmProbe(), devices=(0,), compile_workers=5).start()
-    try:
-        deadline = time.monotonic() + 60
-        while (sum(e[0] == "ready" and e[1] == "compile" for e in events) < 5
-               and time.monotonic() < deadline):
-            time.sleep(0.05)
-    finally:
-        pipe.close()
-    compile_launches = [e for e in events if e[:2] == ("launch", "compile")]
-    assert len(compile_launches) == 5, events
-    first_ready = events.index(("ready", "compile", 0))
-    later = [events.index(("launch", "compile", i)) for i in (2, 3, 4)]
-    assert all(i > first_ready for i in later), events
-    assert events.index(("launch", "compile", 1)) < first_ready, events
-
-
 _SHARE_SCRIPT = '''
 import os
 from multiprocessing import forkserver
