@@ -22,8 +22,15 @@ from .masks import NONE, Masks
 
 HEAD_DIMS = (64, 128, 256)  # D=256: two warpgroups split D for dK / dV (the template's SPLIT)
 D256_TILE = (64, 64, 8)     # (block_m, block_n, num_warps): the one D=256 tile that fits
-# the constexprs of dq="gluon"'s dQ kernel, a subset of the dK/dV kernel's (no masks)
-DQ_KERNEL_CONSTS = ("HEAD_DIM", "BLOCK_M", "BLOCK_N", "STAGES", "GROUP", "IS_CAUSAL", "num_warps")
+
+
+def dq_kernel_consts(variant: Variant, consts: dict) -> dict:
+    """The constexprs of dq="gluon"'s dQ kernel from the dK/dV kernel's `consts`: the problem's
+    (no masks), its own tiles (families/hopper_bwd.dq_tiles)."""
+    from .families.hopper_bwd import dq_tiles
+    bm, bn, warps, stages = dq_tiles(variant)
+    return dict(HEAD_DIM=consts["HEAD_DIM"], GROUP=consts["GROUP"], IS_CAUSAL=consts["IS_CAUSAL"],
+                BLOCK_M=bm, BLOCK_N=bn, STAGES=stages, num_warps=warps)
 
 
 def unsupported(head_dim: int, dtype: torch.dtype) -> str:
@@ -92,7 +99,9 @@ class HopperBwdPlan:
             return
         # the window's bounds (causal: its right edge 0) and the softcap, after sm_scale
         self.mask_args = mask_args(masks, causal, "kv", b, h)
-        self.layouts = tile_layouts(q.dtype, d, variant.block_m, variant.block_n)
+        self.layouts = tile_layouts(q.dtype, d, variant.block_m, variant.block_n,
+                                    variant.block_m2 or variant.block_m,
+                                    variant.block_n2 or variant.block_n)
         hk, nk = k.shape[1], k.shape[2]
         self.grid = (triton.cdiv(nk, variant.block_n), b * hk)
         self.consts = dict(HEAD_DIM=d, BLOCK_M=variant.block_m, BLOCK_N=variant.block_n,
@@ -101,9 +110,9 @@ class HopperBwdPlan:
         self.kernel = Launcher(load(variant).attn_bwd_hopper, **self.consts)
         self.pre = preprocess_launch(q, k, self.causal, self.generic)
         if variant.dq == "gluon":
-            self.dq_kernel = Launcher(load(variant).attn_bwd_dq_hopper,
-                                      **{k: self.consts[k] for k in DQ_KERNEL_CONSTS})
-            self.dq_grid = (triton.cdiv(nq, variant.block_m), b * h)
+            dq_consts = dq_kernel_consts(variant, self.consts)
+            self.dq_kernel = Launcher(load(variant).attn_bwd_dq_hopper, **dq_consts)
+            self.dq_grid = (triton.cdiv(nq, dq_consts["BLOCK_M"]), b * h)
         # dq="separate": the generic bwd's dQ kernel (its default tiles, the call's masks)
         if variant.dq == "separate":
             from . import launch_bwd
@@ -139,9 +148,10 @@ class HopperBwdPlan:
         if self.dq_kernel is not None:
             # TMA stores dQ in q's layout; one it cannot address goes through a contiguous copy
             out = dq if addressable(dq) else torch.empty(q.shape, dtype=q.dtype, device=q.device)
-            self.dq_kernel(self.dq_grid, desc(q, bm), desc(k, bn), desc(v, bn), desc(dout, bm),
-                           desc(out, bm), lse2, delta, self.scale, q.shape[1], q.shape[2],
-                           k.shape[2])
+            bm2, bn2 = self.variant.block_m2 or bm, self.variant.block_n2 or bn
+            self.dq_kernel(self.dq_grid, desc(q, bm2), desc(k, bn2), desc(v, bn2),
+                           desc(dout, bm2), desc(out, bm2), lse2, delta, self.scale, q.shape[1],
+                           q.shape[2], k.shape[2])
             if out is not dq:
                 dq.copy_(out)
         elif separate:

@@ -165,18 +165,48 @@ def test_gluon_dq_renders_its_own_dq_kernel_and_no_atomics():
     with pytest.raises(ValueError, match="gluon"):
         HopperBwdPlan(q, k, k, True, None, Variant.parse(g.name + "-window=true"),
                       Masks((64, 0)))
-    # the space proposes it (H100, session 23: 1.17-1.24x dq_overlap at D=256), never beside
-    # dq_overlap (an atomics schedule)
+    # the space proposes it (H100, session 23: 1.17-1.24x dq_overlap at D=256) with the dQ
+    # kernel's own tiles, never beside dq_overlap (an atomics schedule)
     p = dataclasses.replace(_problem(d=256), family="hopper_bwd")
     space = Space.build("hopper_bwd", targets.get("H100"), p)
-    assert space.contains(g) and not space.contains(Variant.parse(g.name + "-dq_overlap=true"))
+    tiled = Variant.parse(g.name + "-mq64-nq64-wq8-sq2")
+    assert space.contains(tiled)
+    assert not space.contains(Variant.parse(tiled.name + "-dq_overlap=true"))
+
+
+def test_gluon_dq_kernel_takes_its_own_tiles():
+    """block_m2 / block_n2 / num_warps2 / num_stages2 tile dq="gluon"'s dQ kernel (0: the dK/dV
+    kernel's); other dQ schemes refuse them, and a masked call's dq="none" twin drops them."""
+    from flashtune.families.hopper_bwd import dq_smem_bytes, dq_tiles
+    from flashtune.launch_hopper_bwd import HopperBwdPlan
+    g = Variant.parse("hopper_bwd-m64-n64-w4-s2-dq=gluon-mq128-nq64-wq8-sq3")
+    assert dq_tiles(g) == (128, 64, 8, 3)
+    assert dq_tiles(Variant.parse("hopper_bwd-m64-n128-w4-s2-dq=gluon")) == (64, 128, 4, 2)
+    # Q, dO, the 3-stage K/V ring and dS of the dQ kernel, at D=128 (+ 1 KB)
+    assert dq_smem_bytes(g, 128) == 2 * (2 * 128 * 128 + 2 * 3 * 64 * 128 + 128 * 64) + 1024
+    with pytest.raises(ValueError, match="block_m2"):
+        Variant.parse("hopper_bwd-m64-n64-w4-s2-mq128")
+    with pytest.raises(ValueError, match="block_n2"):
+        Variant.parse("hopper_bwd-m64-n64-w4-s2-dq=separate-nq32")
+    q = torch.empty(2, 4, 300, 128, dtype=torch.bfloat16, device="meta")
+    k = torch.empty(2, 2, 300, 128, dtype=torch.bfloat16, device="meta")
+    plan = HopperBwdPlan(q, k, k, False, None, g)
+    assert plan.dq_grid == (3, 8)  # cdiv(300, 128) query blocks of the dQ kernel's rows
+    assert plan.dq_kernel.kwargs["BLOCK_M"] == 128 and plan.dq_kernel.kwargs["STAGES"] == 3
+    resources = dict(FAM.resources(g, _problem(d=128), None))
+    assert resources["attn_bwd_dq_hopper"].threads == 256
+    with flashtune.force(g.name):
+        masked = ops.select_bwd(q, k, True, False, Masks(window=(4, 0)))
+    assert masked.name == "hopper_bwd-m64-n64-w4-s2-window=true"
 
 
 @pytest.mark.slow
 def test_gluon_dq_compiles_for_sm90():
     from test_compile_sm90 import kernels_check
     for d, name in ((128, "hopper_bwd-m64-n128-w8-s2-dq=gluon"),
-                    (256, "hopper_bwd-m64-n64-w8-s2-dq=gluon")):
+                    (256, "hopper_bwd-m64-n64-w8-s2-dq=gluon"),
+                    (128, "hopper_bwd-m64-n64-w4-s2-dq=gluon-mq128-nq64-wq8-sq2"),
+                    (256, "hopper_bwd-m64-n64-w8-s2-dq=gluon-mq64-nq128-wq8-sq1")):
         r = kernels_check("--gpu", "H100", "--dtype", "bf16", "--head-dim", str(d), "--causal",
                           "--format", "json", name)
         rows = json.loads(r.stdout) if r.stdout.startswith("[") else []
@@ -213,9 +243,13 @@ def test_d256_space_is_the_one_tile_two_warpgroups_can_hold():
     p = dataclasses.replace(_problem(d=256), family="hopper_bwd")
     names = {v.name for v in Space.build("hopper_bwd", targets.get("H100"), p).feasible}
     # each with dQ by atomics here (dq none, its adds overlapped or not), by the generic dQ
-    # kernel (dq separate) or by the template's Gluon dQ kernel (dq gluon)
+    # kernel (dq separate) or by the template's Gluon dQ kernel (dq gluon) on its own tiles:
+    # those whose shared memory fits and whose registers do not spill (sm_90 compile, session 23)
     assert names == {f"hopper_bwd-m64-n64-w8-s{s}{dq}" for s in (1, 2)
-                     for dq in ("", "-dq_overlap=true", "-dq=separate", "-dq=gluon")}
+                     for dq in ("", "-dq_overlap=true", "-dq=separate")} | {
+        f"hopper_bwd-m64-n64-w8-s{s}-dq=gluon-{t}" for s in (1, 2)
+        for t in ("mq64-nq64-wq4-sq1", "mq64-nq64-wq4-sq2", "mq64-nq64-wq8-sq1",
+                  "mq64-nq64-wq8-sq2", "mq64-nq128-wq8-sq1")}
 
 
 @pytest.mark.parametrize("arch,problem,why", [
@@ -339,10 +373,14 @@ OVERLAP = {64: "hopper_bwd-m64-n128-w8-s2-dq_overlap=true",
 GLUON = {64: "hopper_bwd-m64-n128-w8-s2-dq=gluon",
          128: "hopper_bwd-m64-n128-w8-s2-dq=gluon",
          256: "hopper_bwd-m64-n64-w8-s2-dq=gluon"}
+# its dQ kernel on tiles of its own (block_m2, block_n2, num_warps2, num_stages2)
+GLUON_TILES = {64: "hopper_bwd-m64-n64-w4-s1-dq=gluon-mq128-nq128-wq8-sq1",
+               128: "hopper_bwd-m64-n64-w4-s2-dq=gluon-mq128-nq64-wq8-sq2",
+               256: "hopper_bwd-m64-n64-w8-s2-dq=gluon-mq64-nq128-wq8-sq1"}
 # structural choices beside the defaults: dq="separate" (the generic dQ kernel), dq_overlap
 # (dQ's atomics under dK's / dV's products; D=256's s2 render is in VARIANTS), dq="gluon" (the
 # template's own dQ kernel; no masked render, so not in the window test below)
-FIELDS = {"separate": SEPARATE, "overlap": OVERLAP, "gluon": GLUON}
+FIELDS = {"separate": SEPARATE, "overlap": OVERLAP, "gluon": GLUON, "gluon_tiles": GLUON_TILES}
 
 
 @pytest.mark.gpu
@@ -360,7 +398,7 @@ def test_field_variants_match_reference(field, d, causal, shape):
 
 @pytest.mark.gpu
 @hopper_gpu
-@pytest.mark.parametrize("field", sorted(set(FIELDS) - {"gluon"}))
+@pytest.mark.parametrize("field", sorted(set(FIELDS) - {"gluon", "gluon_tiles"}))
 def test_field_variants_with_a_window_and_softcap(field):
     q, k, v = qkv(1, 4, 2, 515, 700, 128, torch.float16, "cuda")
     with flashtune.force(FIELDS[field][128] + "-window=true-softcap=true"):

@@ -86,6 +86,9 @@ class Family:
     # dtypes, Triton features. Arch and interpreter are cannot_run's, from the fields above.
     support: str = ""
     rules: tuple = field(default=())  # (field, allowed values, why) per own field with a rule
+    # "module:fn": variant -> why its fields do not fit together ("" = they do), beyond `rules`
+    # (hopper_bwd: the dQ kernel's tiles only beside that kernel)
+    check: str = ""
     seeds: str = ""                 # "module:fn": more variants a search measures first
     # "module:fn": (variant, record's bucket, asked bucket) -> (variant, note): a tuned record's
     # variant fitted to a bucket it was not measured on (the nearest-bucket fallback); "" = as is
@@ -197,6 +200,9 @@ class Family:
             if getattr(variant, name) not in allowed:
                 raise ValueError(f"Variant.{name}={getattr(variant, name)!r} does not fit family "
                                  f"{self.name!r}: {why}")
+        why = _resolve(self.check)(variant) if self.check else ""
+        if why:
+            raise ValueError(f"Variant {variant.name} does not fit family {self.name!r}: {why}")
 
 
 _CORE = {"family", "block_m", "block_n", "num_warps", "num_stages"}

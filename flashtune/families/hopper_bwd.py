@@ -24,7 +24,8 @@ FAMILY = Family(
         "atomic dQ (or the generic dQ kernel: dq=separate)",
     template="attn_hopper_bwd.py.tmpl",
     kernels=("attn_bwd_hopper",),
-    fields=("dq", "dq_overlap", "window", "softcap", "block_sparse"),
+    fields=("dq", "dq_overlap", "window", "softcap", "block_sparse", "block_m2", "block_n2",
+            "num_warps2", "num_stages2"),
     defaults="flashtune.families.hopper_bwd:default",
     measure="flashtune.measure_hopper_bwd:OPS",
     compile_check="flashtune.families.hopper_bwd:compile_check",
@@ -46,7 +47,13 @@ FAMILY = Family(
            ("num_stages", (1, 2, 3, 4), "the Q/dO ring: 1..4 stages"),
            ("dq", ("none", "separate", "gluon"), "dQ by atomics from this kernel (none), by the "
             "generic bwd family's dQ kernel (separate) or by the template's Gluon dQ kernel "
-            "(gluon)")),
+            "(gluon)"),
+           ("block_m2", (0, 64, 128), "dq='gluon''s query rows per program (0: block_m)"),
+           ("block_n2", (0, 64, 128), "dq='gluon''s keys per step (0: block_n; 32 does not "
+            "compile)"),
+           ("num_warps2", (0, 4, 8), "dq='gluon''s warps (0: num_warps)"),
+           ("num_stages2", (0, 1, 2, 3, 4), "dq='gluon''s K/V ring (0: num_stages)")),
+    check="flashtune.families.hopper_bwd:check",
 )
 
 # Defaults: NOT measured yet (first GPU run pending: bench/device_run.sh STEPS=hopperbwd). They
@@ -92,11 +99,34 @@ def fit_block_mask(variant, block_mask) -> tuple:
     return tiles, ""
 
 
+DQ_TILE_FIELDS = ("block_m2", "block_n2", "num_warps2", "num_stages2")
+
+
+def check(variant) -> str:
+    """Why `variant` is not a hopper_bwd variant beyond its fields' values ("" when it is): the
+    dQ kernel's own tiles exist only beside that kernel (dq="gluon"), so one kernel has one name."""
+    set_ = [f for f in DQ_TILE_FIELDS if getattr(variant, f)]
+    if set_ and variant.dq != "gluon":
+        return (f"{', '.join(set_)}: those fields tile dq='gluon''s dQ kernel, and this variant "
+                f"has dq={variant.dq!r}")
+    return ""
+
+
+def dq_tiles(variant) -> tuple:
+    """(block_m, block_n, num_warps, num_stages) of dq="gluon"'s dQ kernel: its own fields
+    (block_m2 query rows per program, block_n2 keys per step, num_warps2, num_stages2: the K/V
+    ring), each 0 taking the dK/dV kernel's."""
+    return (variant.block_m2 or variant.block_m, variant.block_n2 or variant.block_n,
+            variant.num_warps2 or variant.num_warps, variant.num_stages2 or variant.num_stages)
+
+
 def mask_changes(variant, masks) -> dict:
     """dq="gluon"'s dQ kernel has no window, softcap or block-mask code: a masked call's twin adds
     dQ by atomics from the dK/dV kernel (dq="none", the plain schedule: dq_overlap's D=256
     softcap render spills)."""
-    return {"dq": "none", "dq_overlap": False} if variant.dq == "gluon" else {}
+    if variant.dq != "gluon":
+        return {}
+    return {"dq": "none", "dq_overlap": False, **{f: 0 for f in DQ_TILE_FIELDS}}
 
 
 def cannot_serve(p) -> str:
@@ -124,16 +154,29 @@ def smem_bytes(variant, head_dim: int, elem: int = 2) -> int:
                    * head_dim + tiles_t * variant.block_n * variant.block_m) + 1024
 
 
+def dq_smem_bytes(variant, head_dim: int, elem: int = 2) -> int:
+    """dq="gluon"'s dQ kernel: Q and dO of its query block, the K/V ring, dS (+ 1 KB)."""
+    bm, bn, _, stages = dq_tiles(variant)
+    return elem * (2 * bm * head_dim + 2 * stages * bn * head_dim + bm * bn) + 1024
+
+
 def resources(variant, problem, target) -> tuple:
     """(kernel, Resources) for the feasibility model: shared memory from the tiles; registers per
-    thread from the float32 accumulators live together (dK, dV, S^T, dP^T, dQ)."""
+    thread from the float32 accumulators live together (dK, dV, S^T, dP^T, dQ; dq="gluon"'s dQ
+    kernel: dQ, S, dP)."""
     from ..feasibility import Resources, dtype_bytes
     e = dtype_bytes(problem.dtype)
     threads = 32 * variant.num_warps
     d = problem.head_dim
     words = 2 * variant.block_n * d + 2 * variant.block_n * variant.block_m + variant.block_m * d
-    return (("attn_bwd_hopper", Resources(smem_bytes(variant, d, e), -(-words // threads) + 32,
-                                          threads)),)
+    out = (("attn_bwd_hopper", Resources(smem_bytes(variant, d, e), -(-words // threads) + 32,
+                                         threads)),)
+    if variant.dq == "gluon":
+        bm, bn, warps, _ = dq_tiles(variant)
+        words = bm * d + 2 * bm * bn
+        out += (("attn_bwd_dq_hopper", Resources(dq_smem_bytes(variant, d, e),
+                                                 -(-words // (32 * warps)) + 32, 32 * warps)),)
+    return out
 
 
 def compile_check(variant, head_dim: int, dtype: str, causal: bool, tails: bool, cap: int,
@@ -143,7 +186,7 @@ def compile_check(variant, head_dim: int, dtype: str, causal: bool, tails: bool,
     variant's bounds and cap are run-time arguments too; a block_sparse one takes
     launch.example_masks' block sizes, with an element mask). float32 and head dims other than
     64/128/256 have no kernel (the generic bwd serves them)."""
-    from ..launch_hopper_bwd import DQ_KERNEL_CONSTS, HEAD_DIMS
+    from ..launch_hopper_bwd import HEAD_DIMS
     if dtype == "float32" or cap < 90 or head_dim not in HEAD_DIMS:
         return {}
     from ..codegen import load
@@ -161,12 +204,12 @@ def compile_check(variant, head_dim: int, dtype: str, causal: bool, tails: bool,
                   num_warps=variant.num_warps, **example_masks(variant, causal))
     out = {"bwd": compile_for(load(variant).attn_bwd_hopper, consts, dtype, variant.num_warps,
                               1, capability=cap, usage=usage, types=types)}
-    if variant.dq == "gluon":  # the template's own dQ kernel: query blocks of block_m rows
-        dq_types = {"q_desc": desc(variant.block_m), "do_desc": desc(variant.block_m),
-                    "dq_desc": desc(variant.block_m), "k_desc": desc(variant.block_n),
-                    "v_desc": desc(variant.block_n), "LSE2": "*fp32", "Delta": "*fp32"}
-        dq_consts = {k: consts[k] for k in DQ_KERNEL_CONSTS}
-        out["dq"] = compile_for(load(variant).attn_bwd_dq_hopper, dq_consts, dtype,
-                                variant.num_warps, 1, capability=cap, usage=usage,
-                                types=dq_types)
+    if variant.dq == "gluon":  # the template's own dQ kernel, on its own tiles (dq_tiles)
+        from ..launch_hopper_bwd import dq_kernel_consts
+        bm, bn, warps, _ = dq_tiles(variant)
+        dq_types = {"q_desc": desc(bm), "do_desc": desc(bm), "dq_desc": desc(bm),
+                    "k_desc": desc(bn), "v_desc": desc(bn), "LSE2": "*fp32", "Delta": "*fp32"}
+        out["dq"] = compile_for(load(variant).attn_bwd_dq_hopper,
+                                dq_kernel_consts(variant, consts), dtype, warps, 1,
+                                capability=cap, usage=usage, types=dq_types)
     return out
