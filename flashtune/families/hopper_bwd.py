@@ -1,10 +1,10 @@
 """hopper_bwd: the backward for Hopper (sm_90) in Gluon -- K/V loaded once by TMA per key block,
 Q and dO streamed through a shared-memory ring on mbarriers, S^T, dP^T, dV, dK and dQ on async
 wgmma, dQ added into a float32 buffer by atomics (dq="separate": dK/dV only here, dQ by the
-generic bwd's dQ kernel; dq="gluon": by the template's own Gluon dQ kernel, not yet run on a GPU,
-forced only). Template attn_hopper_bwd.py.tmpl (version shims
-in flashtune/gluon_compat.py); launched by flashtune/launch_hopper_bwd.py (HopperBwdPlan);
-measured by flashtune/measure_hopper_bwd.py; space search_spaces/hopper_bwd.json.
+generic bwd's dQ kernel; dq="gluon": by the template's own Gluon dQ kernel, no atomics, on its
+own tiles block_m2 / block_n2 / num_warps2 / num_stages2). Template attn_hopper_bwd.py.tmpl
+(version shims in flashtune/gluon_compat.py); launched by flashtune/launch_hopper_bwd.py
+(HopperBwdPlan); measured by flashtune/measure_hopper_bwd.py; space search_spaces/hopper_bwd.json.
 
 It serves backward calls (`serves=("bwd",)`), dense, causal, with a sliding window, softcap and/or
 a block mask (`serve_masks`: its window/softcap/block_sparse renders; tiles fitted to the block
@@ -12,8 +12,9 @@ mask's block size by `fit_block_mask`), but has no heuristic: the dispatcher pic
 forced (flashtune.force) or when tuned records of both families for the bucket say it is faster
 (dispatch._compete). Where it cannot run -- not sm_90, a Triton without Gluon, Triton's
 interpreter, a head dim other than 64/128/256, float32 -- the generic bwd family serves the call
-and `flashtune.explain` says why (`cannot_serve`); deterministic calls go to the generic bwd too
-(ops.select_bwd: its dQ is atomic)."""
+and `flashtune.explain` says why (`cannot_serve`); deterministic calls keep its dq="gluon" and
+"separate" variants and take the generic bwd for the atomic ones (ops.select_bwd); masked calls
+run a dq="gluon" variant's dq="none" twin (`mask_changes`: the dQ kernel has no mask code)."""
 from __future__ import annotations
 
 from . import Family
