@@ -60,7 +60,7 @@ class HopperBwdPlan:
     launch_bwd.backward."""
     __slots__ = ("variant", "kernel", "grid", "scale", "causal", "consts", "layouts", "why",
                  "generic", "masks", "mask_args", "fallback", "pre", "dq_plan", "dq_kernel",
-                 "dq_grid")
+                 "dq_grid", "dq_mask_args")
     descriptor = False
 
     def __init__(self, q, k, v, causal: bool, scale: float | None, variant: Variant,
@@ -76,9 +76,9 @@ class HopperBwdPlan:
                     f"its tiles must fit the block mask's block_size {masks.block_mask.block_size}"
                     f" (as {bad}; dispatch.mask_twin fits them)")))
         check_mask_variant(variant, masks)
-        if variant.dq == "gluon" and (variant.masks or masks.any):
-            raise ValueError(f"{variant.name}: dq='gluon' has no masked dQ kernel yet (window, "
-                             "softcap, block mask): use dq='none' or 'separate'")
+        if variant.dq == "gluon" and masks.block_mask is not None:
+            raise ValueError(f"{variant.name}: dq='gluon''s dQ kernel walks no block mask: use "
+                             "dq='none' or 'separate'")
         b, h, nq, d = q.shape
         self.variant = variant
         self.causal = bool(causal)
@@ -113,6 +113,8 @@ class HopperBwdPlan:
             dq_consts = dq_kernel_consts(variant, self.consts)
             self.dq_kernel = Launcher(load(variant).attn_bwd_dq_hopper, **dq_consts)
             self.dq_grid = (triton.cdiv(nq, dq_consts["BLOCK_M"]), b * h)
+            # window / softcap: the same bounds and cap as the dK/dV kernel's (no block mask)
+            self.dq_mask_args = mask_args(masks, causal, "q", b, h)
         # dq="separate": the generic bwd's dQ kernel (its default tiles, the call's masks)
         if variant.dq == "separate":
             from . import launch_bwd
@@ -150,8 +152,8 @@ class HopperBwdPlan:
             out = dq if addressable(dq) else torch.empty(q.shape, dtype=q.dtype, device=q.device)
             bm2, bn2 = self.variant.block_m2 or bm, self.variant.block_n2 or bn
             self.dq_kernel(self.dq_grid, desc(q, bm2), desc(k, bn2), desc(v, bn2),
-                           desc(dout, bm2), desc(out, bm2), lse2, delta, self.scale, q.shape[1],
-                           q.shape[2], k.shape[2])
+                           desc(dout, bm2), desc(out, bm2), lse2, delta, self.scale,
+                           *self.dq_mask_args, q.shape[1], q.shape[2], k.shape[2])
             if out is not dq:
                 dq.copy_(out)
         elif separate:

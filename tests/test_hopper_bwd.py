@@ -145,8 +145,8 @@ def test_separate_dq_renders_no_dq_and_its_plan_runs_the_generic_dq_kernel():
 def test_gluon_dq_renders_its_own_dq_kernel_and_no_atomics():
     """dq="gluon": the dK/dV kernel computes no dQ (as "separate") and the plan launches the
     template's attn_bwd_dq_hopper over query blocks (built on meta tensors, as the search's
-    compile-ahead builds it); it has no masked render, so a masked call is refused by name
-    (the dispatcher runs its dq="none" twin instead: hopper_bwd.mask_changes)."""
+    compile-ahead builds it); it walks no block mask, so such a call is refused by name (the
+    dispatcher runs a masked call's dq="none" twin: hopper_bwd.mask_changes)."""
     import dataclasses
 
     from flashtune import targets
@@ -162,9 +162,11 @@ def test_gluon_dq_renders_its_own_dq_kernel_and_no_atomics():
     plan = HopperBwdPlan(q, k, k, True, None, g)
     assert not plan.why and plan.dq_plan is None and plan.dq_kernel is not None
     assert plan.dq_grid == (5, 8)  # cdiv(300, 64) query blocks, batch * q heads
-    with pytest.raises(ValueError, match="gluon"):
-        HopperBwdPlan(q, k, k, True, None, Variant.parse(g.name + "-window=true"),
-                      Masks((64, 0)))
+    with pytest.raises(ValueError, match="walks no block mask"):
+        from flashtune.block_mask import BlockMask
+        bm = BlockMask.from_dense(torch.ones(3, 3, dtype=torch.bool), (300, 300), block_size=128)
+        HopperBwdPlan(q, k, k, True, None, Variant.parse(g.name + "-block_sparse=true"),
+                      Masks(None, None, bm))
     # the space proposes it (H100, session 23: 1.17-1.24x dq_overlap at D=256) with the dQ
     # kernel's own tiles, never beside dq_overlap (an atomics schedule)
     p = dataclasses.replace(_problem(d=256), family="hopper_bwd")
@@ -206,7 +208,11 @@ def test_gluon_dq_compiles_for_sm90():
     for d, name in ((128, "hopper_bwd-m64-n128-w8-s2-dq=gluon"),
                     (256, "hopper_bwd-m64-n64-w8-s2-dq=gluon"),
                     (128, "hopper_bwd-m64-n64-w4-s2-dq=gluon-mq128-nq64-wq8-sq2"),
-                    (256, "hopper_bwd-m64-n64-w8-s2-dq=gluon-mq64-nq128-wq8-sq1")):
+                    (256, "hopper_bwd-m64-n64-w8-s2-dq=gluon-mq64-nq128-wq8-sq1"),
+                    # the dQ kernel's window / softcap render (session 23)
+                    (64, "hopper_bwd-m64-n64-w4-s1-dq=gluon-window=true-softcap=true"),
+                    (256, "hopper_bwd-m64-n64-w8-s2-dq=gluon-mq64-nq64-wq4-sq2-window=true"
+                          "-softcap=true")):
         r = kernels_check("--gpu", "H100", "--dtype", "bf16", "--head-dim", str(d), "--causal",
                           "--format", "json", name)
         rows = json.loads(r.stdout) if r.stdout.startswith("[") else []

@@ -87,6 +87,41 @@ def test_every_call_matches_its_signature(masks):
     assert ("_tanh" in seen) == masks.get("softcap", False)
 
 
+@pytest.mark.parametrize("masks", ({},) + MASKS, ids=lambda m: "+".join(m) or "dense")
+def test_gluon_dq_kernel_renders_the_masks_it_takes(masks):
+    """dq="gluon"'s dQ kernel takes the window's bounds (and the softcap) after sm_scale, as the
+    dK/dV kernel; its masked render walks the window's key blocks from `lo` (_load_kv_step_at)."""
+    g = dataclasses.replace(Variant.parse("hopper_bwd-m64-n64-w4-s2-dq=gluon"), **masks)
+    src = render(g)
+    seen = helper_calls(src)
+    assert ("_load_kv_step_at" in seen) == bool(masks)
+    assert ("_load_kv_step" in seen) == (not masks)
+    tree = ast.parse(src)
+    args = {f.name: [a.arg for a in f.args.args] for f in tree.body
+            if isinstance(f, ast.FunctionDef)}
+    dq_args, dkdv_args = args["attn_bwd_dq_hopper"], args["attn_bwd_hopper"]
+    want = ["win_left", "win_right"] * bool(masks) + ["softcap"] * masks.get("softcap", False)
+    assert dq_args[dq_args.index("sm_scale") + 1:dq_args.index("H")] == want
+    assert dkdv_args[dkdv_args.index("sm_scale") + 1:dkdv_args.index("H")] == want
+    # masked problems' spaces do not propose it until its masked render has run on a GPU
+    from flashtune import targets
+    from flashtune.problem import Problem
+    from flashtune.search_space import Space
+    p = Problem("hopper_bwd", "bfloat16", 128, True, 1, 4, 16, 4096, 4096, window=256)
+    space = Space.build("hopper_bwd", targets.get("H100"), p)
+    assert space.feasible and not any(v.dq == "gluon" for v in space.feasible)
+
+
+def test_forced_masked_gluon_plan_passes_the_window_to_the_dq_kernel():
+    from flashtune.launch_hopper_bwd import HopperBwdPlan
+    q = torch.empty(1, 4, 300, 128, dtype=torch.bfloat16, device="meta")
+    k = torch.empty(1, 2, 300, 128, dtype=torch.bfloat16, device="meta")
+    g = Variant.parse("hopper_bwd-m64-n64-w4-s2-dq=gluon-window=true-softcap=true")
+    plan = HopperBwdPlan(q, k, k, True, None, g, _masks(True, (40, 0), 5.0))
+    assert plan.dq_kernel is not None and plan.dq_mask_args == plan.mask_args
+    assert len(plan.dq_mask_args) == 3 and plan.dq_mask_args[2] == 5.0
+
+
 def helper_calls(source: str) -> set:
     """The module's helpers that `source` calls, each call asserted to pass as many arguments
     as the helper takes (Gluon does not run here)."""
@@ -464,6 +499,20 @@ GPU_GRID = ([(DEFAULT, d, c, SHAPES[(i + j) % len(SHAPES)],
                                       "window_right"))])
 
 
+# dq="gluon" with its dQ kernel's window / softcap render (session 23; compiled for sm_90, first
+# GPU run pending): the shipped dense records' tiles with the masks, run as given (the dispatcher
+# still turns a masked call of a dq="gluon" record into its atomic twin: hopper_bwd.mask_changes)
+GLUON_GRID = ([("hopper_bwd-m64-n64-w4-s1-dq=gluon", 64, c, SHAPES[i % len(SHAPES)],
+                (torch.bfloat16, torch.float16)[i % 2]) for i, c in enumerate(CASES)]
+              + [("hopper_bwd-m64-n64-w4-s2-dq=gluon-mq64-nq64-wq4-sq2", 128, c, SHAPES[i + 1],
+                  torch.bfloat16)
+                 for i, c in enumerate(("window", "window_causal", "softcap_window",
+                                        "window_zero"))]
+              + [("hopper_bwd-m64-n64-w8-s2-dq=gluon-mq64-nq64-wq4-sq2", 256, c, SHAPES[i],
+                  torch.float16)
+                 for i, c in enumerate(("window_left", "softcap_causal", "window_right"))])
+
+
 def _compile_key(name, d, case, shape, dtype):
     kw = CASES[case]
     v = dataclasses.replace(Variant.parse(name), window="window" in kw, softcap="softcap" in kw)
@@ -497,6 +546,32 @@ def test_grads_match_reference(name, d, case, shape, dtype, monkeypatch):
     seen = dense_mask(nq, nk, causal, kw.get("window"), device="cuda")
     assert torch.all(dq[:, :, ~seen.any(1)] == 0)  # rows that see no key: nothing, no NaN
     assert torch.all(dk[:, :, ~seen.any(0)] == 0) and torch.all(dv[:, :, ~seen.any(0)] == 0)
+
+
+@pytest.mark.gpu
+@hopper_gpu
+@pytest.mark.parametrize("name,d,case,shape,dtype", GLUON_GRID,
+                         ids=[f"{n[11:]}-d{d}-{c}-{sh[3]}x{sh[4]}g{sh[1] // sh[2]}-{str(dt)[6:]}"
+                              for n, d, c, sh, dt in GLUON_GRID])
+def test_gluon_dq_kernel_grads_match_reference(name, d, case, shape, dtype, monkeypatch):
+    """The masked dq="gluon" render run as given (ops.run_backward's variant): dQ from the
+    Gluon dQ kernel's window / softcap code, dK and dV from the dK/dV kernel's."""
+    from flashtune.reference import reference
+    b, h, hk, nq, nk = shape
+    kw = CASES[case]
+    causal = kw.get("causal", False)
+    q, k, v = qkv(b, h, hk, nq, nk, d, dtype, "cuda")
+    masks = _masks(causal, kw.get("window"), kw.get("softcap"))
+    variant = dataclasses.replace(Variant.parse(name), window="window" in kw,
+                                  softcap="softcap" in kw)
+    do = torch.randn_like(q)
+    ref_o, ref_lse = reference(q, k, v, return_lse=True, **kw)
+    no_generic(monkeypatch)
+    grads = ops.run_backward(do, q, k, v, ref_o.to(q.dtype), ref_lse.float(), causal, None,
+                             variant=variant, masks=masks)
+    _assert_grads(grads, q, k, v, do, kw)
+    seen = dense_mask(nq, nk, causal, kw.get("window"), device="cuda")
+    assert torch.all(grads[0][:, :, ~seen.any(1)] == 0)  # rows that see no key: nothing, no NaN
 
 
 @pytest.mark.gpu
