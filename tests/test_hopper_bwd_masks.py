@@ -276,6 +276,11 @@ def test_explain_of_a_forced_variant_on_a_masked_backward_names_the_twin():
     assert ex.level == "forced" and ex.variant.family == "hopper_bwd"
     assert ex.variant.masks == ("window", "softcap") and ex.problem.window and ex.problem.softcap
     assert any("with the call's masks rendered in" in n for n in ex.notes)
+    # a dq="gluon" variant's twin adds dQ by atomics: the note names the change
+    with flashtune.force("hopper_bwd-m64-n64-w4-s2-dq=gluon-mq64-nq64-wq4-sq2"):
+        ex = flashtune.explain(q, k, v, causal=True, family="bwd", window=(16, 0))
+    assert ex.variant.name == "hopper_bwd-m64-n64-w4-s2-window=true"
+    assert any("and dq='none'" in n and "block_m2=0" in n for n in ex.notes), ex.notes
 
 
 def _masked_problem(family="bwd"):
@@ -399,20 +404,26 @@ def no_generic(monkeypatch) -> None:
     ops._bwd_plans.clear()
 
 
-def backward_alone(name, q, k, v, masks: Masks, kw: dict, monkeypatch) -> tuple:
+def backward_alone(name, q, k, v, masks: Masks, kw: dict, monkeypatch, as_given=False) -> tuple:
     """The backward alone (ops.run_backward, as autograd calls it) with `name` forced, on the
     float64 reference's O and LSE (kw: the reference's masks): no forward kernel compiles, the
     Gluon kernel must run (no generic fallback), and its gradients match the reference.
-    Returns (the variant selected, dq, dk, dv)."""
+    as_given: `name` with the call's masks rendered in runs as it is (ops.run_backward's
+    variant), where the dispatcher would pick a twin. Returns (the variant run, dq, dk, dv)."""
     from flashtune.reference import reference
     causal = kw.get("causal", False)
     do = torch.randn_like(q)
     ref_o, ref_lse = reference(q, k, v, return_lse=True, **kw)
     o, lse = ref_o.to(q.dtype), ref_lse.float()
     no_generic(monkeypatch)
-    with flashtune.force(name):
-        chosen = ops.select_bwd(q, k, causal, False, masks)
-        grads = ops.run_backward(do, q, k, v, o, lse, causal, None, masks=masks)
+    if as_given:
+        chosen = dataclasses.replace(Variant.parse(name), window="window" in kw,
+                                     softcap="softcap" in kw)
+        grads = ops.run_backward(do, q, k, v, o, lse, causal, None, variant=chosen, masks=masks)
+    else:
+        with flashtune.force(name):
+            chosen = ops.select_bwd(q, k, causal, False, masks)
+            grads = ops.run_backward(do, q, k, v, o, lse, causal, None, masks=masks)
     _assert_grads(grads, q, k, v, do, kw)
     return (chosen, *grads)
 
@@ -528,12 +539,20 @@ def test_gpu_grid_compiles_few_kernels():
     assert {sh for _, _, _, sh, _ in GPU_GRID} == set(SHAPES)
 
 
+def _grid_ids(grid) -> list:
+    return [f"{n[11:]}-d{d}-{c}-{sh[3]}x{sh[4]}g{sh[1] // sh[2]}-{str(dt)[6:]}"
+            for n, d, c, sh, dt in grid]
+
+
+# GPU_GRID: the dispatcher's masked twin of each variant (the dK/dV kernel's atomic dQ);
+# GLUON_GRID: dq="gluon" run as given (dQ from the Gluon dQ kernel's window / softcap code)
 @pytest.mark.gpu
 @hopper_gpu
-@pytest.mark.parametrize("name,d,case,shape,dtype", GPU_GRID,
-                         ids=[f"{n[11:]}-d{d}-{c}-{sh[3]}x{sh[4]}g{sh[1] // sh[2]}-{str(dt)[6:]}"
-                              for n, d, c, sh, dt in GPU_GRID])
-def test_grads_match_reference(name, d, case, shape, dtype, monkeypatch):
+@pytest.mark.parametrize("name,d,case,shape,dtype,as_given",
+                         [g + (False,) for g in GPU_GRID] + [g + (True,) for g in GLUON_GRID],
+                         ids=_grid_ids(GPU_GRID) + [f"gluon_dq_kernel-{i}"
+                                                    for i in _grid_ids(GLUON_GRID)])
+def test_grads_match_reference(name, d, case, shape, dtype, as_given, monkeypatch):
     """The backward alone (ops.run_backward, as autograd calls it) on the float64 reference's O
     and LSE: no forward kernel compiles, and the Gluon kernel must run (no generic fallback)."""
     b, h, hk, nq, nk = shape
@@ -541,37 +560,11 @@ def test_grads_match_reference(name, d, case, shape, dtype, monkeypatch):
     causal = kw.get("causal", False)
     q, k, v = qkv(b, h, hk, nq, nk, d, dtype, "cuda")
     masks = _masks(causal, kw.get("window"), kw.get("softcap"))
-    chosen, dq, dk, dv = backward_alone(name, q, k, v, masks, kw, monkeypatch)
+    chosen, dq, dk, dv = backward_alone(name, q, k, v, masks, kw, monkeypatch, as_given)
     assert chosen.masks == tuple(m for m in ("window", "softcap") if m in kw)
     seen = dense_mask(nq, nk, causal, kw.get("window"), device="cuda")
     assert torch.all(dq[:, :, ~seen.any(1)] == 0)  # rows that see no key: nothing, no NaN
     assert torch.all(dk[:, :, ~seen.any(0)] == 0) and torch.all(dv[:, :, ~seen.any(0)] == 0)
-
-
-@pytest.mark.gpu
-@hopper_gpu
-@pytest.mark.parametrize("name,d,case,shape,dtype", GLUON_GRID,
-                         ids=[f"{n[11:]}-d{d}-{c}-{sh[3]}x{sh[4]}g{sh[1] // sh[2]}-{str(dt)[6:]}"
-                              for n, d, c, sh, dt in GLUON_GRID])
-def test_gluon_dq_kernel_grads_match_reference(name, d, case, shape, dtype, monkeypatch):
-    """The masked dq="gluon" render run as given (ops.run_backward's variant): dQ from the
-    Gluon dQ kernel's window / softcap code, dK and dV from the dK/dV kernel's."""
-    from flashtune.reference import reference
-    b, h, hk, nq, nk = shape
-    kw = CASES[case]
-    causal = kw.get("causal", False)
-    q, k, v = qkv(b, h, hk, nq, nk, d, dtype, "cuda")
-    masks = _masks(causal, kw.get("window"), kw.get("softcap"))
-    variant = dataclasses.replace(Variant.parse(name), window="window" in kw,
-                                  softcap="softcap" in kw)
-    do = torch.randn_like(q)
-    ref_o, ref_lse = reference(q, k, v, return_lse=True, **kw)
-    no_generic(monkeypatch)
-    grads = ops.run_backward(do, q, k, v, ref_o.to(q.dtype), ref_lse.float(), causal, None,
-                             variant=variant, masks=masks)
-    _assert_grads(grads, q, k, v, do, kw)
-    seen = dense_mask(nq, nk, causal, kw.get("window"), device="cuda")
-    assert torch.all(grads[0][:, :, ~seen.any(1)] == 0)  # rows that see no key: nothing, no NaN
 
 
 @pytest.mark.gpu
