@@ -18,6 +18,7 @@ from .launcher import Launcher
 from .launch import check_mask_variant, mask_args, mask_params
 from .launch_hopper import _device_blocker, _view3, addressable, tile_layouts
 from .launch_hopper import unsupported as _unsupported
+from .families.hopper_bwd import dq_tiles
 from .masks import NONE, Masks
 
 HEAD_DIMS = (64, 128, 256)  # D=256: two warpgroups split D for dK / dV (the template's SPLIT)
@@ -26,8 +27,7 @@ D256_TILE = (64, 64, 8)     # (block_m, block_n, num_warps): the one D=256 tile 
 
 def dq_kernel_consts(variant: Variant, consts: dict) -> dict:
     """The constexprs of dq="gluon"'s dQ kernel from the dK/dV kernel's `consts`: the problem's
-    (no masks), its own tiles (families/hopper_bwd.dq_tiles)."""
-    from .families.hopper_bwd import dq_tiles
+    (a window and softcap are run-time arguments; no block mask), its own tiles."""
     bm, bn, warps, stages = dq_tiles(variant)
     return dict(HEAD_DIM=consts["HEAD_DIM"], GROUP=consts["GROUP"], IS_CAUSAL=consts["IS_CAUSAL"],
                 BLOCK_M=bm, BLOCK_N=bn, STAGES=stages, num_warps=warps)
@@ -100,8 +100,7 @@ class HopperBwdPlan:
         # the window's bounds (causal: its right edge 0) and the softcap, after sm_scale
         self.mask_args = mask_args(masks, causal, "kv", b, h)
         self.layouts = tile_layouts(q.dtype, d, variant.block_m, variant.block_n,
-                                    variant.block_m2 or variant.block_m,
-                                    variant.block_n2 or variant.block_n)
+                                    *dq_tiles(variant)[:2])
         hk, nk = k.shape[1], k.shape[2]
         self.grid = (triton.cdiv(nk, variant.block_n), b * hk)
         self.consts = dict(HEAD_DIM=d, BLOCK_M=variant.block_m, BLOCK_N=variant.block_n,
@@ -150,7 +149,7 @@ class HopperBwdPlan:
         if self.dq_kernel is not None:
             # TMA stores dQ in q's layout; one it cannot address goes through a contiguous copy
             out = dq if addressable(dq) else torch.empty(q.shape, dtype=q.dtype, device=q.device)
-            bm2, bn2 = self.variant.block_m2 or bm, self.variant.block_n2 or bn
+            bm2, bn2 = dq_tiles(self.variant)[:2]
             self.dq_kernel(self.dq_grid, desc(q, bm2), desc(k, bn2), desc(v, bn2),
                            desc(dout, bm2), desc(out, bm2), lse2, delta, self.scale,
                            *self.dq_mask_args, q.shape[1], q.shape[2], k.shape[2])
