@@ -385,7 +385,8 @@ GLUON_TILES = {64: "hopper_bwd-m64-n64-w4-s1-dq=gluon-mq128-nq128-wq8-sq1",
                256: "hopper_bwd-m64-n64-w8-s2-dq=gluon-mq64-nq128-wq8-sq1"}
 # structural choices beside the defaults: dq="separate" (the generic dQ kernel), dq_overlap
 # (dQ's atomics under dK's / dV's products; D=256's s2 render is in VARIANTS), dq="gluon" (the
-# template's own dQ kernel; no masked render, so not in the window test below)
+# template's own dQ kernel; its masked render has its own grid in test_hopper_bwd_masks.py, so
+# it is not in the window test below)
 FIELDS = {"separate": SEPARATE, "overlap": OVERLAP, "gluon": GLUON, "gluon_tiles": GLUON_TILES}
 
 
