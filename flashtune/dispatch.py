@@ -382,17 +382,16 @@ def _masks_rendered(ex: Explanation, masks) -> Explanation:
     p = ex.problem
     ran = mask_twin(ex.variant, masks, p.head_dim, torch_dtype(p.dtype), p.family)
     _, why = mask_fit(ex.variant, masks, p.family)
+    from .families import get
     if not why:
         note = f"runs {ran.name}: {ex.variant.name} with the call's masks rendered in"
-        from .families import get as family_of
-        changed = {f: v for f, v in family_of(ex.variant.family).masked_changes(
-            ex.variant, masks).items() if getattr(ex.variant, f) != v}
+        changed = {f: v for f, v in get(ex.variant.family).masked_changes(ex.variant, masks)
+                   .items() if getattr(ex.variant, f) != v}
         if changed:  # e.g. hopper_bwd's dQ kernel has no masked render: dQ by atomics
             note += (" and " + ", ".join(f"{f}={v!r}" for f, v in changed.items())
                      + " (what its family renders masks with)")
     else:
         note = f"runs {ran.name}: {why}, so the {p.family} default with the masks"
-    from .families import get
     blocked = get(ran.family).blocks_mask(masks.block_mask, p.seqlen_q, p.group, ran.paged)
     if blocked and ran.family != p.family:
         note += (f"; its plan runs the {p.family} default with the masks instead: {blocked}")

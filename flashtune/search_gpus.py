@@ -199,7 +199,7 @@ def run_on_gpus(cfg, *, target, progress=None):
     ctx = _context()  # forked from a server with torch imported, as the workers are
     start_server()
     server = server_handle()  # which the search processes' workers come from too
-    mark("workers' server ready")
+    mark("workers' server handle")  # (a process's start waits until the server has started)
     q = ctx.Queue()
     # the children start first: their workers' start-up (CUDA, imports) runs while the studies
     # are prepared below (0.8 s for 36 buckets, session 20), and each waits for `go` before
