@@ -20,11 +20,8 @@ def main() -> None:
                     help="list the trials that measured nothing (stage, reason) instead")
     a = ap.parse_args()
     if a.failed:
-        for t in sorted(trials_of(a.storage), key=lambda t: t.datetime_start or 0):
-            r = t.user_attrs.get("result") or {}
-            if r and not r.get("measured", True):
-                print(f"{t.user_attrs.get('variant', '')[:70]:70} {r.get('stage', '?'):10} "
-                      f"{(r.get('reason') or '')[:160]}")
+        for line in failed_lines(trials_of(a.storage)):
+            print(line)
         return
     first = []
     for t in sorted(trials_of(a.storage), key=lambda t: t.datetime_start or 0):
@@ -41,6 +38,20 @@ def main() -> None:
     if ok:
         print(f"{len(ok)} measured: first call median {statistics.median(ok):.3f} s, max "
               f"{max(ok):.3f} s; {sum(f > 0.5 for f in ok)} over 0.5 s (compiled again)")
+
+
+def failed_lines(trials) -> list:
+    """One line per trial that failed (a stage and reason in its result: compile, gate, time,
+    infeasible, a lost or busy trial), oldest first. A duplicate carries the result of the trial
+    it repeats, and "measured": False with it, so that flag alone listed the duplicates of good
+    variants (with "?" for a reason) and none of the failures, which count as measured."""
+    out = []
+    for t in sorted(trials, key=lambda t: t.datetime_start or 0):
+        r = t.user_attrs.get("result") or {}
+        if r.get("stage") and not r.get("duplicate"):
+            out.append(f"{t.user_attrs.get('variant', '')[:70]:70} {r['stage']:10} "
+                       f"{(r.get('reason') or '')[:160]}")
+    return out
 
 
 if __name__ == "__main__":

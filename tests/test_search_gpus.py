@@ -338,3 +338,31 @@ def test_scaling_report_measures_its_own_noise():
     assert got["buckets"] == 2
     assert abs(got["max"] - 0.03) < 1e-9 and abs(got["median"] - 0.03) < 1e-9
     assert mod.repeat_noise({"c": winners["c"]}) == {}
+
+
+def test_trial_phases_lists_the_failed_trials_not_the_duplicates(monkeypatch):
+    """bench/trial_phases.py --failed: a trial whose result has a stage (compile, gate, ...) is
+    a failure; a duplicate of a measured variant (measured False, no stage) is not. It listed
+    only the latter until session 23 ("?" for each reason)."""
+    import importlib.util
+    from datetime import datetime, timedelta
+    from pathlib import Path
+    from types import SimpleNamespace
+    bench = Path(__file__).resolve().parents[1] / "bench"
+    monkeypatch.syspath_prepend(str(bench))  # trial_phases imports search_scaling
+    spec = importlib.util.spec_from_file_location("trial_phases", bench / "trial_phases.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    t0 = datetime(2026, 11, 26)
+
+    def trial(i, variant, result):
+        return SimpleNamespace(datetime_start=t0 + timedelta(seconds=i),
+                               user_attrs={"variant": variant, "result": result})
+    trials = [trial(3, "v-dup", {"measured": False, "duplicate": True, "ms": 1.0}),
+              trial(2, "v-spill", {"measured": True, "violation": 1.0, "stage": "compile",
+                                   "reason": "spills 184 B"}),
+              trial(1, "v-ok", {"measured": True, "violation": 0.0, "ms": 1.0}),
+              trial(0, "v-lost", {"measured": False, "stage": "lost", "reason": "worker died"})]
+    lines = mod.failed_lines(trials)
+    assert [ln.split()[0] for ln in lines] == ["v-lost", "v-spill"]
+    assert "compile" in lines[1] and "spills 184 B" in lines[1]
