@@ -22,7 +22,8 @@ from . import Family
 FAMILY = Family(
     name="hopper_bwd",
     doc="Hopper backward in Gluon: K/V once by TMA, Q/dO ring on mbarriers, async wgmma, "
-        "atomic dQ (or the generic dQ kernel: dq=separate)",
+        "atomic dQ (or the generic dQ kernel: dq=separate, or its own Gluon dQ kernel: "
+        "dq=gluon)",
     template="attn_hopper_bwd.py.tmpl",
     kernels=("attn_bwd_hopper",),
     fields=("dq", "dq_overlap", "window", "softcap", "block_sparse", "block_m2", "block_n2",
