@@ -165,7 +165,8 @@ def _compete(problem: Problem) -> "Explanation":
         # dense one) do compete, scaled by the keys computed (a 50%-dense block mask at 16k ran
         # the generic fwd's dense record by the heuristic, 0.6x the Hopper one)
         if (ex.record is not None and rex.record is not None
-                and _same_shape(ex) and _same_shape(rex)):
+                and _same_shape(ex) and _same_shape(rex)
+                and _runs_as_timed(problem, ex) and _runs_as_timed(rp, rex)):
             mine = get(problem.family).estimate_ms(problem, ex.record)
             theirs = rival.estimate_ms(rp, rex.record)
             why = (f"{rival.name} {rex.variant.name} ~{theirs:.3g} ms vs {problem.family} "
@@ -179,6 +180,15 @@ def _compete(problem: Problem) -> "Explanation":
             ex = dataclasses.replace(winner, problem=problem,
                                      notes=winner.notes + (f"competed: {why}",))
     return ex
+
+
+def _runs_as_timed(problem: Problem, ex: "Explanation") -> bool:
+    """Whether the call runs what ex's record timed, masks apart: a family whose masked twin
+    changes the schedule (hopper_bwd: a block-masked call of a dq="gluon" record adds dQ by
+    atomics) ran something else, and its time says nothing about the twin (session 24: such a
+    record's twin served the 16k block-mask bucket at 0.69x the generic bwd)."""
+    from .families import get
+    return not get(ex.variant.family).masked_changes(ex.variant, problem.mask_kinds)
 
 
 def _same_shape(ex: "Explanation") -> bool:
@@ -245,7 +255,8 @@ def mask_fit(variant: Variant, masks, family: str) -> tuple:
                                             variant.num_warps2 or variant.num_warps)
             else:
                 tiles["block_n"] = fit(tiles["block_n"], tiles["block_m"], variant.num_warps)
-    changes = {**want, **tiles, **fam.masked_changes(variant, masks)}
+    kinds = tuple(name for name, on in want.items() if on)
+    changes = {**want, **tiles, **fam.masked_changes(variant, kinds)}
     return _twin(variant, tuple(sorted(changes.items()))), ""
 
 
@@ -385,9 +396,10 @@ def _masks_rendered(ex: Explanation, masks) -> Explanation:
     from .families import get
     if not why:
         note = f"runs {ran.name}: {ex.variant.name} with the call's masks rendered in"
-        changed = {f: v for f, v in get(ex.variant.family).masked_changes(ex.variant, masks)
+        kinds = tuple(name for name, on in masks.structure.items() if on)
+        changed = {f: v for f, v in get(ex.variant.family).masked_changes(ex.variant, kinds)
                    .items() if getattr(ex.variant, f) != v}
-        if changed:  # e.g. hopper_bwd's dQ kernel has no masked render: dQ by atomics
+        if changed:  # e.g. hopper_bwd's dQ kernel walks no block mask: dQ by atomics
             note += (" and " + ", ".join(f"{f}={v!r}" for f, v in changed.items())
                      + " (what its family renders masks with)")
     else:

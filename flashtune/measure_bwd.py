@@ -59,13 +59,14 @@ class BwdOps:
         return (p.batch, p.heads, p.seqlen_q, p.head_dim), (p.batch, hk, p.seqlen_k, p.head_dim)
 
     launcher = launch_bwd  # the module that launches the family's variants (launch_hopper_bwd)
+    also_launches = ()  # launcher modules its plans load kernels through too (compile_only)
 
     def compile_ahead(self, variant, p: Problem) -> int:
         """Compile every kernel of the variant for the GPU present without launching, for the
         timed problem and the gate's (as measure_fwd); returns the largest shared memory among
         them (each kernel must fit on its own)."""
         dt = torch_dtype(p.dtype)
-        with compile_only(self.launcher) as h:
+        with compile_only(self.launcher, *self.also_launches) as h:
             for gp in dict.fromkeys((p, self.gate_problem(p))):
                 qs, ks = self.shapes(gp)
                 q, o, do = (torch.empty(qs, dtype=dt, device="meta") for _ in range(3))

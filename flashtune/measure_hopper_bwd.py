@@ -3,7 +3,7 @@ compile-ahead (the JIT's warm-up on meta tensors: launch_hopper_bwd lets them th
 through launch_hopper_bwd."""
 from __future__ import annotations
 
-from . import launch_hopper_bwd
+from . import launch_bwd, launch_hopper_bwd
 from .masks import representative
 from .measure_bwd import BwdOps
 
@@ -11,6 +11,7 @@ from .measure_bwd import BwdOps
 class HopperBwdOps(BwdOps):
     family = "hopper_bwd"
     launcher = launch_hopper_bwd
+    also_launches = (launch_bwd,)  # dq="separate": the generic bwd's dQ plan
 
     def plan(self, variant, p, inputs):
         q, k, v = inputs[:3]

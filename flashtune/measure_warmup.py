@@ -35,22 +35,27 @@ class _Warmup:
 
 
 @contextlib.contextmanager
-def compile_only(launcher):
-    """Route `launcher.load` (the module a launcher gets its kernels from) to a _Warmup, so the
-    launcher stays the one place that knows the kernels' arguments. Yields a dict whose
-    "compiled" lists every kernel compiled, from each module the launcher loaded (hopper_bwd's
-    plan loads its own and the generic bwd's preprocess)."""
+def compile_only(*launchers):
+    """Route each launcher's `load` (the module a launcher gets its kernels from) to a _Warmup,
+    so the launcher stays the one place that knows the kernels' arguments. Yields a dict whose
+    "compiled" lists every kernel compiled, from each module the launchers loaded. Name every
+    launcher module a plan loads through: hopper_bwd's dq="separate" plan builds the generic
+    bwd's through launch_bwd.load, which otherwise launched for real on the meta tensors (a
+    compile worker has no CUDA: "initialization error" on every masked dq="separate" trial of
+    session 24's mask search)."""
     holder = {"compiled": []}
     with _patch_lock:
-        real = launcher.load
+        real = [launcher.load for launcher in launchers]
 
-        def fake(variant):
-            return _Warmup(real(variant), holder["compiled"])
-        launcher.load = fake
+        def fake_of(load):
+            return lambda variant: _Warmup(load(variant), holder["compiled"])
+        for launcher, load in zip(launchers, real):
+            launcher.load = fake_of(load)
         try:
             yield holder
         finally:
-            launcher.load = real
+            for launcher, load in zip(launchers, real):
+                launcher.load = load
 
 
 def max_shared(holder) -> int:

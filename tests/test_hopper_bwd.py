@@ -146,7 +146,7 @@ def test_gluon_dq_renders_its_own_dq_kernel_and_no_atomics():
     """dq="gluon": the dK/dV kernel computes no dQ (as "separate") and the plan launches the
     template's attn_bwd_dq_hopper over query blocks (built on meta tensors, as the search's
     compile-ahead builds it); it walks no block mask, so such a call is refused by name (the
-    dispatcher runs a masked call's dq="none" twin: hopper_bwd.mask_changes)."""
+    dispatcher runs a block-masked call's dq="none" twin: hopper_bwd.mask_changes)."""
     import dataclasses
 
     from flashtune import targets
@@ -197,9 +197,9 @@ def test_gluon_dq_kernel_takes_its_own_tiles():
     assert plan.dq_kernel.kwargs["BLOCK_M"] == 128 and plan.dq_kernel.kwargs["STAGES"] == 3
     resources = dict(FAM.resources(g, _problem(d=128), None))
     assert resources["attn_bwd_dq_hopper"].threads == 256
-    with flashtune.force(g.name):
+    with flashtune.force(g.name):  # a window keeps the dQ kernel and its tiles
         masked = ops.select_bwd(q, k, True, False, Masks(window=(4, 0)))
-    assert masked.name == "hopper_bwd-m64-n64-w4-s2-window=true"
+    assert masked.name == g.name + "-window=true"
 
 
 @pytest.mark.slow
@@ -297,13 +297,16 @@ def test_deterministic_calls_go_to_the_generic_bwd_windowed_ones_to_the_masked_t
         # window / softcap: its own render (tests/test_hopper_bwd_masks.py)
         masked = ops.select_bwd(q, k, False, False, Masks(window=(4, 0)))
         assert masked.family == "hopper_bwd" and masked.window
-    # dq="gluon" writes dQ without atomics: deterministic calls keep it; it has no masked dQ
-    # kernel, so a masked call runs its atomic twin (and a deterministic masked one the generic)
+    # dq="gluon" writes dQ without atomics: deterministic calls keep it, windowed / soft-capped
+    # ones too (its dQ kernel renders them); its atomic twin goes to the generic
     gluon = "hopper_bwd-m64-n128-w8-s2-dq=gluon"
     with flashtune.force(gluon):
         assert ops.select_bwd(q, k, False, True).name == gluon
         masked = ops.select_bwd(q, k, True, False, Masks(window=(4, 0), softcap=2.0))
-        assert masked.name == "hopper_bwd-m64-n128-w8-s2-window=true-softcap=true"
+        assert masked.name == gluon + "-window=true-softcap=true"
+        det = ops.select_bwd(q, k, False, True, Masks(window=(4, 0)))
+        assert det.name == gluon + "-window=true"
+    with flashtune.force("hopper_bwd-m64-n128-w8-s2"):
         det = ops.select_bwd(q, k, False, True, Masks(window=(4, 0)))
         assert det.family == "bwd" and det.dq == "separate" and det.window
 

@@ -103,13 +103,16 @@ def test_gluon_dq_kernel_renders_the_masks_it_takes(masks):
     want = ["win_left", "win_right"] * bool(masks) + ["softcap"] * masks.get("softcap", False)
     assert dq_args[dq_args.index("sm_scale") + 1:dq_args.index("H")] == want
     assert dkdv_args[dkdv_args.index("sm_scale") + 1:dkdv_args.index("H")] == want
-    # masked problems' spaces do not propose it until its masked render has run on a GPU
+    # windowed / soft-capped problems' spaces propose it (its masked render passed on the H100,
+    # session 24); block-masked ones do not (it walks no block mask)
     from flashtune import targets
     from flashtune.problem import Problem
     from flashtune.search_space import Space
-    p = Problem("hopper_bwd", "bfloat16", 128, True, 1, 4, 16, 4096, 4096, window=256)
-    space = Space.build("hopper_bwd", targets.get("H100"), p)
-    assert space.feasible and not any(v.dq == "gluon" for v in space.feasible)
+    for kw, gluon in ((dict(window=256), True), (dict(softcap=True), True),
+                      (dict(block_density=0.25), False)):
+        p = Problem("hopper_bwd", "bfloat16", 128, True, 1, 4, 16, 4096, 4096, **kw)
+        space = Space.build("hopper_bwd", targets.get("H100"), p)
+        assert space.feasible and any(v.dq == "gluon" for v in space.feasible) == gluon, kw
 
 
 def test_forced_masked_gluon_plan_passes_the_window_to_the_dq_kernel():
@@ -276,10 +279,16 @@ def test_explain_of_a_forced_variant_on_a_masked_backward_names_the_twin():
     assert ex.level == "forced" and ex.variant.family == "hopper_bwd"
     assert ex.variant.masks == ("window", "softcap") and ex.problem.window and ex.problem.softcap
     assert any("with the call's masks rendered in" in n for n in ex.notes)
-    # a dq="gluon" variant's twin adds dQ by atomics: the note names the change
-    with flashtune.force("hopper_bwd-m64-n64-w4-s2-dq=gluon-mq64-nq64-wq4-sq2"):
+    from flashtune.block_mask import BlockMask
+    # a dq="gluon" variant keeps its dQ kernel under a window; under a block mask its twin adds
+    # dQ by atomics, and the note names the change
+    g = "hopper_bwd-m64-n64-w4-s2-dq=gluon-mq64-nq64-wq4-sq2"
+    with flashtune.force(g):
         ex = flashtune.explain(q, k, v, causal=True, family="bwd", window=(16, 0))
-    assert ex.variant.name == "hopper_bwd-m64-n64-w4-s2-window=true"
+        assert any(f"runs {g}-window=true:" in n for n in ex.notes), ex.notes
+        assert not any("dq='none'" in n for n in ex.notes), ex.notes
+        bm = BlockMask.from_dense(torch.ones(1, 1, dtype=torch.bool), (64, 64), block_size=64)
+        ex = flashtune.explain(q, k, v, causal=True, family="bwd", block_mask=bm)
     assert any("and dq='none'" in n and "block_m2=0" in n for n in ex.notes), ex.notes
 
 
@@ -351,6 +360,29 @@ def test_block_masked_backward_competes_like_the_other_masks(faster, monkeypatch
     assert ex.variant.family == (faster or "bwd"), str(ex)
     assert ex.variant.masks == ("window", "softcap", "block_sparse")
     assert not any("skipped" in n for n in ex.notes), ex.notes
+
+
+def test_a_dense_gluon_record_does_not_compete_for_a_block_masked_backward(monkeypatch,
+                                                                           tmp_path):
+    """A block-masked call of a dq="gluon" record runs its atomic twin, which that record never
+    timed: the record does not compete (dispatch._runs_as_timed), however fast it was, and the
+    generic bwd serves. Under a window the same record runs as timed and competes."""
+    from test_db import make_record
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    dense = Problem("bwd", "bfloat16", 128, False, 1, 1, 16, 16384, 16384)
+    gluon = "hopper_bwd-m64-n128-w8-s2-dq=gluon-mq64-nq64-wq4-sq2"
+    recs = [dataclasses.replace(make_record(variant=name, ms=ms, family=name.split("-")[0]),
+                                bucket=Bucket.of(dataclasses.replace(dense, family=fam)))
+            for name, fam, ms in ((gluon, "hopper_bwd", 0.5),
+                                  ("bwd-m64-n64-w4-s2-dq=atomic", "bwd", 1.0))]
+    _ship(tmp_path, "H100", *recs)
+    dispatch.configure(gpu="H100", db=f"sqlite:///{tmp_path}/none.db", tables_dir=tmp_path)
+    assert flashtune.explain(dense).variant.name == gluon
+    blocked = flashtune.explain(dataclasses.replace(dense, block_density=0.25))
+    assert blocked.variant.family == "bwd", str(blocked)
+    assert blocked.variant.masks == ("block_sparse",)
+    windowed = flashtune.explain(dataclasses.replace(dense, window=256))
+    assert windowed.variant.name == gluon + "-window=true", str(windowed)
 
 
 def test_search_pins_the_masks_in_hopper_bwd_spaces():
@@ -510,9 +542,9 @@ GPU_GRID = ([(DEFAULT, d, c, SHAPES[(i + j) % len(SHAPES)],
                                       "window_right"))])
 
 
-# dq="gluon" with its dQ kernel's window / softcap render (session 23; compiled for sm_90, first
-# GPU run pending): the shipped dense records' tiles with the masks, run as given (the dispatcher
-# still turns a masked call of a dq="gluon" record into its atomic twin: hopper_bwd.mask_changes)
+# dq="gluon" with its dQ kernel's window / softcap render (session 23; passed on the H100 in
+# session 24): the shipped dense records' tiles with the masks, which the dispatcher runs for a
+# windowed / soft-capped call of a dq="gluon" record (a block mask: its atomic twin)
 GLUON_GRID = ([("hopper_bwd-m64-n64-w4-s1-dq=gluon", 64, c, SHAPES[i % len(SHAPES)],
                 (torch.bfloat16, torch.float16)[i % 2]) for i, c in enumerate(CASES)]
               + [("hopper_bwd-m64-n64-w4-s2-dq=gluon-mq64-nq64-wq4-sq2", 128, c, SHAPES[i + 1],

@@ -56,6 +56,43 @@ def test_hopper_fwd_compile_ahead_warms_the_launch_binary(monkeypatch, persisten
         assert c.grid == (n_tiles,)  # persistent too: no SM count asked (no CUDA context)
 
 
+@pytest.mark.parametrize("masked", [False, True])
+def test_hopper_bwd_separate_compile_ahead_warms_the_generic_dq_kernel(monkeypatch, masked):
+    """dq="separate" runs the generic bwd's dQ kernel, which its plan loads through
+    launch_bwd.load: compile_only routes that one too, so a compile worker (no CUDA) compiles it
+    instead of launching it (session 24: every masked dq="separate" trial of the H100 mask
+    search failed with "Triton Error [CUDA]: initialization error")."""
+    import dataclasses
+
+    from flashtune import launch_bwd, launch_hopper_bwd
+    from flashtune.measure_hopper_bwd import OPS
+    calls = []
+
+    class Plain:  # a Triton (not Gluon) kernel's warm-up: no descriptors
+        def __init__(self, name):
+            self.name = name
+
+        def warmup(self, *args, grid, **kw):
+            assert not any(isinstance(a, torch.Tensor) for a in args)  # nothing launches
+            calls.append(SimpleNamespace(name=self.name, kw=kw))
+            return SimpleNamespace(metadata=SimpleNamespace(shared=0))
+    monkeypatch.setattr(launch_hopper_bwd, "load", lambda v: SimpleNamespace(
+        attn_bwd_hopper=_Jit("attn_bwd_hopper", calls),
+        attn_bwd_preprocess=Plain("attn_bwd_preprocess")))
+    monkeypatch.setattr(launch_bwd, "load", lambda v: SimpleNamespace(
+        **{n: Plain(n) for n in ("attn_bwd_preprocess", "attn_bwd_dkdv", "attn_bwd_dq")}))
+    v = Variant("hopper_bwd", block_m=64, block_n=128, num_warps=8, num_stages=2,
+                dq="separate", window=masked, softcap=masked)
+    p = standard_problem("bwd", "bfloat16", 128, True, 1024)
+    if masked:
+        p = dataclasses.replace(p, window=256, softcap=True)
+    assert OPS.compile_ahead(v, p) > 0
+    names = [c.name for c in calls]
+    assert names.count("attn_bwd_dq") == 2 and names.count("attn_bwd_hopper") == 2, names
+    dq = [c for c in calls if c.name == "attn_bwd_dq"]
+    assert all(c.kw.get("SOFTCAP", False) == masked or "SOFTCAP" not in c.kw for c in dq)
+
+
 def test_hopper_bwd_compile_ahead_warms_the_preprocess_and_the_kernel(monkeypatch):
     from flashtune import launch_hopper_bwd
     from flashtune.measure_hopper_bwd import OPS

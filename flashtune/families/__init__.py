@@ -72,7 +72,7 @@ class Family:
     # BLOCK_N | BS_KV, the element mask's tile limit)
     fit_block_mask: str = ""
     # "module:fn": (variant, Masks) -> the field changes a masked render needs beyond the masks
-    # and the tiles (hopper_bwd: dq="gluon"'s dQ kernel has no mask code); "" = none
+    # and the tiles (hopper_bwd: dq="gluon"'s dQ kernel walks no block mask); "" = none
     mask_changes: str = ""
     # "module:fn": (BlockMask, Nq, GROUP, paged) -> why a served call's plan cannot walk the
     # block mask ("" = it can): that plan then runs the served family's default, and explain()
@@ -148,9 +148,10 @@ class Family:
             return ""
         return _resolve(self.block_mask_blocker)(block_mask, nq, group, paged)
 
-    def masked_changes(self, variant, masks) -> dict:
-        """Field changes `variant` needs to render `masks` (mask_changes), beyond masks and tiles."""
-        return _resolve(self.mask_changes)(variant, masks) if self.mask_changes else {}
+    def masked_changes(self, variant, kinds: tuple) -> dict:
+        """Field changes `variant` needs to render the masks named in `kinds` ("window",
+        "softcap", "block_sparse": Problem.mask_kinds) (mask_changes), beyond masks and tiles."""
+        return _resolve(self.mask_changes)(variant, kinds) if self.mask_changes else {}
 
     def fit_tiles(self, variant, block_mask) -> tuple:
         """(tile changes, why not) of `variant` for a block mask (fit_block_mask)."""

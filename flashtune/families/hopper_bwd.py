@@ -13,8 +13,9 @@ forced (flashtune.force) or when tuned records of both families for the bucket s
 (dispatch._compete). Where it cannot run -- not sm_90, a Triton without Gluon, Triton's
 interpreter, a head dim other than 64/128/256, float32 -- the generic bwd family serves the call
 and `flashtune.explain` says why (`cannot_serve`); deterministic calls keep its dq="gluon" and
-"separate" variants and take the generic bwd for the atomic ones (ops.select_bwd); masked calls
-run a dq="gluon" variant's dq="none" twin (`mask_changes`: the dQ kernel has no mask code)."""
+"separate" variants and take the generic bwd for the atomic ones (ops.select_bwd); block-masked
+calls run a dq="gluon" variant's dq="none" twin (`mask_changes`: the dQ kernel walks no block
+mask; it renders a window and softcap)."""
 from __future__ import annotations
 
 from . import Family
@@ -122,13 +123,12 @@ def dq_tiles(variant) -> tuple:
             variant.num_warps2 or variant.num_warps, variant.num_stages2 or variant.num_stages)
 
 
-def mask_changes(variant, masks) -> dict:
-    """A masked call's twin of a dq="gluon" variant adds dQ by atomics from the dK/dV kernel
-    (dq="none", the plain schedule: dq_overlap's D=256 softcap render spills). The dQ kernel
-    walks no block mask; its window / softcap render (session 23) has compiled for sm_90 but
-    not yet run on a GPU, so it is forced only (tests/test_hopper_bwd_masks.py's GPU tests)
-    until it has."""
-    if variant.dq != "gluon":
+def mask_changes(variant, kinds: tuple) -> dict:
+    """A block-masked call's twin of a dq="gluon" variant adds dQ by atomics from the dK/dV
+    kernel (dq="none", the plain schedule: dq_overlap's D=256 softcap render spills): the dQ
+    kernel walks no block mask. A window / softcap keeps dq="gluon": its dQ kernel renders them
+    (GPU-tested on the H100, session 24: tests/test_hopper_bwd_masks.py -k gluon_dq_kernel)."""
+    if variant.dq != "gluon" or "block_sparse" not in kinds:
         return {}
     return {"dq": "none", "dq_overlap": False, **{f: 0 for f in DQ_TILE_FIELDS}}
 
