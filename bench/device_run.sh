@@ -288,6 +288,10 @@ sys.exit(pytest.main(['-q', '-x', '--tb=long', 'tests/test_transformers_backend.
                 | tee "$OUT/hopper_tests.log" | tail -15
               timeout ${HOPPER_TIMEOUT:-330} python3 bench/hopper_check.py ${HOPPER_ARGS:---per-dim 2 --budget 300} 2>&1 \
                 | tee "$OUT/hopper_check.log" | tail -40 ;;
+    hoppercheck) # bench/hopper_check.py alone (no GPU tests): HC_ARGS, e.g. --variants a@128,b@64
+              # --head-dims 64,128 --bench-dims 64,128 --seqlens 512,1024 --baselines cudnn
+              timeout ${HC_TIMEOUT:-560} python3 bench/hopper_check.py ${HC_ARGS:-} 2>&1 \
+                | tee "$OUT/hopper_check.log" | tail -${HC_TAIL:-50} ;;
     hopperbwd) # the Gluon Hopper backward (hopper_bwd, forced): its GPU tests, then the standard grid
               # (bf16, D=64/128) beside the generic bwd (dispatched, atomic, separate) and SDPA flash/cuDNN
               timeout ${HOPPERBWD_TESTS_TIMEOUT:-300} python3 -m pytest -q -x -m gpu tests/test_hopper_bwd.py \

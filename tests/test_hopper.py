@@ -155,6 +155,54 @@ def test_l2_order_is_structural_and_searched_for_causal_problems_only():
         assert any(v.l2_order for v in space.feasible) == bool(offered)
 
 
+def test_head_order_is_structural_searched_for_causal_problems_and_not_with_l2_order():
+    """head_order (session 24): causal tiles head by head, each head's query blocks rotated by
+    its index. Its own _tile_coords in its renders only; one causal order per kernel."""
+    import dataclasses
+    from flashtune.search_space import Space
+    from flashtune.targets import get as get_target
+    v = Variant.parse("hopper_fwd-m64-n64-w4-s3-pingpong=true-persistent=true-lr24-qb2"
+                      "-head_order=true")
+    off = dataclasses.replace(v, head_order=False)
+    assert Variant.parse(v.name) == v and "head_order" not in off.name
+    assert "rotated by its index" in render(v) and "rotated by its index" not in render(off)
+    assert render(off) == render(Variant.parse(off.name))
+    with pytest.raises(ValueError, match="two causal tile orders"):
+        dataclasses.replace(v, l2_order=True)
+    with pytest.raises(ValueError, match="head_order"):  # another family's field
+        Variant.parse("fwd-m64-n64-w4-s2-head_order=true")
+    h100 = get_target("H100")
+    for causal in (True, False):
+        space = Space.build("hopper_fwd", h100, dataclasses.replace(
+            _problem(causal=causal, nq=1024), family="hopper_fwd"))
+        assert any(x.head_order for x in space.feasible) == causal
+        assert not any(x.head_order and x.l2_order for x in space.feasible)
+
+
+def test_head_order_tile_coords_cover_every_tile_once():
+    """The rendered _tile_coords run in Python (gl stood in for): every (query block, head)
+    exactly once, causal or not, and a persistent program of a 132-program grid draws more than
+    one query block when 132 / num_m is odd (the rotation's point)."""
+    import ast
+    import types
+    v = Variant.parse("hopper_fwd-m64-n64-w4-s3-pingpong=true-persistent=true-lr24-qb2"
+                      "-head_order=true")
+    tree = ast.parse(render(v))
+    fn = next(f for f in tree.body if isinstance(f, ast.FunctionDef) and f.name == "_tile_coords")
+    fn.decorator_list = []
+    for a in fn.args.args:
+        a.annotation = None
+    ns = {"gl": types.SimpleNamespace()}
+    exec(compile(ast.fix_missing_locations(ast.Module([fn], [])), "<tile_coords>", "exec"), ns)
+    coords = ns["_tile_coords"]
+    for num_m, bh_n in ((4, 512), (8, 256), (3, 7), (1, 5)):
+        for causal in (True, False):
+            got = [coords(t, num_m, bh_n, causal) for t in range(num_m * bh_n)]
+            assert sorted(got) == sorted((m, b) for b in range(bh_n) for m in range(num_m))
+    per_program = {coords(t, 4, 512, True)[0] for t in range(0, 4 * 512, 132)}
+    assert per_program == {0, 1, 2, 3}
+
+
 def test_search_offers_two_q_buffers_to_persistent_loader_schedules_only():
     import dataclasses
     from flashtune.search_space import Space
@@ -451,6 +499,26 @@ def forced_grid(variants: dict, shapes: list):
 
 @forced_grid(QBUF, MANY_TILES)
 def test_two_q_buffers_match_reference_over_many_tiles(d, name, dtype, causal, shape):
+    _check_forced(d, name, dtype, causal, shape)
+
+
+# head_order (session 24): the short causal records with it in place of l2_order (persistent,
+# two Q buffers, early_k_release / async_o_store), a non-persistent one and D=256's; many tiles
+# per program and tile counts that do not divide the grid
+HEAD_ORDER = {64: ["hopper_fwd-m128-n64-w4-s4-causal_split=false-pingpong=true-persistent=true"
+                   "-lr24-qb2-head_order=true"],
+              128: ["hopper_fwd-m64-n64-w4-s3-causal_split=false-pingpong=true-persistent=true"
+                    "-lr56-qb2-head_order=true-early_k_release=true-async_o_store=true",
+                    "hopper_fwd-m64-n64-w4-s4-pingpong=true-persistent=true-lr24-qb2"
+                    "-head_order=true",
+                    "hopper_fwd-m64-n64-w4-s3-causal_split=false-pingpong=true-lr56"
+                    "-head_order=true-early_k_release=true"],
+              256: ["hopper_fwd-m64-n64-w4-s2-pingpong=true-lr40-head_order=true"
+                    "-early_k_release=true"]}
+
+
+@forced_grid(HEAD_ORDER, MANY_TILES)
+def test_head_order_matches_reference_over_many_tiles(d, name, dtype, causal, shape):
     _check_forced(d, name, dtype, causal, shape)
 
 

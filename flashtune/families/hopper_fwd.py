@@ -20,7 +20,8 @@ FAMILY = Family(
     doc="Hopper forward in Gluon: TMA ring + mbarriers, async wgmma, loader warp, ping-pong",
     template="attn_hopper_fwd.py.tmpl",
     kernels=("attn_fwd_hopper",),
-    fields=("pingpong", "persistent", "loader_regs", "q_buffers", "l2_order", "causal_split",
+    fields=("pingpong", "persistent", "loader_regs", "q_buffers", "l2_order", "head_order",
+            "causal_split",
             "release_barrier", "early_rescale", "early_k_release", "async_o_store", "window",
             "softcap", "block_sparse"),
     defaults="flashtune.families.hopper_fwd:default",
@@ -46,7 +47,16 @@ FAMILY = Family(
             "setmaxnreg of the loader: 24..56, step 8; 0: no loader partition"),
            ("q_buffers", (1, 2), "Q tiles per consumer: 1, or 2 for the loader to run a tile "
             "ahead")),
+    check="flashtune.families.hopper_fwd:check",
 )
+
+
+def check(variant) -> str:
+    """Why `variant` is not a hopper_fwd variant beyond its fields' values ("" when it is): one
+    causal tile order per kernel (the template's _tile_coords), so one kernel has one name."""
+    if variant.l2_order and variant.head_order:
+        return "l2_order and head_order are two causal tile orders: take one"
+    return ""
 
 # Defaults: the fastest spill-free candidates measured on the H100 (bench/hopper_check.py, bf16,
 # standard grid, torch 2.11, triton 3.6, 2026-11-23; docs/data/hopper_fwd_h100_2026-11-23.jsonl
