@@ -231,9 +231,12 @@ def table_winners(pb: PlannedBucket, k: int, tables_dir=None) -> list[Variant]:
     architecture recorded for pb's bucket, this GPU's own table first: measured first with the
     default, so a GPU searched again, or a new GPU of a tuned architecture, starts from what
     won there (the H200's 160 buckets took 1,259 s of 40 trials each; a sibling's winners let
-    fewer trials keep most of the value). Stale records count: only the name is used."""
+    fewer trials keep most of the value). Stale records count: only the name is used. Each
+    winner's twins (Family.winner_twins: hopper_fwd's l2_order winners with head_order) follow
+    it, so a field added since the table was searched is tried on the point that won."""
     if k <= 0:
         return []
+    from .families import get
     from .tuned_db.io import read_header, read_table, shipped_tables
     target = pb.space.target
     paths = sorted(shipped_tables(tables_dir), key=lambda p: p.stem != target.slug)
@@ -255,8 +258,9 @@ def table_winners(pb: PlannedBucket, k: int, tables_dir=None) -> list[Variant]:
                     v = _with_masks(pb, Variant.parse(name))
                 except ValueError:
                     continue
-                if pb.space.contains(v) and v not in out:
-                    out.append(v)
+                for w in [v] + (get(v.family).twins_of(v) if name == names[0] else []):
+                    if pb.space.contains(w) and w not in out:
+                        out.append(w)
     return out
 
 

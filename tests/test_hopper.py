@@ -179,6 +179,34 @@ def test_head_order_is_structural_searched_for_causal_problems_and_not_with_l2_o
         assert not any(x.head_order and x.l2_order for x in space.feasible)
 
 
+def test_a_search_measures_an_l2_order_table_winner_with_head_order_too(tmp_path):
+    """search.table_winners: a shipped table's l2_order winner for the bucket is followed by its
+    head_order twin (Family.winner_twins), so a re-search tries the new field on the point that
+    won; runner-ups get no twin."""
+    import dataclasses
+    import types
+    from flashtune.problem import Bucket
+    from flashtune.search import table_winners
+    from flashtune.search_space import Space
+    from flashtune.targets import get as get_target
+    from flashtune.tuned_db.io import table_path, write_table
+    from flashtune.tuned_db.record import Provenance, Record
+    p = dataclasses.replace(_problem(causal=True, nq=1024), family="hopper_fwd")
+    space = Space.build("hopper_fwd", get_target("H100"), p)
+    won = Variant.parse("hopper_fwd-m64-n64-w4-s4-pingpong=true-persistent=true-lr24-qb2"
+                        "-l2_order=true")
+    up = Variant.parse("hopper_fwd-m64-n64-w4-s3-pingpong=true-persistent=true-lr24-qb2"
+                       "-l2_order=true")
+    prov = Provenance("NVIDIA H100 80GB HBM3", "9.0", 132, "580", "13.0", "2.11", "3.6.0",
+                      "0.1.0", "0" * 16, "2026-11-26T00:00:00+00:00", "search")
+    write_table(table_path("H100", tmp_path), "H100",
+                [Record(table_path("H100").stem, Bucket.of(p), won, 1.0, 100.0, "TFLOP/s",
+                        1e-3, prov, ((up.name, 1.1),))])
+    pb = types.SimpleNamespace(space=space, bucket=Bucket.of(p), problem=p)
+    got = table_winners(pb, 3, tmp_path)
+    assert got == [won, dataclasses.replace(won, l2_order=False, head_order=True), up]
+
+
 def test_head_order_tile_coords_cover_every_tile_once():
     """The rendered _tile_coords run in Python (gl stood in for): every (query block, head)
     exactly once, causal or not, and a persistent program of a 132-program grid draws more than

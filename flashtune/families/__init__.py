@@ -90,6 +90,9 @@ class Family:
     # (hopper_bwd: the dQ kernel's tiles only beside that kernel)
     check: str = ""
     seeds: str = ""                 # "module:fn": more variants a search measures first
+    # "module:fn": variant -> variants measured first beside a shipped table's winner for the
+    # bucket (search.table_winners): the winner with a field added since it was searched
+    winner_twins: str = ""
     # "module:fn": (variant, record's bucket, asked bucket) -> (variant, note): a tuned record's
     # variant fitted to a bucket it was not measured on (the nearest-bucket fallback); "" = as is
     adapt: str = ""
@@ -177,6 +180,10 @@ class Family:
         if self.seeds:
             first += _resolve(self.seeds)(head_dim, dtype, **kw)
         return list(dict.fromkeys(first))
+
+    def twins_of(self, variant) -> list:
+        """The variants a search measures beside a table winner `variant` (winner_twins)."""
+        return list(_resolve(self.winner_twins)(variant)) if self.winner_twins else []
 
     @property
     def ops(self):
