@@ -473,14 +473,15 @@ PY
     research) # a re-search of some families' buckets on the standard grid after their spaces grew
               # (RESEARCH_SPECS: "family head_dims budget_s" triples, ';'-separated; RESEARCH_GPUS="0,1"
               # shares the buckets between a multi-GPU machine's GPUs) into /tmp/rs.*;
-              # the records come back in $OUT/tables/research.json, merged with `db import --keep-faster`
+              # the records come back in $OUT/tables/research.json, merged with `db import --keep-faster`;
+              # a spec's fields after the third go to that search ("hopper_fwd 128 120 --seqlen 512")
               name=$(python3 -c "import torch;print(torch.cuda.get_device_name())")
               IFS=';' read -ra specs <<< "${RESEARCH_SPECS:-hopper_fwd 128 170}"
               for spec in "${specs[@]}"; do
                 set -- $spec
                 timeout $(( $3 + 60 )) flashtune search --gpu auto --family $1 --head-dim $2 \
                   ${RESEARCH_GPUS:+--gpus $RESEARCH_GPUS} \
-                  --trials ${TRIALS:-40} --time-budget $3 --in-order --storage /tmp/rs.journal ${RESEARCH_ARGS:-} \
+                  --trials ${TRIALS:-40} --time-budget $3 --in-order --storage /tmp/rs.journal ${RESEARCH_ARGS:-} "${@:4}" \
                   --db sqlite:////tmp/rs.db --progress lines 2>&1 | tee -a "$OUT/research.log" \
                   | grep -v "measured so far\|^\[all\]" | tail -16
               done

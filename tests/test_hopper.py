@@ -220,15 +220,33 @@ def test_head_order_tile_coords_cover_every_tile_once():
     fn.decorator_list = []
     for a in fn.args.args:
         a.annotation = None
-    ns = {"gl": types.SimpleNamespace()}
+    grid = [132]
+    ns = {"gl": types.SimpleNamespace(num_programs=lambda axis: grid[0])}
     exec(compile(ast.fix_missing_locations(ast.Module([fn], [])), "<tile_coords>", "exec"), ns)
     coords = ns["_tile_coords"]
-    for num_m, bh_n in ((4, 512), (8, 256), (3, 7), (1, 5)):
-        for causal in (True, False):
-            got = [coords(t, num_m, bh_n, causal) for t in range(num_m * bh_n)]
-            assert sorted(got) == sorted((m, b) for b in range(bh_n) for m in range(num_m))
-    per_program = {coords(t, 4, 512, True)[0] for t in range(0, 4 * 512, 132)}
-    assert per_program == {0, 1, 2, 3}
+    for g in (132, 128, 7):
+        grid[0] = g
+        for num_m, bh_n in ((4, 512), (8, 256), (2, 1024), (3, 7), (1, 5)):
+            for causal in (True, False):
+                got = [coords(t, num_m, bh_n, causal) for t in range(num_m * bh_n)]
+                assert sorted(got) == sorted((m, b) for b in range(bh_n) for m in range(num_m))
+    # bench/tile_order_sim.py models this order: the same query blocks
+    import importlib.util
+    import pathlib
+    spec = importlib.util.spec_from_file_location(
+        "tile_order_sim", pathlib.Path(__file__).parents[1] / "bench" / "tile_order_sim.py")
+    sim = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sim)
+    for g in (132, 128):
+        grid[0] = g
+        assert all(sim.head_order(t, m, g) == coords(t, m, 64, True)[0]
+                   for m in (1, 2, 4, 8, 16) for t in range(64 * m))
+    # program 0 of a 132-program grid draws every query block over its rounds: num_m = 4
+    # (132 / 4 odd: the head's index rotates) and 2 (132 / 2 even: the rounds rotate too)
+    grid[0] = 132
+    for num_m, bh_n in ((4, 512), (2, 1024)):
+        assert {coords(t, num_m, bh_n, True)[0] for t in range(0, num_m * bh_n, 132)} == \
+            set(range(num_m))
 
 
 def test_search_offers_two_q_buffers_to_persistent_loader_schedules_only():
