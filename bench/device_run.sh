@@ -273,11 +273,16 @@ sys.exit(pytest.main(['-q', '-x', '--tb=long', 'tests/test_transformers_backend.
     # the merged report: `flashtune bench --from A/bench.json --from B/bench.json --out DIR`.
     bench)    # BENCH_DBS: tuned DBs to dispatch from, one run each ("shipped": the tables alone;
               # a research step's sqlite:////tmp/rs.db: its records first)
+              # BENCH_ARGS may hold several runs, ';'-separated (folders _1, _2, ... after the first)
+              IFS=';' read -ra runs <<< "${BENCH_ARGS:-}"; [ ${#runs[@]} -gt 0 ] || runs=("")
               for db in ${BENCH_DBS:-shipped}; do
-                d="$OUT/bench${BENCH_NAME:+_$BENCH_NAME}"; [ $db = shipped ] || d="${d}_db"
                 use_db $db
-                timeout ${BENCH_TIMEOUT:-560} flashtune bench --no-plots --progress lines --out "$d" \
-                  ${BENCH_ARGS:-} > "$d.log" 2>&1; echo "rc $? ($db)"; tail -${BENCH_TAIL:-60} "$d.log"
+                for i in "${!runs[@]}"; do
+                  d="$OUT/bench${BENCH_NAME:+_$BENCH_NAME}"; [ $i = 0 ] || d="${d}_$i"
+                  [ $db = shipped ] || d="${d}_db"
+                  timeout ${BENCH_TIMEOUT:-560} flashtune bench --no-plots --progress lines --out "$d" \
+                    ${runs[$i]} > "$d.log" 2>&1; echo "rc $? ($db)"; tail -${BENCH_TAIL:-60} "$d.log"
+                done
               done
               use_db shipped ;;
     benchquick) timeout ${BENCH_TIMEOUT:-560} flashtune bench --quick --no-plots --progress lines \
