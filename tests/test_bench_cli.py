@@ -156,6 +156,22 @@ def test_report_ratios_geomeans_and_ceiling_shares():
     assert report.geomean([]) is None
 
 
+def test_a_time_whose_samples_spread_widely_is_marked():
+    """A cell whose samples spread more than report.SPREAD_MARK (p80 / p20 - 1, from its timing
+    note) carries a mark, and the caveats say what it means and how many cells per peer."""
+    doc = _doc(rows=[_row(1024, "flashtune", 200.0, timing="4 rounds; spread 0.354"),
+                     _row(1024, "sdpa-flash", 100.0, timing="4 rounds; spread 0.011"),
+                     _row(4096, "flashtune", 300.0, timing="4 rounds; spread 0.050"),
+                     _row(4096, "sdpa-flash", 100.0, timing="cuda graph; spread 4.409")])
+    t = report.table(doc, "dense", "fwd")
+    assert f"| 128 | no | 1024 | 16x16 | 200{report.MARK} | 100 | 2.00x | 50% |" in t
+    assert f"| 128 | no | 4096 | 4x16 | 300 | 100{report.MARK} | 3.00x | 75% |" in t
+    caveats = report.not_run(doc)
+    assert report.MARK in caveats and "flashtune: 1 cells, sdpa-flash: 1 cells" in caveats
+    assert report.spread({"timing": "no spread noted"}) is None
+    assert report.not_run(_doc(rows=[_row(1024, "flashtune", 200.0)])) == ""
+
+
 def test_from_renders_and_merges_saved_runs(tmp_path):
     a, b = tmp_path / "a.json", tmp_path / "b.json"
     report.write_json(_doc(rows=[_row(1024, "flashtune", 200.0),

@@ -8,6 +8,7 @@ the "Not run" list says why, and every error is listed with the cases it hit.
 """
 from __future__ import annotations
 
+import collections
 import csv
 import json
 import math
@@ -61,11 +62,30 @@ def _pct(x: float) -> str:
     return f"{100 * x:.0f}%" if x >= 0.01 else f"{100 * x:.2g}%"
 
 
+# a cell whose samples spread more than this (p80 / p20 - 1, timing.summary) is marked: the peers
+# spread 0.01-0.1 on the H100; session 24's flashtune fwd+bwd cells at 0.3-4.4, where host
+# time outlasting the L2 flush before each sample is the suspect
+SPREAD_MARK = 0.25
+MARK = "†"
+
+
+def spread(row: dict | None) -> float | None:
+    """The relative spread of a row's samples, read from its timing note (None: not noted)."""
+    timing = (row or {}).get("timing", "")
+    if "spread " not in timing:
+        return None
+    try:
+        return float(timing.split("spread ")[1].split()[0].rstrip(";,"))
+    except ValueError:
+        return None
+
+
 def _cell(row: dict | None, field: str) -> str:
     if row is None:
         return ""
     if field in row:
-        return _num(row[field])
+        wide = field == "throughput" and (spread(row) or 0.0) > SPREAD_MARK
+        return _num(row[field]) + (MARK if wide else "")
     return "err" if "error" in row else "n/a"
 
 
@@ -166,6 +186,13 @@ def not_run(doc: dict) -> str:
         where = ", ".join(sorted({_label(r) for r in rs})[:3])
         more = f" and {len(rs) - 3} more" if len(rs) > 3 else ""
         lines.append(f"- {peer} **failed**: `{err}` ({len(rs)} cells: {where}{more})")
+    wide = [r for r in doc["rows"] if "throughput" in r and (spread(r) or 0.0) > SPREAD_MARK]
+    if wide:
+        by_peer = collections.Counter(r["peer"] for r in wide)
+        lines.append(f"- {MARK} marks a time whose samples spread more than "
+                     f"{100 * SPREAD_MARK:.0f}% (p80 / p20 - 1): host time or a clock change "
+                     "in the timed region, re-time before reading it ("
+                     + ", ".join(f"{p}: {n} cells" for p, n in by_peer.items()) + ")")
     return "\n".join(lines)
 
 
