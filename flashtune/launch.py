@@ -8,6 +8,8 @@ from functools import lru_cache
 import torch
 import triton
 
+from . import alloc
+from .alloc import like_strides
 from .codegen import Variant, load
 from .launcher import Launcher
 from .masks import NONE, Masks, kernel_window
@@ -183,7 +185,7 @@ class FwdPlan:
         b, h, nq, d = q.shape
         nk = k.shape[2]
         check_mask_variant(variant, masks)
-        o_strides = torch.empty_like(q, device="meta").stride()  # the layout forward() allocates
+        o_strides = like_strides(q)  # the layout forward() allocates
         self.variant = variant
         self.grid = (triton.cdiv(nq, variant.block_m) * b * h,)
         self.lse_shape = (b, h, nq)
@@ -198,7 +200,7 @@ class FwdPlan:
         self.kernel = Launcher(load(variant).attn_fwd, **self.kwargs)
 
     def run(self, q, k, v):
-        o = torch.empty_like(q)  # keeps q's layout when dense: (B, N, H, D) views stay so
+        o = alloc.empty_like(q)  # keeps q's layout when dense: (B, N, H, D) views stay so
         lse = torch.empty(self.lse_shape, dtype=torch.float32, device=q.device)
         if self.descriptor:
             _need_allocator()
@@ -238,7 +240,7 @@ class VarlenFwdPlan:
         if masks.block_mask is not None:
             raise ValueError("block_mask is not supported with packed variable-length sequences")
         total_q, h, d = q.shape
-        o_strides = torch.empty_like(q, device="meta")
+        o_strides = alloc.meta_like(q)
         self.variant = variant
         self.descriptor = variant.loads == "descriptor"  # callers check base addresses per call
         self.grid = (triton.cdiv(max_seqlen_q, variant.block_m) * batch * h,)
@@ -251,7 +253,7 @@ class VarlenFwdPlan:
         self.kernel = Launcher(load(variant).attn_fwd, **self.kwargs)
 
     def run(self, q, k, v, cu_seqlens_q, cu_seqlens_k):
-        o = torch.empty_like(q)
+        o = alloc.empty_like(q)
         lse = torch.empty(self.lse_shape, dtype=torch.float32, device=q.device)
         if self.descriptor:
             _need_allocator()

@@ -7,6 +7,7 @@ import math
 import torch
 import triton
 
+from . import alloc
 from .codegen import Variant, load
 from .launcher import Launcher
 from .launch import (_DOT_PRECISION, _need_allocator, block_d, block_lists, check_mask_variant,
@@ -139,24 +140,24 @@ class BwdPlan:
         # tiny. float32 inputs (PRECISE): Delta and R = 1 / rowsum(P) from one pass over the keys
         # instead (see the template's header)
         delta = torch.empty(self.rows, dtype=torch.float32, device=q.device)
-        lse2 = torch.empty_like(delta)
-        r = torch.empty_like(delta) if self.precise else delta  # unused unless precise
+        lse2 = alloc.empty_like(delta)
+        r = alloc.empty_like(delta) if self.precise else delta  # unused unless precise
         pre(self.grids[0],
             o, dout, lse, delta, lse2, r, q, k, v, *seq_args, scale, *margs["state"],
             *strides3(*map(views, (o, dout, q, k, v))), *sizes)
 
-        dk = torch.empty_like(k)  # keeps the caller's layout when dense
-        dv = torch.empty_like(v)
+        dk = alloc.empty_like(k)  # keeps the caller's layout when dense
+        dv = alloc.empty_like(v)
         if self.atomic:
             # float32 accumulation: into dq itself for float32 inputs, else a buffer cast at
             # the end
             if self.precise:
-                dq = dq_acc = torch.zeros_like(q)
+                dq = dq_acc = alloc.zeros_like(q)
             else:
-                dq = torch.empty_like(q)
+                dq = alloc.empty_like(q)
                 dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         else:
-            dq = dq_acc = torch.empty_like(q)
+            dq = dq_acc = alloc.empty_like(q)
 
         dkdv(self.grids[1],
              q, k, v, dout, dk, dv, dq_acc, lse2, delta, r, *seq_args, scale, *margs["kv"],

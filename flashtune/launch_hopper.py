@@ -10,6 +10,7 @@ import math
 import torch
 import triton
 
+from . import alloc
 from .codegen import Variant, load
 from .launcher import Launcher
 from .launch import check_mask_variant, generic_plan, mask_args, mask_params
@@ -116,7 +117,7 @@ class HopperFwdPlan:
         self.variant = variant
         self.masks = masks
         self.why = unsupported(d, q.dtype) or _device_blocker(q.device)
-        o_meta = torch.empty_like(q, device="meta")
+        o_meta = alloc.meta_like(q)
         if not self.why and not all(_view3(t) for t in (q, k, v, o_meta)):
             self.why = "strides TMA cannot describe as (B*H, N, D)"
         self.fallback = None
@@ -143,7 +144,7 @@ class HopperFwdPlan:
     def run(self, q, k, v):
         if self.fallback is not None:
             return self.fallback.run(q, k, v)
-        o = torch.empty_like(q)  # keeps q's layout, as the generic plan's
+        o = alloc.empty_like(q)  # keeps q's layout, as the generic plan's
         if not addressable(q, k, v, o):  # this call's base addresses only: no memo
             return generic_plan(q, k, v, self.consts["IS_CAUSAL"], self.scale,
                                  self.masks).run(q, k, v)

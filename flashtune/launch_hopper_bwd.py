@@ -13,6 +13,7 @@ import math
 import torch
 import triton
 
+from . import alloc
 from .codegen import Variant, load
 from .launcher import Launcher
 from .launch import check_mask_variant, mask_args, mask_params
@@ -122,8 +123,8 @@ class HopperBwdPlan:
                                            masks)
 
     def run(self, dout, q, k, v, o, lse):
-        dk = torch.empty_like(k)  # keeps the caller's layout, as the generic bwd
-        dv = torch.empty_like(v)
+        dk = alloc.empty_like(k)  # keeps the caller's layout, as the generic bwd
+        dv = alloc.empty_like(v)
         if self.why or not addressable(q, k, v, dout, dk, dv):  # base addresses: per call
             if self.fallback is None:
                 from . import launch_bwd
@@ -145,7 +146,7 @@ class HopperBwdPlan:
         self.kernel(self.grid, desc(q, bm), desc(k, bn), desc(v, bn), desc(dout, bm),
                     desc(dk, bn), desc(dv, bn), dq_acc, lse2, delta, self.scale,
                     *self.mask_args, q.shape[1], q.shape[2], k.shape[2])
-        dq = torch.empty_like(q)  # q's layout, as the generic bwd (dq_acc is contiguous)
+        dq = alloc.empty_like(q)  # q's layout, as the generic bwd (dq_acc is contiguous)
         if self.dq_kernel is not None:
             # TMA stores dQ in q's layout; one it cannot address goes through a contiguous copy
             out = dq if addressable(dq) else torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -180,7 +181,7 @@ def preprocess(pre: tuple, dout, q, k, v, o, lse, scale: float):
     kernel, grid = pre
     b, h, nq, _ = q.shape
     delta = torch.empty((b, h, nq), dtype=torch.float32, device=q.device)
-    lse2 = torch.empty_like(delta)
+    lse2 = alloc.empty_like(delta)
     kernel(grid, o, dout, lse, delta, lse2, delta, q, k, v, scale, *strides3(o, dout, q, k, v),
            h, nq, k.shape[2])
     return delta, lse2

@@ -10,6 +10,7 @@ from functools import lru_cache
 import torch
 import triton
 
+from . import alloc
 from .codegen import Variant, load
 from .launcher import Launcher
 from .launch import _DOT_PRECISION, _need_allocator, block_d, pdl_ok
@@ -180,7 +181,7 @@ class SplitKVPlan:
         b, nq, h, d = self.shape
         hk = k_cache.shape[2]
         s = self.num_splits(max_seqlen)
-        o = torch.empty_like(q)
+        o = alloc.empty_like(q)
         lse = torch.empty((b, h, nq), dtype=torch.float32, device=q.device)
         if s == 1:  # the partial kernel writes the result itself: no scratch, no combine
             o_dst, l_dst = o, lse

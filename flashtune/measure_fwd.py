@@ -9,7 +9,7 @@ import dataclasses
 
 import torch
 
-from . import launch
+from . import alloc, launch
 from .accuracy import compare
 from .masks import representative
 from .measure_warmup import compile_only, max_shared
@@ -56,7 +56,7 @@ class FwdOps:
                 qs, ks = self.shapes(gp)
                 q = torch.empty(qs, dtype=dt, device="meta")
                 k = torch.empty(ks, dtype=dt, device="meta")
-                self.launcher.forward(q, k, torch.empty_like(k), gp.causal, None, variant,
+                self.launcher.forward(q, k, alloc.empty_like(k), gp.causal, None, variant,
                                       representative(gp, "cpu"))
         return max_shared(h)
 

@@ -61,10 +61,10 @@ class GpuBackend(Backend):
         if role == "compile":
             if self.capability:
                 _compile_without_context(self.capability)
-            # torch's symbolic shapes (sympy; the first empty_like of a meta tensor imports it)
-            # and the families' measuring modules (codegen, the launchers) are imported now, while
-            # the driver starts, not in the search's first compiles (3-4 s each, 16 at once)
-            import torch.fx.experimental.symbolic_shapes  # noqa: F401
+            # the families' measuring modules (codegen, the launchers) are imported now, while
+            # the driver starts, not in the search's first compiles (3-4 s each, 16 at once).
+            # (torch's symbolic shapes and sympy are not needed: the launchers allocate on meta
+            # tensors through flashtune/alloc.py, not torch's meta reference, session 24)
             for family in dict(self.family_modules) or _family_names():
                 try:
                     self._ops(family)

@@ -9,7 +9,7 @@ import dataclasses
 
 import torch
 
-from . import launch_splitkv
+from . import alloc, launch_splitkv
 from .accuracy import compare
 from .masks import representative
 from .measure_fwd import kept_plan, reference_masks
@@ -45,7 +45,7 @@ class SplitKVOps:
         seqlens = torch.empty(p.batch, dtype=torch.int32, device="meta")
         with compile_only(launch_splitkv) as h:
             # built afresh: a plan made under compile_only holds its warm-up kernels
-            self.plan(variant, p, (q, k)).run(q, k, torch.empty_like(k), seqlens, None, p.seqlen_k)
+            self.plan(variant, p, (q, k)).run(q, k, alloc.empty_like(k), seqlens, None, p.seqlen_k)
         return max_shared(h)
 
     def gate_problem(self, p: Problem) -> Problem:
