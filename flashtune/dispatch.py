@@ -255,8 +255,7 @@ def mask_fit(variant: Variant, masks, family: str) -> tuple:
                                             variant.num_warps2 or variant.num_warps)
             else:
                 tiles["block_n"] = fit(tiles["block_n"], tiles["block_m"], variant.num_warps)
-    kinds = tuple(name for name, on in want.items() if on)
-    changes = {**want, **tiles, **fam.masked_changes(variant, kinds)}
+    changes = {**want, **tiles, **fam.masked_changes(variant, masks.kinds)}
     return _twin(variant, tuple(sorted(changes.items()))), ""
 
 
@@ -396,8 +395,7 @@ def _masks_rendered(ex: Explanation, masks) -> Explanation:
     from .families import get
     if not why:
         note = f"runs {ran.name}: {ex.variant.name} with the call's masks rendered in"
-        kinds = tuple(name for name, on in masks.structure.items() if on)
-        changed = {f: v for f, v in get(ex.variant.family).masked_changes(ex.variant, kinds)
+        changed = {f: v for f, v in get(ex.variant.family).masked_changes(ex.variant, masks.kinds)
                    .items() if getattr(ex.variant, f) != v}
         if changed:  # e.g. hopper_bwd's dQ kernel walks no block mask: dQ by atomics
             note += (" and " + ", ".join(f"{f}={v!r}" for f, v in changed.items())

@@ -9,7 +9,6 @@ import torch
 import triton
 
 from . import alloc
-from .alloc import like_strides
 from .codegen import Variant, load
 from .launcher import Launcher
 from .masks import NONE, Masks, kernel_window
@@ -185,7 +184,7 @@ class FwdPlan:
         b, h, nq, d = q.shape
         nk = k.shape[2]
         check_mask_variant(variant, masks)
-        o_strides = like_strides(q)  # the layout forward() allocates
+        o_strides = alloc.like_strides(q)  # the layout forward() allocates
         self.variant = variant
         self.grid = (triton.cdiv(nq, variant.block_m) * b * h,)
         self.lse_shape = (b, h, nq)

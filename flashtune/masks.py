@@ -136,6 +136,11 @@ class Masks:
         return {"window": self.window is not None, "softcap": self.softcap is not None,
                 "block_sparse": self.block_mask is not None}
 
+    @property
+    def kinds(self) -> tuple:
+        """The mask fields the call needs rendered (Problem.mask_kinds' names)."""
+        return tuple(name for name, on in self.structure.items() if on)
+
     @cached_property
     def key(self) -> tuple:
         """What a launch plan depends on (the block mask by identity: its tensors are args)."""
