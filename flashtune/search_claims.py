@@ -2,7 +2,10 @@
 (no coordinator): who is alive, and who does a job that must be done once (a bucket's final
 pick).
 
-- **Owner**: a process is {host, pid}. One of this host is alive while its pid is; one of
+- **Owner**: a process is {host, pid, start} (start: its start time in clock ticks since boot,
+  where /proc has it). One of this host is alive while its pid is and was started then (a claim
+  outlives its process in the storage: a later process, or a PostgreSQL backend, given the same
+  pid held two CI runs' searches waiting on it for good, session 24); one of
   another host while its heartbeat (a user attr of the claims study, written every
   HEARTBEAT_S by a thread of each searching process) is younger than STALE_S. A process
   that never wrote one (an older flashtune) counts as alive. A RUNNING trial with no owner yet
@@ -36,26 +39,47 @@ def _host() -> str:
     return socket.gethostname()
 
 
+def _stat(pid: int) -> list | None:
+    """/proc/<pid>/stat's fields after the command name (state first), or None."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+@lru_cache(maxsize=1)
+def _my_start() -> int | None:
+    fields = _stat(os.getpid())
+    return int(fields[19]) if fields and len(fields) > 19 else None  # field 22: starttime
+
+
 def me() -> dict:
-    return {"host": _host(), "pid": os.getpid()}
+    start = _my_start()
+    return {"host": _host(), "pid": os.getpid(), **({"start": start} if start else {})}
 
 
 def same(a: dict | None, b: dict | None) -> bool:
-    return bool(a and b) and a.get("host") == b.get("host") and a.get("pid") == b.get("pid")
+    return (bool(a and b) and a.get("host") == b.get("host") and a.get("pid") == b.get("pid")
+            and (a.get("start") is None or b.get("start") is None
+                 or a.get("start") == b.get("start")))
 
 
-def _pid_alive(pid: int) -> bool:
+def _pid_alive(pid: int, start: int | None = None) -> bool:
+    """Whether process `pid` lives (a zombie does not) and, given its start time, is the process
+    that was started then rather than a later one given the same pid."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    try:  # a zombie (dead, not yet waited for by its parent) is dead
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
+    fields = _stat(pid)
+    if fields is None:
         return True
+    if fields[0] == "Z":
+        return False
+    return start is None or len(fields) <= 19 or int(fields[19]) == int(start)
 
 
 def _beat_key(owner: dict) -> str:
@@ -89,7 +113,7 @@ class Liveness:
         if not owner or not owner.get("pid"):
             return True  # not ours to judge
         if owner.get("host") == _host():
-            return _pid_alive(int(owner["pid"]))
+            return _pid_alive(int(owner["pid"]), owner.get("start"))
         beat = self._heartbeats().get(_beat_key(owner))
         return beat is None or time.time() - float(beat) < STALE_S
 

@@ -303,6 +303,17 @@ def test_claims_are_held_once_and_freed_by_death(tmp_path, url):
                                                                "pid": dead.pid}})
     assert same(claim(storage, "j"), me())
     assert same(claim(storage, "j"), me())  # held: claiming again keeps it
+    # ... nor one left by an earlier process whose pid a live process has now: the owner's
+    # start time tells them apart (two CI runs' searches waited for good on such a claim)
+    parent = {"host": me()["host"], "pid": os.getppid()}
+    with open(f"/proc/{os.getppid()}/stat") as f:
+        parent["start"] = int(f.read().rsplit(")", 1)[1].split()[19])
+    study.enqueue_trial({}, user_attrs={"claim": "r", "owner": {**parent,
+                                                               "start": parent["start"] + 1}})
+    assert same(claim(storage, "r"), me())
+    study.enqueue_trial({}, user_attrs={"claim": "p", "owner": parent})  # the live one holds
+    assert claim(storage, "p")["pid"] == os.getppid()
+    assert same(me(), {**me(), "start": None}) and not same(me(), {**me(), "start": -1})
 
 
 def test_in_order_budget_leaves_what_it_cannot_finish_untouched(tmp_path):
