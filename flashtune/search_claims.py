@@ -48,14 +48,19 @@ def _stat(pid: int) -> list | None:
         return None
 
 
-@lru_cache(maxsize=1)
-def _my_start() -> int | None:
-    fields = _stat(os.getpid())
-    return int(fields[19]) if fields and len(fields) > 19 else None  # field 22: starttime
+def _start(fields: list | None) -> int | None:
+    """A process's start time (stat field 22, starttime) from _stat's fields, or None."""
+    return int(fields[19]) if fields and len(fields) > 19 else None
+
+
+@lru_cache(maxsize=4)
+def _start_of(pid: int) -> int | None:
+    """This process's start time, per pid: a forked child does not take its parent's."""
+    return _start(_stat(pid))
 
 
 def me() -> dict:
-    start = _my_start()
+    start = _start_of(os.getpid())
     return {"host": _host(), "pid": os.getpid(), **({"start": start} if start else {})}
 
 
@@ -79,7 +84,8 @@ def _pid_alive(pid: int, start: int | None = None) -> bool:
         return True
     if fields[0] == "Z":
         return False
-    return start is None or len(fields) <= 19 or int(fields[19]) == int(start)
+    now = _start(fields)
+    return start is None or now is None or now == int(start)
 
 
 def _beat_key(owner: dict) -> str:
