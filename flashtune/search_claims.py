@@ -15,7 +15,8 @@ pick).
   study (one storage write, atomic on RDB and journal storages, numbered in commit order), then
   reads the claims of that key back: the lowest-numbered claim of a live owner wins. Two
   claimants always agree: whichever claims later sees the earlier one. Nothing ever asks
-  the claims study, so its trials stay WAITING.
+  the claims study, so its trials stay WAITING until a claim() finds their owner dead and
+  marks them FAIL (`_retire`): a claim is read by every later claim() until then.
 """
 from __future__ import annotations
 
@@ -159,11 +160,23 @@ def claim(storage, key: str, liveness: Liveness | None = None) -> dict:
     study = claims_study(storage)
     study.enqueue_trial({}, user_attrs={"claim": key, "owner": me()}, skip_if_exists=False)
     liveness = liveness or Liveness(storage)
+    held = None
     for t in sorted(study.get_trials(deepcopy=False, states=(TrialState.WAITING,)),
                     key=lambda t: t.number):
-        if t.user_attrs.get("claim") != key:
-            continue
         owner = t.user_attrs.get("owner")
         if same(owner, me()) or liveness.alive(owner):
-            return owner
-    return me()  # unreachable: our own claim is among them
+            if held is None and t.user_attrs.get("claim") == key:
+                held = owner
+        else:
+            _retire(study, t)
+    return held or me()  # our own claim is among them
+
+
+def _retire(study: optuna.Study, trial) -> None:
+    """Marks a dead owner's claim FAIL, so that no later claim() reads it again: keys repeat
+    (a study deleted and made again has the same name), and every claim() reads all WAITING
+    claims. Two processes retiring one claim is harmless: the second write fails."""
+    try:
+        study._storage.set_trial_state_values(trial._trial_id, TrialState.FAIL)
+    except Exception:  # noqa: BLE001 -- left WAITING, it is skipped again next time
+        pass

@@ -314,6 +314,14 @@ def test_claims_are_held_once_and_freed_by_death(tmp_path, url):
     study.enqueue_trial({}, user_attrs={"claim": "p", "owner": parent})  # the live one holds
     assert claim(storage, "p")["pid"] == os.getppid()
     assert same(me(), {**me(), "start": None}) and not same(me(), {**me(), "start": -1})
+    # the dead owners' claims were retired (FAIL): later claims no longer read them; every
+    # live one still waits
+    by_state = {t.user_attrs["claim"] + ":" + str(t.user_attrs["owner"].get("start"))
+                for t in study.get_trials(states=(TrialState.FAIL,))}
+    assert by_state == {"j:None", f"r:{parent['start'] + 1}"}
+    waiting = study.get_trials(states=(TrialState.WAITING,))
+    assert all(t.user_attrs["owner"]["pid"] in (os.getppid(), os.getpid()) for t in waiting)
+    assert {t.user_attrs["claim"] for t in waiting} == {"k", "j", "r", "p"}
 
 
 def test_in_order_budget_leaves_what_it_cannot_finish_untouched(tmp_path):

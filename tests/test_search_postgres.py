@@ -44,11 +44,11 @@ def test_two_processes_share_one_study(tmp_path):
     measured = [t for t in study.trials if t.state == TrialState.COMPLETE
                 and t.user_attrs["result"].get("measured")]
     owners = {t.user_attrs["owner"]["pid"] for t in measured}
-    assert len(owners) == 2  # both processes measured part of the one study
+    assert len(owners) == 2, outs  # both processes measured part of the one study
     names = [t.user_attrs["variant"] for t in measured]
     # the budget is the study's, not each process's; a variant the other process measured or
     # was measuring is never measured again
-    assert len(names) == len(set(names)) == 24
+    assert len(names) == len(set(names)) == 24, outs
     assert not [t for t in study.trials if t.state == TrialState.RUNNING]
     # one pick, by one of them; the other took it from the storage (both DBs hold it)
     final = study.user_attrs["final"]
