@@ -231,7 +231,8 @@ print('torch', torch.cuda.get_device_name(0), targets.detect(0).slug)" 2>&1 | te
               # then the raw page of the warp-state and compute sections (every stall reason, the pipes' use)
               timeout ${HOPPERNCU_TIMEOUT:-240} ncu --clock-control none --profile-from-start off \
                 --section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats \
-                --section Occupancy --section LaunchStats --section SchedulerStats --csv --page details \
+                --section Occupancy --section LaunchStats --section SchedulerStats \
+                --section MemoryWorkloadAnalysis --csv --page details \
                 python3 bench/hopper_ncu.py ${HOPPERNCU_ARGS:-} > "$OUT/hopper_ncu.csv" 2> "$OUT/hopper_ncu.err"
               tail -3 "$OUT/hopper_ncu.err"
               timeout ${HOPPERNCU_TIMEOUT:-240} ncu --clock-control none --profile-from-start off \

@@ -228,19 +228,23 @@ def neighbour_winners(storage, planned: list, pb: PlannedBucket, k: int) -> list
 
 def table_winners(pb: PlannedBucket, k: int, tables_dir=None) -> list[Variant]:
     """The best `k` variants (winner, then runner-ups) that each shipped table of pb's
-    architecture recorded for pb's bucket, this GPU's own table first: measured first with the
-    default, so a GPU searched again, or a new GPU of a tuned architecture, starts from what
-    won there (the H200's 160 buckets took 1,259 s of 40 trials each; a sibling's winners let
-    fewer trials keep most of the value). Stale records count: only the name is used. Each
-    winner's twins (Family.winner_twins: hopper_fwd's l2_order winners with head_order) follow
-    it, so a field added since the table was searched is tried on the point that won."""
+    architecture recorded for pb's bucket, this GPU's own table first, then the winners of the
+    `k` nearest buckets of its kernel class in those tables (Bucket.log_distance): measured first
+    with the default, so a GPU searched again, or a new GPU of a tuned architecture, starts from
+    what won there (the H200's 160 buckets took 1,259 s of 40 trials each; a sibling's winners
+    let fewer trials keep most of the value). The neighbours' winners count because a bucket's
+    next bucket opens while its last trials finish, before its pick (neighbour_winners reads
+    picks): the D=256 non-causal N=512 re-search never measured the N=1k record's tile, which
+    ran it 11% faster (session 25). Stale records count: only the name is used. Each winner's
+    twins (Family.winner_twins: hopper_fwd's l2_order winners with head_order) follow it, so a
+    field added since the table was searched is tried on the point that won."""
     if k <= 0:
         return []
     from .families import get
     from .tuned_db.io import read_header, read_table, shipped_tables
     target = pb.space.target
     paths = sorted(shipped_tables(tables_dir), key=lambda p: p.stem != target.slug)
-    out = []
+    own, near = [], []
     for path in paths:
         try:
             if read_header(path).arch != target.arch:
@@ -250,17 +254,21 @@ def table_winners(pb: PlannedBucket, k: int, tables_dir=None) -> list[Variant]:
             log.warning("search: seeds from %s skipped: %s", path, e)
             continue
         for r in records:
-            if r.bucket != pb.bucket:
-                continue
-            names = [r.variant.name] + [n for n, _ in r.runner_ups]
-            for name in names[:k]:
-                try:
-                    v = _with_masks(pb, Variant.parse(name))
-                except ValueError:
-                    continue
-                for w in [v] + (get(v.family).twins_of(v) if name == names[0] else []):
-                    if pb.space.contains(w) and w not in out:
-                        out.append(w)
+            if r.bucket == pb.bucket:
+                own += [(name, i == 0) for i, name in
+                        enumerate(([r.variant.name] + [n for n, _ in r.runner_ups])[:k])]
+            elif pb.bucket.same_kernel_class(r.bucket):
+                near.append((pb.bucket.log_distance(r.bucket), r.variant.name))
+    names = own + [(name, True) for _, name in sorted(near, key=lambda x: x[0])[:k]]
+    out = []
+    for name, won in names:
+        try:
+            v = _with_masks(pb, Variant.parse(name))
+        except ValueError:
+            continue
+        for w in [v] + (get(v.family).twins_of(v) if won else []):
+            if pb.space.contains(w) and w not in out:
+                out.append(w)
     return out
 
 

@@ -322,6 +322,41 @@ def test_a_new_bucket_measures_the_same_architectures_table_winners_first(tmp_pa
     assert a100 not in firsts
 
 
+def test_table_winners_add_the_nearest_buckets_winners_of_the_kernel_class(tmp_path):
+    """After the bucket's own records, search.table_winners offers the winners of the k nearest
+    buckets of its kernel class in the shipped tables, nearest first: a re-searched bucket opens
+    before its neighbour's pick (neighbour_winners reads picks), and a neighbour's tile can win
+    (session 25: D=256 non-causal N=512 ran 11% faster on the N=1k record's tile, which its own
+    re-search never measured). Another class's records (causal here) are not offered."""
+    from flashtune.search import table_winners
+    from flashtune.tuned_db.io import table_path, write_table
+    from flashtune.tuned_db.record import Provenance, Record
+    cfg = SearchConfig(**dict(BASE, seqlens=(512, 1024, 2048, 8192), causal=(False, True)))
+    plan = plan_of(cfg, H100)
+    pb = next(x for x in plan if x.bucket.seqlen_q == 1024 and not x.bucket.causal)
+    names = iter(v.name for v in pb.space.feasible)
+    prov = Provenance("NVIDIA H100 80GB HBM3", "9.0", 132, "580", "13.0", "2.11", "3.6.0",
+                      "0.1.0", "0" * 16, "2026-11-26T00:00:00+00:00", "search")
+    won = {}
+    records = []
+    for x in plan:
+        won[x.bucket] = next(names)
+        records.append(Record(table_path("H100").stem, x.bucket, Variant.parse(won[x.bucket]),
+                              1.0, 100.0, "TFLOP/s", 1e-3, prov, ((next(names), 1.1),)))
+    write_table(table_path("H100", tmp_path), "H100", records)
+
+    def at(n, causal=False):
+        return won[next(x.bucket for x in plan
+                        if x.bucket.seqlen_q == n and x.bucket.causal == causal)]
+    own = [at(1024), records[[x.bucket for x in plan].index(pb.bucket)].runner_ups[0][0]]
+    got = [v.name for v in table_winners(pb, 2, tmp_path)]
+    # its own winner and runner-up, then the two nearest: 512 and 2048, one octave each way
+    assert got[:2] == own and set(got[2:]) == {at(512), at(2048)}, got
+    assert at(8192) not in got and not {at(n, True) for n in (512, 1024, 2048)} & set(got)
+    far = next(x for x in plan if x.bucket.seqlen_q == 8192 and not x.bucket.causal)
+    assert [v.name for v in table_winners(far, 1, tmp_path)] == [at(8192), at(2048)]
+
+
 def test_a_trial_killed_before_its_owner_was_written_is_reaped_after_the_grace(monkeypatch):
     import optuna
     from flashtune import search_study

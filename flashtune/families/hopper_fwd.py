@@ -122,7 +122,10 @@ def seeds(head_dim: int, dtype: str, *, arch=None) -> list:
     the default has it), and at D=256 the two-stage 64-key ping-pong with it (with and without
     early_rescale). Forced on the
     H100 (session 18, cuDNN 1.0x) that ping-pong went 0.72x -> 0.91-0.92x with early_k_release,
-    where the default ran 0.73x, a point the space's 40 TPE trials may not reach. The seeds
+    where the default ran 0.73x, a point the space's 40 TPE trials may not reach. At D=64 the
+    64-key persistent ping-pong in head order (session 25, forced beside cuDNN, `hopper_check`):
+    causal N=512 0.90x cuDNN, where the record (256-row tiles, longest first) ran 0.88x -- ncu
+    read 25% more DRAM bytes than cuDNN there (L2 hit 21% against 46%). The seeds
     compile spill-free (as every default must: tests/test_compile_defaults.py): at D=256 without a
     loader partition and with causal_split off (the loader renders spill 4-20 B causal)."""
     import dataclasses
@@ -134,6 +137,11 @@ def seeds(head_dim: int, dtype: str, *, arch=None) -> list:
         pp = Variant("hopper_fwd", block_m=64, block_n=64, num_warps=4, num_stages=2,
                      pingpong=True, causal_split=False, early_k_release=True)
         out += [pp, dataclasses.replace(pp, early_rescale=True)]
+    elif head_dim <= 64:
+        out.append(Variant("hopper_fwd", block_m=64, block_n=64, num_warps=4, num_stages=3,
+                           pingpong=True, persistent=True, loader_regs=40, q_buffers=2,
+                           causal_split=False, head_order=True, early_k_release=True,
+                           async_o_store=True))
     return out
 
 
