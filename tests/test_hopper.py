@@ -548,6 +548,22 @@ def test_two_q_buffers_match_reference_over_many_tiles(d, name, dtype, causal, s
     _check_forced(d, name, dtype, causal, shape)
 
 
+# the short-sequence records of session 25 (the H100 table): D=256's 64-key persistent ping-pong
+# with one Q buffer (non-causal N=512), D=64's 64-key head-order ping-pong (causal N=512) and
+# D=128's 128-key two-stage one (non-causal N=1k); many tiles per program, odd lengths, GQA
+SHORT_RECORDS = {
+    64: ["hopper_fwd-m64-n64-w4-s3-causal_split=false-pingpong=true-persistent=true-lr40-qb2"
+         "-head_order=true-early_k_release=true-async_o_store=true"],
+    128: ["hopper_fwd-m64-n128-w4-s2-pingpong=true-persistent=true-lr56-qb2-early_k_release=true"
+          "-async_o_store=true"],
+    256: ["hopper_fwd-m64-n64-w4-s2-pingpong=true-persistent=true-lr56-early_k_release=true"]}
+
+
+@forced_grid(SHORT_RECORDS, MANY_TILES)
+def test_short_sequence_records_match_reference(d, name, dtype, causal, shape):
+    _check_forced(d, name, dtype, causal, shape)
+
+
 # head_order (session 24): the short causal records with it in place of l2_order (persistent,
 # two Q buffers, early_k_release / async_o_store), a non-persistent one and D=256's; many tiles
 # per program and tile counts that do not divide the grid
