@@ -76,10 +76,6 @@ class Variant:
     # hopper_fwd only (structural, causal, not with l2_order): causal tiles head by head, each
     # head's query blocks together and rotated by the head's index (the template's _tile_coords)
     head_order: bool = False
-    # hopper_fwd only (structural, dense, not with causal_split): every key step masked, decided
-    # at compile time: one softmax in the key loop, the prologue's, so the consumers' code is
-    # the smallest (short causal problems run all of it at once)
-    mask_all: bool = False
     # hopper_fwd only (structural): a barrier over a consumer's warps before it hands a K/V stage
     # back; false: one thread hands it back right after its wgmma wait (FA3's release)
     release_barrier: bool = True
@@ -211,7 +207,7 @@ class Variant:
                 "dq_loads": self.dq_loads,
                 "varlen": self.varlen, "paged": self.paged, "pingpong": self.pingpong,
                 "loader": self.loader_regs > 0, "l2_order": self.l2_order,
-                "head_order": self.head_order, "mask_all": self.mask_all,
+                "head_order": self.head_order,
                 "release_barrier": self.release_barrier, "early_rescale": self.early_rescale,
                 "early_k_release": self.early_k_release, "async_o_store": self.async_o_store,
                 "dq_overlap": self.dq_overlap,

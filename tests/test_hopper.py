@@ -2,9 +2,7 @@
 reference; CPU tests cover what runs without one -- rendering, the version shim, the fallback and
 explain() logic, the launcher's register split, and the sm_90 compile of the defaults (no Gluon
 code runs in Triton's interpreter)."""
-import dataclasses
 import json
-import re
 
 import pytest
 import torch
@@ -564,37 +562,6 @@ SHORT_RECORDS = {
 @forced_grid(SHORT_RECORDS, MANY_TILES)
 def test_short_sequence_records_match_reference(d, name, dtype, causal, shape):
     _check_forced(d, name, dtype, causal, shape)
-
-
-# every key step masked at compile time (mask_all, causal_split off: one copy of the step per
-# consumer); the 128-key steps it is for at D=64, beside the field schedules, causal or not
-MASK_ALL = with_field("causal_split=false-mask_all=true",
-                      ["hopper_fwd-m64-n64-w4-s2-pingpong=true-persistent=true-lr56"
-                       "-early_k_release=true"])
-MASK_ALL[64] = MASK_ALL[64] + [
-    "hopper_fwd-m64-n128-w4-s3-causal_split=false-pingpong=true-persistent=true-lr40-qb2"
-    "-head_order=true-mask_all=true-early_k_release=true-async_o_store=true"]
-
-
-@forced_grid(MASK_ALL, FIELD_SHAPES + MANY_TILES[2:])
-def test_mask_all_matches_reference(d, name, dtype, causal, shape):
-    _check_forced(d, name, dtype, causal, shape)
-
-
-def test_mask_all_renders_one_softmax_per_step_and_leaves_other_kernels_alone():
-    """mask_all: the key loop's softmax is the prologue's (masked at compile time), no unmasked
-    copy; it needs causal_split off; the renders without it are unchanged (kernel hashes)."""
-    from flashtune.codegen import Variant, kernel_hash, render
-    base = Variant.parse("hopper_fwd-m64-n128-w4-s3-causal_split=false-pingpong=true-lr24")
-    on = dataclasses.replace(base, mask_all=True)
-    src = render(on)
-    calls = re.findall(r"= _softmax\(sc,[^)]*\)", src)
-    assert len(calls) == 2 and all(", True," in c for c in calls), calls  # prologue's, loop's
-    assert "j >= n_full" not in src and "part == 1" not in src
-    assert "j >= n_full" in render(base)
-    assert kernel_hash(on) != kernel_hash(base)
-    with pytest.raises(ValueError, match="causal_split"):
-        dataclasses.replace(on, causal_split=True)
 
 
 # head_order (session 24): the short causal records with it in place of l2_order (persistent,

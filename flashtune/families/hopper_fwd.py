@@ -21,7 +21,7 @@ FAMILY = Family(
     template="attn_hopper_fwd.py.tmpl",
     kernels=("attn_fwd_hopper",),
     fields=("pingpong", "persistent", "loader_regs", "q_buffers", "l2_order", "head_order",
-            "mask_all", "causal_split",
+            "causal_split",
             "release_barrier", "early_rescale", "early_k_release", "async_o_store", "window",
             "softcap", "block_sparse"),
     defaults="flashtune.families.hopper_fwd:default",
@@ -65,8 +65,6 @@ def check(variant) -> str:
     causal tile order per kernel (the template's _tile_coords), so one kernel has one name."""
     if variant.l2_order and variant.head_order:
         return "l2_order and head_order are two causal tile orders: take one"
-    if variant.mask_all and variant.causal_split:
-        return "mask_all and causal_split are two key-loop shapes: take one (causal_split=false)"
     return ""
 
 # Defaults: the fastest spill-free candidates measured on the H100 (bench/hopper_check.py, bf16,
