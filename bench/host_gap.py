@@ -45,8 +45,8 @@ def host_us(fn, calls: int = 60) -> float:
 
 
 def bench(fn, sleep_us: float = 0.0, reps: int = 60) -> float:
-    """timing.bench's samples (flush, events around fn), optionally a GPU sleep after the
-    flush; the median in ms."""
+    """timing.samples (flush, events around fn), optionally a GPU sleep after each flush; the
+    median in ms."""
     import statistics
 
     import torch
@@ -55,18 +55,9 @@ def bench(fn, sleep_us: float = 0.0, reps: int = 60) -> float:
     fn()
     torch.cuda.synchronize()
     timing.warm_gpu(fn, 0.2, 25.0)
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     cycles = _sleep_cycles(sleep_us)
-    for s, e in zip(starts, ends):
-        timing._flush(256 << 20)
-        if cycles:
-            torch.cuda._sleep(cycles)
-        s.record()
-        fn()
-        e.record()
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
+    return statistics.median(timing.samples(
+        fn, reps, 256 << 20, after_flush=(lambda: torch.cuda._sleep(cycles)) if cycles else None))
 
 
 def main() -> int:

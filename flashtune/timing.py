@@ -42,12 +42,16 @@ def graphed(fn):
     return g.replay
 
 
-def samples(fn, reps: int, flush_bytes: int) -> list[float]:
-    """`reps` timings of fn() in ms, each after an L2 flush, events around fn only."""
+def samples(fn, reps: int, flush_bytes: int, after_flush=None) -> list[float]:
+    """`reps` timings of fn() in ms, each after an L2 flush, events around fn only.
+    after_flush: called between each flush and its start event (bench/host_gap.py gives the
+    host a head start there with a GPU sleep)."""
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     for s, e in zip(starts, ends):
         _flush(flush_bytes)
+        if after_flush is not None:
+            after_flush()
         s.record()
         fn()
         e.record()
