@@ -158,18 +158,19 @@ def claim(storage, key: str, liveness: Liveness | None = None) -> dict:
     """The owner holding `key` (the earliest claim of a live owner) after this process claims
     it too: `same(claim(...), me())` when this process holds it."""
     study = claims_study(storage)
-    study.enqueue_trial({}, user_attrs={"claim": key, "owner": me()}, skip_if_exists=False)
+    mine = me()
+    study.enqueue_trial({}, user_attrs={"claim": key, "owner": mine}, skip_if_exists=False)
     liveness = liveness or Liveness(storage)
     held = None
     for t in sorted(study.get_trials(deepcopy=False, states=(TrialState.WAITING,)),
                     key=lambda t: t.number):
         owner = t.user_attrs.get("owner")
-        if same(owner, me()) or liveness.alive(owner):
+        if same(owner, mine) or liveness.alive(owner):
             if held is None and t.user_attrs.get("claim") == key:
                 held = owner
         else:
             _retire(study, t)
-    return held or me()  # our own claim is among them
+    return held or mine  # our own claim is among them
 
 
 def _retire(study: optuna.Study, trial) -> None:
