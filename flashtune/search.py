@@ -643,6 +643,11 @@ class _Run:
             seen = (final or {}).get("measured", 0)
             holder = claim(self.storage, f"final:{name}:{seen}", self.liveness)
             if same(holder, me()):
+                # the picker may have stored its pick and exited between our read above and
+                # this claim (its claim is then a dead one's, and skipped): read it again
+                final = bs.study.user_attrs.get("final")
+                if final and final.get("measured", -1) >= bs.measured():
+                    return _from_final(final) + (False,)
                 break
             # another process is picking this state (re-timing): take its pick when it is
             # stored; if it dies first, its claim no longer counts: claim again

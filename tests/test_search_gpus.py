@@ -324,6 +324,38 @@ def test_claims_are_held_once_and_freed_by_death(tmp_path, url):
     assert {t.user_attrs["claim"] for t in waiting} == {"k", "j", "r", "p"}
 
 
+def test_a_pick_stored_just_before_our_claim_is_taken_not_made_again(tmp_path, monkeypatch):
+    """The picker stores its pick and exits between our read of the study and our claim: its
+    claim is then a dead one's and ours holds, yet the pick is there (CI saw both processes of
+    test_two_processes_share_one_study pick)."""
+    import flashtune.search as search
+    from flashtune.search import BucketResult, _plain
+
+    rec = _recording(tmp_path, delay=0.0)
+    cfg = SearchConfig(**dict(BASE, seqlens=(1024,), replay=rec, trials=4, write_db=False,
+                              storage=f"journal:///{tmp_path}/s.journal"))
+    real, picked = search.claim, []
+
+    def claim(storage, key, liveness=None):
+        held = real(storage, key, liveness)
+        if key.startswith("final:") and not picked:  # the other process's pick lands now
+            study = optuna.load_study(study_name=key.split(":")[1], storage=storage)
+            theirs = BucketResult(label="theirs", study=study.study_name, status="done",
+                                measured=10 ** 6, failed=0, infeasible=0, duplicates=0,
+                                winner="their-winner", ms=1.0, tflops=1.0, by="gpu9")
+            study.set_user_attr("final", {"measured": 10 ** 6, "result": _plain(theirs),
+                                          "record": None})
+            picked.append(key)
+        return held
+
+    monkeypatch.setattr(search, "claim", claim)
+    retimed = []
+    monkeypatch.setattr(search, "_finish", lambda *a, **k: retimed.append(a) or 1 / 0)
+    (b,) = run_search(cfg, progress=NoProgress()).buckets
+    assert picked and not retimed
+    assert (b.winner, b.by) == ("their-winner", "gpu9")
+
+
 def test_in_order_budget_leaves_what_it_cannot_finish_untouched(tmp_path):
     from flashtune.search_status import status_rows
 
