@@ -15,6 +15,9 @@ Rows, each causal and not, for "fwd", "bwd" (autograd.grad on one saved graph) a
                 cost nothing.
   dense-padded  flashtune.attention on the batch padded to the longest sequence (what a caller
                 without varlen pays); its TFLOP/s counts the useful FLOPs only (the varlen batch's).
+  varlen[NAME]  (--force-bwd NAME, repeatable) the varlen rows with the backward forced to NAME
+                (the forward as dispatched): e.g. the generic bwd beside the hopper_bwd the
+                dispatcher picks, in the same run.
 FLOPs (DESIGN.md): fwd = 4*H*D*sum(len_q*len_k), halved for causal; bwd = 2.5x fwd;
 fwd+bwd = 3.5x. Times: triton.testing.do_bench medians (L2 flushed between runs). Compare the
 rows of one run as ratios. Output: JSON lines to --out (and a table on stdout).
@@ -78,6 +81,8 @@ def main(argv=None) -> None:
     ap.add_argument("--quick", action="store_true", help="~4k tokens, lengths 128..1024")
     ap.add_argument("--no-padded", action="store_true", help="skip the dense-padded rows")
     ap.add_argument("--out", default=None, help="JSON lines file (default: stdout only)")
+    ap.add_argument("--force-bwd", action="append", default=[], metavar="NAME",
+                    help="also time the varlen rows with the backward forced to this variant")
     a = ap.parse_args(argv)
     if a.quick:
         a.tokens, a.min_len, a.max_len = 4096, 128, 1024
@@ -121,6 +126,12 @@ def main(argv=None) -> None:
         if not a.no_padded:
             cases.append(("dense-padded", padded, useful,
                           lambda q, k, v, c=causal: flashtune.attention(q, k, v, causal=c)))
+        for name in a.force_bwd:
+            def forced(q, k, v, c=causal, name=name):
+                with flashtune.force(name):  # carried to the backward by the op (call_forced)
+                    return flashtune.attention_varlen(q, k, v, cu, cu, max(lens), max(lens),
+                                                      causal=c)
+            cases.append((f"varlen[{name}]", packed, useful, forced))
         if causal is False:
             # sanity: the first sequence through varlen equals it alone through the dense path
             first = flashtune.attention_varlen(*packed, cu, cu, max(lens), max(lens))[:lens[0]]

@@ -144,14 +144,16 @@ def _select_slow(problem: Problem) -> Variant:
     return v
 
 
-def _compete(problem: Problem) -> "Explanation":
+def _compete(problem: Problem, varlen: bool = False) -> "Explanation":
     """Families compete for a problem: `problem.family`'s own answer, or that of a family that
     also serves it (splitkv serves dense forwards), whichever the tuned records say is faster
-    for this problem; without records for both, the rival family's measured heuristic."""
+    for this problem; without records for both, the rival family's measured heuristic.
+    varlen: for packed sequences, among the rivals with varlen kernels whose answer has a
+    varlen render (the dense records' times stand for them)."""
     from .families import all_families, get
     ex = _explain_bucket(problem)
     for rival in all_families():
-        if problem.family not in rival.serves:
+        if problem.family not in rival.serves or (varlen and not rival.varlen_plan):
             continue
         why_not = rival.cannot_run(problem, _levels().arch)
         if why_not:  # silently the problem's own family; explain() says why
@@ -159,6 +161,12 @@ def _compete(problem: Problem) -> "Explanation":
             continue
         rp = dataclasses.replace(problem, family=rival.name)
         rex = _explain_bucket(rp)
+        if varlen:
+            try:
+                varlen_twin(rex.variant)
+            except ValueError as e:  # a schedule its varlen render lacks (hopper_bwd dq_overlap)
+                ex = dataclasses.replace(ex, notes=ex.notes + (f"{rival.name} skipped: {e}",))
+                continue
         # records compete only for their own shape: one octaves away, scaled to this problem's
         # work, says nothing (an Nq~512 fwd record "ran" a decode step in 1.5 us on the H100);
         # a masked bucket's nearest records of the same shape (another window or density, the
@@ -271,18 +279,23 @@ def varlen_twin(variant: Variant) -> Variant:
 
 
 def select_varlen(family: str, q, k, batch: int, max_seqlen_q: int, max_seqlen_k: int,
-                  causal: bool) -> Variant:
+                  causal: bool, masks=None) -> Variant:
     """select() for a varlen call on packed q (total_q, H, D), k (total_k, Hk, D): the variant of
     the dense problem with `batch` sequences of the longest lengths (what the grid covers), made
-    varlen (a forced variant of `family` too)."""
+    varlen (a forced variant too). Families serving `family`'s calls compete where they have
+    varlen kernels (Family.varlen_plan: hopper_bwd's backward; splitkv and hopper_fwd have
+    none), for calls without masks beyond causal (their varlen renders take none)."""
+    from .families import get
     total_q, h, d = q.shape
+    plain = masks is None or not masks.any
     forced = forced_variant()
-    if forced is not None and forced.family == family:
+    if forced is not None and (forced.family == family or (
+            plain and _serves(forced, family) and get(forced.family).varlen_plan)):
         return varlen_twin(forced)
     problem = Problem(family, dtype_name(q.dtype), d, causal, h // k.shape[1], batch, h,
                       max_seqlen_q, max_seqlen_k)
-    # the family's own answer: a competing family (splitkv) has no varlen kernels
-    return varlen_twin(_explain_bucket(problem).variant)
+    return varlen_twin((_compete(problem, varlen=True) if plain else
+                        _explain_bucket(problem)).variant)
 
 
 def varlen_pointer_fallback(family: str, head_dim: int, dtype: str) -> Variant:

@@ -135,16 +135,8 @@ class BwdPlan:
                     self.twin = self.twin()
                 return self.twin.run(dout, q, k, v, o, lse, seq_args)
             _need_allocator()
-        pre, dkdv, dqk = self.kernels
-        # Delta = rowsum(dO * O) and LSE in base 2 (+inf for rows that see no key): float32,
-        # tiny. float32 inputs (PRECISE): Delta and R = 1 / rowsum(P) from one pass over the keys
-        # instead (see the template's header)
-        delta = torch.empty(self.rows, dtype=torch.float32, device=q.device)
-        lse2 = alloc.empty_like(delta)
-        r = alloc.empty_like(delta) if self.precise else delta  # unused unless precise
-        pre(self.grids[0],
-            o, dout, lse, delta, lse2, r, q, k, v, *seq_args, scale, *margs["state"],
-            *strides3(*map(views, (o, dout, q, k, v))), *sizes)
+        _, dkdv, dqk = self.kernels
+        delta, lse2, r = self.run_pre(dout, q, k, v, o, lse, seq_args)
 
         dk = alloc.empty_like(k)  # keeps the caller's layout when dense
         dv = alloc.empty_like(v)
@@ -168,6 +160,20 @@ class BwdPlan:
         elif dq_acc is not dq:
             dq.copy_(dq_acc)
         return dq, dk, dv
+
+    def run_pre(self, dout, q, k, v, o, lse, seq_args: tuple = ()) -> tuple:
+        """(Delta, LSE2, R): the preprocess launch alone, run()'s first (hopper_bwd's varlen plan
+        runs it too). Delta = rowsum(dO * O) and LSE in base 2 (+inf for rows that see no key):
+        float32 of shape self.rows, tiny. float32 inputs (PRECISE): Delta and R = 1 / rowsum(P)
+        from one pass over the keys instead (see the template's header); R is Delta otherwise."""
+        delta = torch.empty(self.rows, dtype=torch.float32, device=q.device)
+        lse2 = alloc.empty_like(delta)
+        r = alloc.empty_like(delta) if self.precise else delta  # unused unless precise
+        self.kernels[0](self.grids[0],
+                        o, dout, lse, delta, lse2, r, q, k, v, *seq_args, self.scale,
+                        *self.margs["state"], *strides3(*map(self.views, (o, dout, q, k, v))),
+                        *self.sizes)
+        return delta, lse2, r
 
     def run_dq(self, dout, q, k, v, dq, lse2, delta, r=None, seq_args: tuple = ()) -> None:
         """The dQ kernel alone (dq="separate") into dq, from the preprocess's LSE2 and Delta

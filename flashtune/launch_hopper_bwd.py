@@ -192,3 +192,122 @@ def backward(dout, q, k, v, o, lse, causal: bool, scale: float | None, variant: 
     """Run a hopper_bwd variant: (dq, dk, dv) in the dtype and layout of q, k, v; masks: the
     call's window / softcap (validated, flashtune/masks.py), rendered in `variant`."""
     return HopperBwdPlan(q, k, v, causal, scale, variant, masks).run(dout, q, k, v, o, lse)
+
+
+def _packed3(t: torch.Tensor):
+    """(shape, strides) of the (H, total, D) view of a packed (total, H, D) tensor (TMA takes the
+    strides in any order), or None without a contiguous last dim."""
+    total, h, d = t.shape
+    st, sh, sd = t.stride()
+    return None if sd != 1 else ([h, total, d], [sh, st, 1])
+
+
+def _packed_addressable(*tensors: torch.Tensor) -> bool:
+    """TMA can address each packed tensor: 16-byte row and head strides and base."""
+    for t in tensors:
+        v = _packed3(t)
+        if v is None or t.data_ptr() % 16 or any(s * t.element_size() % 16 for s in v[1][:2]):
+            return False
+    return True
+
+
+class HopperBwdVarlenPlan:
+    """A hopper_bwd varlen render's launch for packed sequences (q (total_q, H, D), k (total_k,
+    Hk, D)): the generic bwd family's varlen preprocess (Delta, LSE2 as (H, total_q)), then one
+    program per (key block of the longest sequence, sequence * kv head) over (H, total, D)
+    descriptor views, each placing its tiles at its sequence's first row (programs past a
+    sequence's end return at once); dQ as the variant says (dq="gluon": the varlen dQ kernel;
+    "separate": the generic bwd's varlen dQ kernel; "none": float32 atomics into an (H, total_q,
+    D) buffer). No masks beyond causal (the dispatcher gives masked varlen calls the generic
+    bwd). A call the kernels cannot address runs the generic bwd's varlen default."""
+    __slots__ = ("variant", "kernel", "grid", "scale", "causal", "layouts", "why", "generic",
+                 "fallback", "dq_kernel", "dq_grid", "sizes", "seq")
+    descriptor = False
+
+    def __init__(self, q, k, batch: int, max_seqlen_q: int, max_seqlen_k: int, causal: bool,
+                 scale: float | None, variant: Variant):
+        from . import launch_bwd
+        from .dispatch import varlen_twin
+        if variant.family != "hopper_bwd" or not variant.varlen:
+            raise ValueError(f"HopperBwdVarlenPlan needs a varlen 'hopper_bwd' variant, got "
+                             f"{variant.name}")
+        total_q, h, d = q.shape
+        total_k, hk, _ = k.shape
+        self.variant, self.causal = variant, bool(causal)
+        self.scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+        self.seq = (batch, max_seqlen_q, max_seqlen_k)
+        self.fallback = None  # the generic bwd's varlen plan, built when first needed
+        self.why = unsupported(d, q.dtype) or _device_blocker(q.device)
+        if not self.why and d > 128 and (variant.block_m, variant.block_n,
+                                         variant.num_warps) != D256_TILE:
+            self.why = (f"{variant.name} cannot hold D={d}: only m64-n64-w8 does (two "
+                        "warpgroups split D for dK and dV)")
+        # its preprocess (and, dq="separate", its dQ kernel): the generic varlen plan
+        fields = {"dq": "separate"} if variant.dq == "separate" else {}
+        self.generic = launch_bwd.varlen_plan(
+            q, k, batch, max_seqlen_q, max_seqlen_k, causal, scale,
+            varlen_twin(_generic_variant(d, q.dtype, **fields)))
+        if self.why:
+            return
+        self.layouts = tile_layouts(q.dtype, d, variant.block_m, variant.block_n,
+                                    *dq_tiles(variant)[:2])
+        self.grid = (triton.cdiv(max_seqlen_k, variant.block_n), batch * hk)
+        self.sizes = (h, max_seqlen_q, max_seqlen_k, total_q, total_k)
+        consts = dict(HEAD_DIM=d, BLOCK_M=variant.block_m, BLOCK_N=variant.block_n,
+                      STAGES=variant.num_stages, GROUP=h // hk, IS_CAUSAL=self.causal,
+                      num_warps=variant.num_warps)
+        self.kernel = Launcher(load(variant).attn_bwd_hopper, **consts)
+        self.dq_kernel = None
+        if variant.dq == "gluon":
+            dq_consts = dq_kernel_consts(variant, consts)
+            self.dq_kernel = Launcher(load(variant).attn_bwd_dq_hopper, **dq_consts)
+            self.dq_grid = (triton.cdiv(max_seqlen_q, dq_consts["BLOCK_M"]), batch * h)
+
+    def run(self, dout, q, k, v, o, lse, seq_args: tuple):
+        dk = alloc.empty_like(k)
+        dv = alloc.empty_like(v)
+        dq = alloc.empty_like(q)
+        if self.why or not _packed_addressable(q, k, v, dout, dk, dv, dq):
+            if self.fallback is None:
+                from . import launch_bwd
+                from .dispatch import varlen_twin
+                self.fallback = launch_bwd.varlen_plan(
+                    q, k, *self.seq, self.causal, self.scale,
+                    varlen_twin(_generic_variant(q.shape[2], q.dtype)))
+            return self.fallback.run(dout, q, k, v, o, lse, seq_args)
+        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+        cu_q, cu_k = seq_args
+        delta, lse2, _ = self.generic.run_pre(dout, q, k, v, o, lse, seq_args)
+        h, total_q, d = q.shape[1], q.shape[0], q.shape[2]
+        atomic = self.variant.dq == "none"
+        # dq="none": the kernel adds dQ into a float32 (H, total_q, D) buffer; else it writes none
+        dq_acc = (torch.zeros((h, total_q, d), dtype=torch.float32, device=q.device) if atomic
+                  else delta)
+        bm, bn = self.variant.block_m, self.variant.block_n
+
+        def desc(t, rows):
+            shape, strides = _packed3(t)
+            return TensorDescriptor(t, shape, strides, [1, rows, d], self.layouts[rows])
+        self.kernel(self.grid, desc(q, bm), desc(k, bn), desc(v, bn), desc(dout, bm),
+                    desc(dk, bn), desc(dv, bn), dq_acc, lse2, delta, self.scale, dk, dv, cu_q,
+                    cu_k, dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), *self.sizes)
+        if self.dq_kernel is not None:
+            bm2, bn2 = dq_tiles(self.variant)[:2]
+            self.dq_kernel(self.dq_grid, desc(q, bm2), desc(k, bn2), desc(v, bn2),
+                           desc(dout, bm2), desc(dq, bm2), lse2, delta, self.scale, dq, cu_q,
+                           cu_k, dq.stride(0), dq.stride(1), *self.sizes)
+        elif atomic:
+            dq.copy_(dq_acc.transpose(0, 1))
+        else:
+            self.generic.run_dq(dout, q, k, v, dq, lse2, delta, None, seq_args)
+        return dq, dk, dv
+
+
+def varlen_plan(q, k, batch: int, max_seqlen_q: int, max_seqlen_k: int, causal: bool,
+                scale: float | None, variant: Variant, masks: Masks = NONE) -> HopperBwdVarlenPlan:
+    """The hopper_bwd varlen plan of a packed call (Family.varlen_plan); no masks beyond causal."""
+    if masks.any:
+        raise ValueError(f"{variant.name}: the hopper_bwd varlen render takes no window, softcap "
+                         "or block mask (the dispatcher runs masked varlen calls on the generic "
+                         "bwd)")
+    return HopperBwdVarlenPlan(q, k, batch, max_seqlen_q, max_seqlen_k, causal, scale, variant)

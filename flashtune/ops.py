@@ -86,19 +86,26 @@ def select_bwd(q, k, causal: bool, deterministic: bool, masks: Masks = NONE) -> 
     """The dispatcher's bwd variant; deterministic=True swaps an atomic-dQ one for its separate
     twin (same dK/dV tiles, the dQ kernel's tiles from the built-in defaults)."""
     variant = dispatch.select_for_call("bwd", q, k, causal, masks)
-    if variant.family != "bwd":  # a family that serves bwd calls (hopper_bwd)
-        if masks.any:  # its masked twin (Family.serve_masks), else the bwd default's
-            variant = dispatch.mask_twin(variant, masks, q.shape[3], q.dtype, "bwd")
-        if deterministic and variant.family != "bwd" and variant.dq not in DETERMINISTIC_DQ:
-            # its dQ is atomic: the generic bwd family's default instead (masks rendered below)
-            variant = default_variant("bwd", q.shape[3], dtype_name(q.dtype))
-        if variant.family != "bwd":
-            return variant
+    if variant.family != "bwd" and masks.any:
+        # a family that serves bwd calls (hopper_bwd): its masked twin (Family.serve_masks),
+        # else the bwd default's
+        variant = dispatch.mask_twin(variant, masks, q.shape[3], q.dtype, "bwd")
     if deterministic:
-        variant = separate_twin(variant, q.shape[3], q.dtype)
-    if masks.any:
+        variant = deterministic_twin(variant, q.shape[3], q.dtype)
+    if masks.any and variant.family == "bwd":
         variant = dispatch.mask_twin(variant, masks, q.shape[3], q.dtype)
     return variant  # a descriptor one runs as its pointer twin where TMA cannot (BwdPlan.run)
+
+
+def deterministic_twin(variant: Variant, head_dim: int, dtype: torch.dtype) -> Variant:
+    """What a deterministic=True backward runs for `variant`: itself when its dQ is
+    deterministic; a bwd variant's separate twin; another family's atomic one (hopper_bwd
+    dq="none"): the generic bwd default's separate twin."""
+    if variant.dq in DETERMINISTIC_DQ:
+        return variant
+    if variant.family != "bwd":
+        variant = default_variant("bwd", head_dim, dtype_name(dtype))
+    return separate_twin(variant, head_dim, dtype)
 
 
 def separate_twin(variant: Variant, head_dim: int, dtype: torch.dtype) -> Variant:

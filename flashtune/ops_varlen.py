@@ -12,11 +12,12 @@ from typing import Optional
 
 import torch
 
-from . import dispatch, launch, launch_bwd
+from . import dispatch, launch
+from .families import get as get_family
 from .checked import CheckedValues
 from .masks import NONE, Masks
-from .ops import (_PLANS_MAX, call_forced, check_grad_output, eager_autograd, op_masks,
-                  separate_twin)
+from .ops import (_PLANS_MAX, call_forced, check_grad_output, deterministic_twin,
+                  eager_autograd, op_masks)
 from .problem import dtype_name
 from .validate_varlen import check_cu_seqlens_values
 
@@ -90,15 +91,18 @@ def run_backward_varlen(grad_out, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, m
            max_seqlen_q, max_seqlen_k, causal, scale, deterministic, masks.key)
     plan = _bwd_plans.get(key) if forced is None else None
     if plan is None:
-        variant = dispatch.select_varlen("bwd", q, k, batch, max_seqlen_q, max_seqlen_k, causal)
+        # the generic bwd or a family serving its calls with varlen kernels (hopper_bwd, for
+        # calls without masks beyond causal)
+        variant = dispatch.select_varlen("bwd", q, k, batch, max_seqlen_q, max_seqlen_k, causal,
+                                         masks)
         if deterministic:
-            variant = separate_twin(variant, q.shape[2], q.dtype)
-        if variant.descriptors:  # varlen backward: pointer loads only
+            variant = dispatch.varlen_twin(deterministic_twin(variant, q.shape[2], q.dtype))
+        if variant.descriptors:  # the generic varlen backward: pointer loads only
             variant = dispatch.pointer_twin(variant)
         if masks.any:
             variant = dispatch.mask_twin(variant, masks, q.shape[2], q.dtype)
-        plan = launch_bwd.varlen_plan(q, k, batch, max_seqlen_q, max_seqlen_k, causal, scale,
-                                      variant, *((masks,) if masks.any else ()))
+        plan = get_family(variant.family).varlen_plan_for(
+            q, k, batch, max_seqlen_q, max_seqlen_k, causal, scale, variant, masks)
         if forced is None:
             if len(_bwd_plans) >= _PLANS_MAX:
                 _bwd_plans.clear()

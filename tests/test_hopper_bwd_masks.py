@@ -219,9 +219,10 @@ def test_step_schedule_covers_each_key_exactly(bm, bn, nq, nk, window, causal, s
 
 def test_masks_are_fields():
     # dq: none, separate or gluon; dq_overlap: the atomics under a product; block_m2 ..
-    # num_stages2: the tiles of dq="gluon"'s dQ kernel
+    # num_stages2: the tiles of dq="gluon"'s dQ kernel; varlen: packed sequences
+    # (tests/test_hopper_bwd_varlen.py)
     assert FAM.fields == ("dq", "dq_overlap", "window", "softcap", "block_sparse", "block_m2",
-                          "block_n2", "num_warps2", "num_stages2")
+                          "block_n2", "num_warps2", "num_stages2", "varlen")
     assert FAM.mask_fields("bwd") == ("window", "softcap", "block_sparse")
     v = Variant.parse(DEFAULT + "-window=true-softcap=true")
     assert v.masks == ("window", "softcap") and Variant.parse(v.name) == v

@@ -79,6 +79,11 @@ class Family:
     # says why (splitkv: a tile's rows must share one list row)
     block_mask_blocker: str = ""
     heuristic: str = ""
+    # "module:fn": (q, k, batch, max_seqlen_q, max_seqlen_k, causal, scale, variant, masks) -> the
+    # launch plan of a packed variable-length call (q (total_q, H, D), k (total_k, Hk, D)) whose
+    # run(dout, q, k, v, o, lse, (cu_seqlens_q, cu_seqlens_k)) computes it; "" = the family has
+    # no varlen render (a family serving another's calls then leaves their varlen calls to it)
+    varlen_plan: str = ""
     interpreter: bool = True        # runs in Triton's interpreter (CPU tests)
     min_capability: int = 80        # sm_XX the template needs
     max_capability: int = 0         # newest sm_XX it runs on (0: any; Hopper's wgmma: 90 only)
@@ -170,6 +175,14 @@ class Family:
         built as it always was."""
         extra = (masks,) if masks is not None and masks.any else ()
         return _resolve(self.serve_plan)(q, k, v, causal, scale, variant, *extra)
+
+    def varlen_plan_for(self, q, k, batch, max_seqlen_q, max_seqlen_k, causal, scale, variant,
+                        masks):
+        """The launch plan of `variant` for a packed variable-length call (varlen_plan)."""
+        if not self.varlen_plan:
+            raise ValueError(f"{variant.name}: the {self.name} family has no varlen kernels")
+        return _resolve(self.varlen_plan)(q, k, batch, max_seqlen_q, max_seqlen_k, causal, scale,
+                                          variant, masks)
 
     def default(self, head_dim: int, dtype: str, **kw):
         return _resolve(self.defaults)(head_dim, dtype, **kw)

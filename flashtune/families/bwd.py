@@ -24,6 +24,7 @@ FAMILY = Family(
     feasibility="flashtune.feasibility:bwd_kernels_all",
     feasibility_version=1,
     flops_factor=2.5,
+    varlen_plan="flashtune.launch_bwd:varlen_plan",
 )
 
 

@@ -28,7 +28,7 @@ FAMILY = Family(
     template="attn_hopper_bwd.py.tmpl",
     kernels=("attn_bwd_hopper",),
     fields=("dq", "dq_overlap", "window", "softcap", "block_sparse", "block_m2", "block_n2",
-            "num_warps2", "num_stages2"),
+            "num_warps2", "num_stages2", "varlen"),
     defaults="flashtune.families.hopper_bwd:default",
     measure="flashtune.measure_hopper_bwd:OPS",
     compile_check="flashtune.families.hopper_bwd:compile_check",
@@ -41,6 +41,7 @@ FAMILY = Family(
     mask_changes="flashtune.families.hopper_bwd:mask_changes",
     support="flashtune.families.hopper_bwd:cannot_serve",
     grid="flashtune.families.hopper_bwd:grid",
+    varlen_plan="flashtune.launch_hopper_bwd:varlen_plan",
     interpreter=False,
     min_capability=90,
     max_capability=90,
@@ -112,7 +113,14 @@ def check(variant) -> str:
     if set_ and variant.dq != "gluon":
         return (f"{', '.join(set_)}: those fields tile dq='gluon''s dQ kernel, and this variant "
                 f"has dq={variant.dq!r}")
+    if variant.varlen:
+        extra = [f for f in ("window", "softcap", "block_sparse", "dq_overlap")
+                 if getattr(variant, f)]
+        if extra:
+            return (f"varlen: the packed-sequence render takes none of {', '.join(extra)} "
+                    "(the dispatcher leaves such calls to the generic bwd)")
     return ""
+
 
 
 def dq_tiles(variant) -> tuple:
