@@ -261,6 +261,16 @@ print('torch', torch.cuda.get_device_name(0), targets.detect(0).slug)" 2>&1 | te
               tail -3 "$OUT/decode_ncu.err"; wc -l "$OUT/decode_ncu.csv" ;;
     varlentests) timeout ${VARLENTESTS_TIMEOUT:-240} python3 -m pytest -q -x tests/test_varlen.py 2>&1 \
                 | tee "$OUT/varlentests.log" | tail -6 ;;
+    varlenhopper) # hopper_bwd's varlen render: its GPU tests (40 cases, each compiling its kernels),
+              # then the varlen bench with the backward forced to it and to the generic bwd's
+              # D=128 records (causal, non-causal), every row in one run
+              timeout ${VARLENHOPPER_TIMEOUT:-330} python3 -m pytest -q -m gpu \
+                tests/test_hopper_bwd_varlen.py tests/test_varlen.py 2>&1 \
+                | tee "$OUT/varlenhopper_tests.log" | tail -12
+              timeout 240 python3 bench/varlen_bench.py --out "$OUT/varlen_hopper.jsonl" --no-padded \
+                --force-bwd hopper_bwd-m64-n64-w4-s2-dq=gluon \
+                --force-bwd bwd-m64-n128-w8-s3-causal_split=false-dq=fused-mq128-nq64 \
+                --force-bwd bwd-m64-n64-w4-s2-dq=fused-mq64-nq64 2>&1 | tee "$OUT/varlen_hopper.log" | tail -30 ;;
     hfstatic) # the static-cache generate() tests, with CUDA graph trees recording where every pool
               # allocation came from (their "tensor not tracked as outputs" error then names it)
               timeout 240 python3 -c "import sys, pytest, torch._inductor.config as c

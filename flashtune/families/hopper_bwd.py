@@ -42,6 +42,8 @@ FAMILY = Family(
     support="flashtune.families.hopper_bwd:cannot_serve",
     grid="flashtune.families.hopper_bwd:grid",
     varlen_plan="flashtune.launch_hopper_bwd:varlen_plan",
+    varlen_unproven="its varlen render compiles for sm_90 but has not run on a GPU yet "
+                    "(tests/test_hopper_bwd_varlen.py's GPU tests): forced only",
     interpreter=False,
     min_capability=90,
     max_capability=90,
