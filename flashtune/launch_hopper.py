@@ -55,10 +55,19 @@ def _view3(t: torch.Tensor):
     return [b * h, n, d], [sh, sn, 1]
 
 
-def addressable(*tensors: torch.Tensor) -> bool:
-    """TMA can address each tensor: mergeable batch/head strides, 16-byte strides and base."""
+def packed_view3(t: torch.Tensor):
+    """(shape, strides) of the (H, total, D) view of a packed (total, H, D) tensor (varlen; TMA
+    takes the strides in any order), or None without a contiguous last dim."""
+    total, h, d = t.shape
+    st, sh, sd = t.stride()
+    return None if sd != 1 else ([h, total, d], [sh, st, 1])
+
+
+def addressable(*tensors: torch.Tensor, view=_view3) -> bool:
+    """TMA can address each tensor's `view` (_view3: mergeable batch/head strides; packed_view3):
+    16-byte strides and base."""
     for t in tensors:
-        v = _view3(t)
+        v = view(t)
         if v is None or t.data_ptr() % 16 or any(s * t.element_size() % 16 for s in v[1][:2]):
             return False
     return True

@@ -17,7 +17,7 @@ from . import alloc
 from .codegen import Variant, load
 from .launcher import Launcher
 from .launch import check_mask_variant, mask_args, mask_params
-from .launch_hopper import _device_blocker, _view3, addressable, tile_layouts
+from .launch_hopper import _device_blocker, _view3, addressable, packed_view3, tile_layouts
 from .launch_hopper import unsupported as _unsupported
 from .families.hopper_bwd import dq_tiles
 from .masks import NONE, Masks
@@ -194,23 +194,6 @@ def backward(dout, q, k, v, o, lse, causal: bool, scale: float | None, variant: 
     return HopperBwdPlan(q, k, v, causal, scale, variant, masks).run(dout, q, k, v, o, lse)
 
 
-def _packed3(t: torch.Tensor):
-    """(shape, strides) of the (H, total, D) view of a packed (total, H, D) tensor (TMA takes the
-    strides in any order), or None without a contiguous last dim."""
-    total, h, d = t.shape
-    st, sh, sd = t.stride()
-    return None if sd != 1 else ([h, total, d], [sh, st, 1])
-
-
-def _packed_addressable(*tensors: torch.Tensor) -> bool:
-    """TMA can address each packed tensor: 16-byte row and head strides and base."""
-    for t in tensors:
-        v = _packed3(t)
-        if v is None or t.data_ptr() % 16 or any(s * t.element_size() % 16 for s in v[1][:2]):
-            return False
-    return True
-
-
 class HopperBwdVarlenPlan:
     """A hopper_bwd varlen render's launch for packed sequences (q (total_q, H, D), k (total_k,
     Hk, D)): the generic bwd family's varlen preprocess (Delta, LSE2 as (H, total_q)), then one
@@ -267,7 +250,7 @@ class HopperBwdVarlenPlan:
         dk = alloc.empty_like(k)
         dv = alloc.empty_like(v)
         dq = alloc.empty_like(q)
-        if self.why or not _packed_addressable(q, k, v, dout, dk, dv, dq):
+        if self.why or not addressable(q, k, v, dout, dk, dv, dq, view=packed_view3):
             if self.fallback is None:
                 from . import launch_bwd
                 from .dispatch import varlen_twin
@@ -286,7 +269,7 @@ class HopperBwdVarlenPlan:
         bm, bn = self.variant.block_m, self.variant.block_n
 
         def desc(t, rows):
-            shape, strides = _packed3(t)
+            shape, strides = packed_view3(t)
             return TensorDescriptor(t, shape, strides, [1, rows, d], self.layouts[rows])
         self.kernel(self.grid, desc(q, bm), desc(k, bn), desc(v, bn), desc(dout, bm),
                     desc(dk, bn), desc(dv, bn), dq_acc, lse2, delta, self.scale, dk, dv, cu_q,

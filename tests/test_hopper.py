@@ -13,18 +13,10 @@ from flashtune.codegen import Variant, render
 from flashtune.families import get
 from flashtune.problem import Bucket, Problem
 
-from _check import assert_matches_reference, qkv
+from _check import ON_H100, assert_matches_reference, hopper_gpu, qkv
+from _check import reset_dispatch  # noqa: F401 (autouse fixture)
 
 FAM = get("hopper_fwd")
-ON_H100 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
-hopper_gpu = pytest.mark.skipif(not ON_H100, reason="needs an sm_90 GPU")
-
-
-@pytest.fixture(autouse=True)
-def _reset():
-    yield
-    flashtune.force(None)
-    dispatch.configure()
 
 
 def _problem(d=128, dtype="bfloat16", causal=False, nq=4096):

@@ -22,12 +22,10 @@ from flashtune.launch import mask_args
 from flashtune.masks import Masks, dense_mask, window_range
 from flashtune.problem import Problem
 
-from _check import code_lines, qkv
+from _check import ON_H100, code_lines, hopper_gpu, qkv
 from test_hopper_masks import SCHEDULES, test_every_call_matches_its_signature as _calls_match
 
 FAM = get("hopper_fwd")
-ON_H100 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
-hopper_gpu = pytest.mark.skipif(not ON_H100, reason="needs an sm_90 GPU")
 SPARSE_WORDS = ("_sparse_key", "_sparse_lists", "BM_NUM", "BM_FULL_IDX", "ELEM", "stride_em",
                 "BS_KV", "BS_Q")
 # the window/softcap renders' kernel hashes: block_sparse's code leaves them as they were (the

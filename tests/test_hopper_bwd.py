@@ -15,7 +15,7 @@ from flashtune.families import get
 from flashtune.masks import Masks
 from flashtune.problem import Problem
 
-from _check import qkv
+from _check import ON_H100, hopper_gpu, qkv, reset_dispatch  # noqa: F401 (autouse fixture)
 from test_backward import assert_grads_match
 
 FAM = get("hopper_bwd")
@@ -23,15 +23,6 @@ FAM = get("hopper_bwd")
 # later inside a test that sets TRITON_INTERPRET=0, its import asserts on Triton's already
 # interpreted standard library (gluon_compat.missing() caches the answer either way)
 gluon_compat.missing()
-ON_H100 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
-hopper_gpu = pytest.mark.skipif(not ON_H100, reason="needs an sm_90 GPU")
-
-
-@pytest.fixture(autouse=True)
-def _reset():
-    yield
-    flashtune.force(None)
-    dispatch.configure()
 
 
 def _problem(d=128, dtype="bfloat16", causal=False, n=4096, family="bwd"):

@@ -23,14 +23,12 @@ from flashtune.families import get
 from flashtune.launch import mask_args
 from flashtune.masks import Masks, check_softcap, check_window, dense_mask, window_range
 
-from _check import code_lines, qkv
+from _check import code_lines, hopper_gpu, qkv
 from test_hopper_bwd_masks import (DEFAULT, DENSE_HASH, SMALL, backward_alone, forced_autograd,
                                    helper_calls)
 
 FAM = get("hopper_bwd")
 gluon_compat.missing()  # Gluon imported under the session's interpreter setting (as its siblings)
-ON_H100 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
-hopper_gpu = pytest.mark.skipif(not ON_H100, reason="needs an sm_90 GPU")
 D256 = "hopper_bwd-m64-n64-w8-s2"  # the D=256 default: two warpgroups split D
 BIG = "hopper_bwd-m128-n128-w8-s1"
 SPARSE_WORDS = ("_sparse_step", "_sparse_count", "BM_NUM", "BM_FULL_IDX", "ELEM", "stride_em",

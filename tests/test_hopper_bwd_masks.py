@@ -24,14 +24,12 @@ from flashtune.launch import mask_args
 from flashtune.masks import Masks, check_softcap, check_window, dense_mask, window_range
 from flashtune.problem import Bucket, Problem
 
-from _check import code_lines, qkv
+from _check import ON_H100, code_lines, hopper_gpu, qkv
 
 FAM = get("hopper_bwd")
 # Gluon imported first here, under the interpreter setting the session started with (as
 # tests/test_hopper_bwd.py: imported later, inside a test that sets TRITON_INTERPRET=0, it fails)
 gluon_compat.missing()
-ON_H100 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
-hopper_gpu = pytest.mark.skipif(not ON_H100, reason="needs an sm_90 GPU")
 
 DEFAULT = "hopper_bwd-m64-n128-w8-s2"   # the D=64 and D=128 default
 SMALL = "hopper_bwd-m64-n64-w4-s2"      # one warpgroup, 64 keys per program

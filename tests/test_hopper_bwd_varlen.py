@@ -16,16 +16,9 @@ from flashtune.masks import Masks
 
 from test_varlen import assert_varlen_matches, packed
 
+from _check import ON_H100, hopper_gpu, reset_dispatch  # noqa: F401 (autouse fixture)
+
 gluon_compat.missing()  # imported under the session's interpreter setting (test_hopper_bwd)
-ON_H100 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
-hopper_gpu = pytest.mark.skipif(not ON_H100, reason="needs an sm_90 GPU")
-
-
-@pytest.fixture(autouse=True)
-def _reset():
-    yield
-    flashtune.force(None)
-    dispatch.configure()
 
 
 # -- CPU: render, variant rules, dispatch -----------------------------------------------------

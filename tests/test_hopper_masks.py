@@ -23,11 +23,9 @@ from flashtune.launch import mask_args
 from flashtune.masks import Masks, dense_mask, window_range
 from flashtune.problem import Problem
 
-from _check import code_lines, qkv
+from _check import ON_H100, code_lines, hopper_gpu, qkv
 
 FAM = get("hopper_fwd")
-ON_H100 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
-hopper_gpu = pytest.mark.skipif(not ON_H100, reason="needs an sm_90 GPU")
 
 # one variant per schedule: ping-pong + loader (D=64 default), ping-pong + loader + persistent
 # (D=128 default), one 8-warp consumer + loader, ping-pong without a loader, one consumer without
