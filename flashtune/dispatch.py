@@ -295,7 +295,10 @@ def select_varlen(family: str, q, k, batch: int, max_seqlen_q: int, max_seqlen_k
     forced = forced_variant()
     if forced is not None and (forced.family == family or (
             plain and _serves(forced, family) and get(forced.family).varlen_plan)):
-        return varlen_twin(forced)
+        try:
+            return varlen_twin(forced)
+        except ValueError:  # a schedule the family's varlen render lacks: dispatched instead
+            pass
     problem = Problem(family, dtype_name(q.dtype), d, causal, h // k.shape[1], batch, h,
                       max_seqlen_q, max_seqlen_k)
     return varlen_twin((_compete(problem, varlen=True) if plain else

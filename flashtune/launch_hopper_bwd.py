@@ -96,6 +96,8 @@ class HopperBwdPlan:
                         "warpgroups split D for dK and dV)")
         if not self.why and not all(_view3(t) for t in (q, k, v)):
             self.why = "strides TMA cannot describe as (B*H, N, D)"
+        if not self.why and b * h > 65535:  # its grids' second axis: B * Hk, dQ's B * H
+            self.why = f"batch x heads = {b * h} passes a grid axis's 65,535"
         if self.why:
             return
         # the window's bounds (causal: its right edge 0) and the softcap, after sm_scale
@@ -194,6 +196,12 @@ def backward(dout, q, k, v, o, lse, causal: bool, scale: float | None, variant: 
     return HopperBwdPlan(q, k, v, causal, scale, variant, masks).run(dout, q, k, v, o, lse)
 
 
+def _grid(blocks: int, rows: int) -> tuple:
+    """(blocks, sequences * heads) as the varlen render reads it: the second over grid axes 1
+    and 2 (program_id(1) + program_id(2) * 65535), each at most 65,535."""
+    return (blocks, min(rows, 65535), triton.cdiv(rows, 65535))
+
+
 class HopperBwdVarlenPlan:
     """A hopper_bwd varlen render's launch for packed sequences (q (total_q, H, D), k (total_k,
     Hk, D)): the generic bwd family's varlen preprocess (Delta, LSE2 as (H, total_q)), then one
@@ -225,17 +233,17 @@ class HopperBwdVarlenPlan:
                                          variant.num_warps) != D256_TILE:
             self.why = (f"{variant.name} cannot hold D={d}: only m64-n64-w8 does (two "
                         "warpgroups split D for dK and dV)")
+        if self.why:
+            return
         # its preprocess (and, dq="separate", its dQ kernel): the generic varlen plan
         fields = {"dq": "separate"} if variant.dq == "separate" else {}
         self.generic = launch_bwd.varlen_plan(
             q, k, batch, max_seqlen_q, max_seqlen_k, causal, scale,
             varlen_twin(_generic_variant(d, q.dtype, **fields)))
-        if self.why:
-            return
         self.layouts = tile_layouts(q.dtype, d, variant.block_m, variant.block_n,
                                     *dq_tiles(variant)[:2])
-        self.grid = (triton.cdiv(max_seqlen_k, variant.block_n), batch * hk)
-        self.sizes = (h, max_seqlen_q, max_seqlen_k, total_q, total_k)
+        self.grid = _grid(triton.cdiv(max_seqlen_k, variant.block_n), batch * hk)
+        self.sizes = (h, max_seqlen_q, max_seqlen_k, total_q, total_k, batch)
         consts = dict(HEAD_DIM=d, BLOCK_M=variant.block_m, BLOCK_N=variant.block_n,
                       STAGES=variant.num_stages, GROUP=h // hk, IS_CAUSAL=self.causal,
                       num_warps=variant.num_warps)
@@ -244,13 +252,10 @@ class HopperBwdVarlenPlan:
         if variant.dq == "gluon":
             dq_consts = dq_kernel_consts(variant, consts)
             self.dq_kernel = Launcher(load(variant).attn_bwd_dq_hopper, **dq_consts)
-            self.dq_grid = (triton.cdiv(max_seqlen_q, dq_consts["BLOCK_M"]), batch * h)
+            self.dq_grid = _grid(triton.cdiv(max_seqlen_q, dq_consts["BLOCK_M"]), batch * h)
 
     def run(self, dout, q, k, v, o, lse, seq_args: tuple):
-        dk = alloc.empty_like(k)
-        dv = alloc.empty_like(v)
-        dq = alloc.empty_like(q)
-        if self.why or not addressable(q, k, v, dout, dk, dv, dq, view=packed_view3):
+        if self.why or not addressable(q, k, v, dout, view=packed_view3):
             if self.fallback is None:
                 from . import launch_bwd
                 from .dispatch import varlen_twin
@@ -260,6 +265,8 @@ class HopperBwdVarlenPlan:
             return self.fallback.run(dout, q, k, v, o, lse, seq_args)
         from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
         cu_q, cu_k = seq_args
+        # like the inputs (alloc keeps a dense layout; 16-byte strides and bases as theirs)
+        dk, dv, dq = alloc.empty_like(k), alloc.empty_like(v), alloc.empty_like(q)
         delta, lse2, _ = self.generic.run_pre(dout, q, k, v, o, lse, seq_args)
         h, total_q, d = q.shape[1], q.shape[0], q.shape[2]
         atomic = self.variant.dq == "none"

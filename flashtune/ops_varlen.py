@@ -88,8 +88,8 @@ def run_backward_varlen(grad_out, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, m
     forced = dispatch.forced_variant()
     # a repeated call (the layers of a step): a tuple, a dict lookup, the buffers and the launches
     key = (q.device, q.dtype, q.shape, q.stride(), k.shape, k.stride(), v.stride(), batch,
-           max_seqlen_q, max_seqlen_k, causal, scale, deterministic, masks.key)
-    plan = _bwd_plans.get(key) if forced is None else None
+           max_seqlen_q, max_seqlen_k, causal, scale, deterministic, masks.key, forced)
+    plan = _bwd_plans.get(key)
     if plan is None:
         # the generic bwd or a family serving its calls with varlen kernels (hopper_bwd, for
         # calls without masks beyond causal)
@@ -103,10 +103,9 @@ def run_backward_varlen(grad_out, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, m
             variant = dispatch.mask_twin(variant, masks, q.shape[2], q.dtype)
         plan = get_family(variant.family).varlen_plan_for(
             q, k, batch, max_seqlen_q, max_seqlen_k, causal, scale, variant, masks)
-        if forced is None:
-            if len(_bwd_plans) >= _PLANS_MAX:
-                _bwd_plans.clear()
-            _bwd_plans[key] = plan
+        if len(_bwd_plans) >= _PLANS_MAX:
+            _bwd_plans.clear()
+        _bwd_plans[key] = plan
     return plan.run(grad_out, q, k, v, o, lse.contiguous(), (cu_seqlens_q, cu_seqlens_k))
 
 

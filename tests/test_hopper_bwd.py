@@ -302,6 +302,17 @@ def test_deterministic_calls_go_to_the_generic_bwd_windowed_ones_to_the_masked_t
         assert det.family == "bwd" and det.dq == "separate" and det.window
 
 
+def test_a_batch_past_the_grid_axis_runs_the_generic_bwd(monkeypatch):
+    """B x H over 65,535 (a grid axis's limit) leaves the call to the generic bwd, whose grid is
+    one axis (meta tensors: built as for a GPU, nothing launched)."""
+    from flashtune.launch_hopper_bwd import HopperBwdPlan
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    for b, why in ((4095, ""), (4096, "65,535")):  # 65,520 and 65,536 programs
+        q = torch.empty(b, 16, 64, 128, dtype=torch.bfloat16, device="meta")
+        plan = HopperBwdPlan(q, q, q, True, None, Variant.parse("hopper_bwd-m64-n64-w4-s2"))
+        assert (why in plan.why) if why else plan.why == "", plan.why
+
+
 def test_plan_falls_back_to_the_generic_default_off_hopper(device):
     """A forced hopper_bwd on a device that cannot run it (the CPU here, any non-sm_90 GPU)
     computes the gradients with the generic bwd family's default."""

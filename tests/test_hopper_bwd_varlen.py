@@ -90,6 +90,26 @@ def test_dispatcher_gives_varlen_backwards_to_the_faster_family(faster, tmp_path
         assert dispatch.select_varlen("fwd", q, q, 7, 3000, 3000, True).family == "fwd"
 
 
+def test_a_forced_variant_without_a_varlen_render_leaves_the_call_to_the_dispatcher():
+    q = torch.empty(90, 4, 128, dtype=torch.bfloat16)
+    for name in ("hopper_bwd-m64-n64-w8-s2-dq_overlap=true",
+                 "hopper_bwd-m64-n128-w8-s2-softcap=true"):
+        with flashtune.force(name):
+            v = dispatch.select_varlen("bwd", q, q, 3, 30, 30, True)
+        assert v.family == "bwd" and v.varlen, name
+
+
+def test_a_batch_of_many_short_sequences_fits_the_grid(monkeypatch):
+    """5,000 sequences x 16 heads: 80,000 (sequence, head) programs, past one grid axis's
+    65,535, go over two (meta tensors: the plan is built as for a GPU, nothing launched)."""
+    from flashtune.launch_hopper_bwd import HopperBwdVarlenPlan
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    q = torch.empty(5000 * 3, 16, 128, dtype=torch.bfloat16, device="meta")
+    plan = HopperBwdVarlenPlan(q, q, 5000, 3, 3, True, None,
+                               Variant.parse("hopper_bwd-m64-n64-w4-s2-dq=gluon-varlen=true"))
+    assert plan.why == "" and plan.grid == plan.dq_grid == (1, 65535, 2)  # 80,000 <= 2 x 65,535
+
+
 def test_off_hopper_the_plan_computes_with_the_generic_bwd(device):
     """A forced hopper_bwd varlen variant where Gluon cannot run (the CPU here): the generic
     bwd's varlen default computes the gradients; deterministic calls of an atomic one run the
@@ -179,6 +199,7 @@ def test_runs_the_gluon_kernels_not_the_fallback(monkeypatch):
     real_init = launch_hopper_bwd.HopperBwdVarlenPlan.__init__
     monkeypatch.setattr(launch_hopper_bwd.HopperBwdVarlenPlan, "__init__",
                         lambda self, *a, **kw: built.append(self) or real_init(self, *a, **kw))
+    ops_varlen._bwd_plans.clear()
     with flashtune.force("hopper_bwd-m64-n64-w4-s2-dq=gluon"):
         assert_varlen_matches(q, k, v, cu_q, cu_k, causal=True)
     assert built and all(p.why == "" for p in built) and not generic
