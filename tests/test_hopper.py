@@ -197,6 +197,19 @@ def test_a_search_measures_an_l2_order_table_winner_with_head_order_too(tmp_path
     pb = types.SimpleNamespace(space=space, bucket=Bucket.of(p), problem=p)
     got = table_winners(pb, 3, tmp_path)
     assert got == [won, dataclasses.replace(won, l2_order=False, head_order=True), up]
+    # a winner with no tile order gets the head_order twin too (the D=64 causal 1k record);
+    # one with head_order, none; a non-causal bucket's space has no head_order: no twin there
+    plain = dataclasses.replace(won, l2_order=False)
+    fam = get("hopper_fwd")
+    assert fam.twins_of(plain) == [dataclasses.replace(plain, head_order=True)]
+    assert fam.twins_of(dataclasses.replace(plain, head_order=True)) == []
+    nc = dataclasses.replace(_problem(causal=False, nq=1024), family="hopper_fwd")
+    write_table(table_path("H100", tmp_path), "H100",
+                [Record(table_path("H100").stem, Bucket.of(nc), plain, 1.0, 100.0, "TFLOP/s",
+                        1e-3, prov, ())])
+    pb = types.SimpleNamespace(space=Space.build("hopper_fwd", get_target("H100"), nc),
+                               bucket=Bucket.of(nc), problem=nc)
+    assert table_winners(pb, 3, tmp_path) == [plain]
 
 
 def test_head_order_tile_coords_cover_every_tile_once():
