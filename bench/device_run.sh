@@ -261,10 +261,11 @@ print('torch', torch.cuda.get_device_name(0), targets.detect(0).slug)" 2>&1 | te
               tail -3 "$OUT/decode_ncu.err"; wc -l "$OUT/decode_ncu.csv" ;;
     varlentests) timeout ${VARLENTESTS_TIMEOUT:-240} python3 -m pytest -q -x tests/test_varlen.py 2>&1 \
                 | tee "$OUT/varlentests.log" | tail -6 ;;
-    varlenhopper) # hopper_bwd's varlen render: its GPU tests (40 cases, each compiling its kernels),
+    varlenhopper) # hopper_bwd's varlen render: its tests (40 GPU cases, each compiling its kernels;
+              # ~2-3 s a case) and the varlen suite on the GPU (the `device` fixture's cuda cases),
               # then the varlen bench with the backward forced to it and to the generic bwd's
               # D=128 records (causal, non-causal), every row in one run
-              timeout ${VARLENHOPPER_TIMEOUT:-330} python3 -m pytest -q -m gpu \
+              timeout ${VARLENHOPPER_TIMEOUT:-330} python3 -m pytest -q \
                 tests/test_hopper_bwd_varlen.py tests/test_varlen.py 2>&1 \
                 | tee "$OUT/varlenhopper_tests.log" | tail -12
               timeout 240 python3 bench/varlen_bench.py --out "$OUT/varlen_hopper.jsonl" --no-padded \

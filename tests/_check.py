@@ -1,5 +1,5 @@
 """Shared assertion: flashtune's result against the float64 reference, DESIGN.md's tolerance;
-the Hopper families' GPU marker and their tests' reset fixture."""
+the Hopper families' GPU marker."""
 import pytest
 import torch
 
@@ -11,15 +11,6 @@ from flashtune.reference import reference, same_dtype_math
 ON_H100 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 hopper_gpu = pytest.mark.skipif(not ON_H100, reason="needs an sm_90 GPU")
 
-
-@pytest.fixture(autouse=True)
-def reset_dispatch():
-    """Imported by a test module: after each test, nothing forced and the dispatcher as
-    configured by default."""
-    yield
-    flashtune.force(None)
-    from flashtune import dispatch
-    dispatch.configure()
 
 
 def qkv(b, h, hk, nq, nk, d, dtype, device, layout="bhnd"):

@@ -14,9 +14,9 @@ from flashtune.families import get
 from flashtune.problem import Bucket, Problem
 
 from _check import ON_H100, assert_matches_reference, hopper_gpu, qkv
-from _check import reset_dispatch  # noqa: F401 (autouse fixture)
 
 FAM = get("hopper_fwd")
+pytestmark = pytest.mark.usefixtures("reset_dispatch")  # nothing forced or configured after a test
 
 
 def _problem(d=128, dtype="bfloat16", causal=False, nq=4096):

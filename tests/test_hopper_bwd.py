@@ -15,10 +15,11 @@ from flashtune.families import get
 from flashtune.masks import Masks
 from flashtune.problem import Problem
 
-from _check import ON_H100, hopper_gpu, qkv, reset_dispatch  # noqa: F401 (autouse fixture)
+from _check import ON_H100, hopper_gpu, qkv
 from test_backward import assert_grads_match
 
 FAM = get("hopper_bwd")
+pytestmark = pytest.mark.usefixtures("reset_dispatch")  # nothing forced or configured after a test
 # Gluon imported first here, under the interpreter setting the session started with: imported
 # later inside a test that sets TRITON_INTERPRET=0, its import asserts on Triton's already
 # interpreted standard library (gluon_compat.missing() caches the answer either way)

@@ -16,9 +16,10 @@ from flashtune.masks import Masks
 
 from test_varlen import assert_varlen_matches, packed
 
-from _check import ON_H100, hopper_gpu, reset_dispatch  # noqa: F401 (autouse fixture)
+from _check import ON_H100, hopper_gpu
 
 gluon_compat.missing()  # imported under the session's interpreter setting (test_hopper_bwd)
+pytestmark = pytest.mark.usefixtures("reset_dispatch")  # nothing forced or configured after a test
 
 
 # -- CPU: render, variant rules, dispatch -----------------------------------------------------
