@@ -287,13 +287,15 @@ def dispatch_group():
               help="key length (default: --seqlen-q)")
 @click.option("--mask", "mask_spec", default="none", show_default=True,
               help="masks beyond causal: window=<keys>, softcap, density=<0..1>, joined by '+'")
+@click.option("--varlen", is_flag=True,
+              help="an attention_varlen call: --batch sequences, the longest of --seqlen-q/-k")
 @click.option("--gpu", default=None, help="the GPU to look up (default: FLASHTUNE_GPU, else detected)")
 @click.option("--tables", type=click.Path(file_okay=False), default=None,
               help="a folder of tables instead of the shipped ones")
 @_db_option
 @_format_option
 def explain(family, dtype, head_dim, causal, batch, heads, kv_heads, seqlen_q, seqlen_k,
-            mask_spec, gpu, tables, db_url, fmt):
+            mask_spec, varlen, gpu, tables, db_url, fmt):
     """Why a problem runs the variant it runs.
 
     Prints the problem's bucket, the record and the level of the lookup order that serve it,
@@ -313,7 +315,7 @@ def explain(family, dtype, head_dim, causal, batch, heads, kv_heads, seqlen_q, s
     if gpu or tables or db_url:
         dispatch.configure(gpu=gpu, db=db_url, tables_dir=tables)
     try:
-        ex = dispatch.explain(p)
+        ex = dispatch.explain(p, varlen=varlen)
     except KeyError as e:
         _fail(e)
     click.echo(json.dumps(ex.to_dict(), indent=2, sort_keys=True) if fmt == "json" else str(ex))

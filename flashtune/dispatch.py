@@ -301,8 +301,15 @@ def select_varlen(family: str, q, k, batch: int, max_seqlen_q: int, max_seqlen_k
             pass
     problem = Problem(family, dtype_name(q.dtype), d, causal, h // k.shape[1], batch, h,
                       max_seqlen_q, max_seqlen_k)
-    return varlen_twin((_compete(problem, varlen=True) if plain else
-                        _explain_bucket(problem)).variant)
+    return _explain_varlen(problem, plain).variant
+
+
+def _explain_varlen(problem: Problem, plain: bool) -> "Explanation":
+    """What a packed variable-length call of `problem`'s shape runs (made varlen): the rivals
+    with varlen kernels compete for a call without masks beyond causal (`plain`); a masked one
+    keeps the family's own answer (the rivals' varlen renders take no masks)."""
+    ex = _compete(problem, varlen=True) if plain else _explain_bucket(problem)
+    return dataclasses.replace(ex, problem=problem, variant=varlen_twin(ex.variant))
 
 
 def varlen_pointer_fallback(family: str, head_dim: int, dtype: str) -> Variant:
@@ -376,12 +383,13 @@ def _fmt_problem(p: Problem) -> str:
 
 
 def explain(problem, k=None, v=None, *, causal: bool = False, family: str = "fwd",
-            window=None, softcap=None, block_mask=None) -> Explanation:
+            window=None, softcap=None, block_mask=None, varlen: bool = False) -> Explanation:
     """Why `problem` runs the variant it runs. Takes a Problem, or the tensors of a call:
     explain(q, k, v, causal=True, window=(256, 0)) (also flashtune.explain). For a masked call
     (the masks given, or a Problem's mask fields, then with the search's representative masks)
     `variant` is the one that runs: the chosen variant with the masks rendered in
-    (mask_twin), and a note says which it was chosen as."""
+    (mask_twin), and a note says which it was chosen as. varlen (a Problem only): what an
+    attention_varlen call with `batch` sequences of the problem's lengths (the longest) runs."""
     from .masks import NONE, Masks, check_softcap, check_window, representative
     if not isinstance(problem, Problem):
         masks = Masks(check_window(window, causal, problem.shape[-2], k.shape[-2]),
@@ -399,6 +407,8 @@ def explain(problem, k=None, v=None, *, causal: bool = False, family: str = "fwd
                      f"{problem.family} default instead",)
         ex = Explanation(problem, Bucket.of(problem), forced, "forced", origin, _levels().gpu,
                          notes=notes)
+    elif varlen:
+        ex = _explain_varlen(problem, not masks.any)
     else:
         ex = dataclasses.replace(_compete(problem), problem=problem)
     return _masks_rendered(ex, masks)

@@ -13,6 +13,7 @@ import flashtune
 from flashtune import dispatch, gluon_compat, ops_varlen
 from flashtune.codegen import Variant, kernel_hash, render
 from flashtune.masks import Masks
+from flashtune.problem import Problem
 
 from test_varlen import assert_varlen_matches, packed
 
@@ -72,13 +73,18 @@ def test_dispatcher_gives_varlen_backwards_to_the_faster_family(faster, tmp_path
     _ship(tmp_path, *((2.6, 2.95) if faster == "hopper_bwd" else (3.0, 2.95)))
     dispatch.configure(gpu="H100", db=f"sqlite:///{tmp_path}/none.db", tables_dir=tmp_path)
     q = torch.empty(9000, 16, 128, dtype=torch.bfloat16)
-    # not yet run on a GPU: the generic bwd serves varlen calls unless the render is forced
+    p = Problem("bwd", "bfloat16", 128, True, 1, 7, 16, 3000, 3000)
+    # not yet run on a GPU: the generic bwd serves varlen calls unless the render is forced,
+    # and explain (flashtune dispatch explain --varlen) says why
     assert dispatch.select_varlen("bwd", q, q, 7, 3000, 3000, True).family == "bwd"
+    ex = flashtune.explain(p, varlen=True)
+    assert ex.variant.varlen and any("hopper_bwd skipped" in n for n in ex.notes), ex.notes
     proven = dataclasses.replace(families.get("hopper_bwd"), varlen_unproven="")
     monkeypatch.setitem(families._registry(), "hopper_bwd", proven)
     dispatch.clear_cache()
     v = dispatch.select_varlen("bwd", q, q, 7, 3000, 3000, True)
     assert (v.family, v.varlen) == (faster, True)
+    assert flashtune.explain(p, varlen=True).variant == v
     # a window: the rival's varlen render takes none, so the generic bwd's own answer
     masked = dispatch.select_varlen("bwd", q, q, 7, 3000, 3000, True, Masks(window=(64, 0)))
     assert (masked.family, masked.varlen) == ("bwd", True)
