@@ -39,6 +39,18 @@ def unsupported(head_dim: int, dtype: torch.dtype) -> str:
     return _unsupported(head_dim, dtype, HEAD_DIMS)
 
 
+def _cannot_launch(variant: Variant, q: torch.Tensor) -> str:
+    """Why `variant`'s kernels cannot run q's call ("" when they can): head dim, dtype, device,
+    and at D=256 any tile but the one two warpgroups can hold."""
+    d = q.shape[-1]
+    why = unsupported(d, q.dtype) or _device_blocker(q.device)
+    if not why and d > 128 and (variant.block_m, variant.block_n,
+                                variant.num_warps) != D256_TILE:
+        why = (f"{variant.name} cannot hold D={d}: only m64-n64-w8 does (two warpgroups split D "
+               "for dK and dV)")
+    return why
+
+
 def _generic_variant(head_dim: int, dtype: torch.dtype, masks: Masks = NONE,
                      **fields) -> Variant:
     """The generic bwd family's default (what the dispatcher would pick without hopper_bwd and
@@ -89,11 +101,7 @@ class HopperBwdPlan:
         self.fallback = None  # the generic bwd's plan, built when first needed
         self.dq_plan = None  # dq="separate": the generic bwd's plan that runs dQ
         self.dq_kernel = None  # dq="gluon": the template's dQ kernel, one program a query block
-        self.why = unsupported(d, q.dtype) or _device_blocker(q.device)
-        if not self.why and d > 128 and (variant.block_m, variant.block_n,
-                                         variant.num_warps) != D256_TILE:
-            self.why = (f"{variant.name} cannot hold D={d}: only m64-n64-w8 does (two "
-                        "warpgroups split D for dK and dV)")
+        self.why = _cannot_launch(variant, q)
         if not self.why and not all(_view3(t) for t in (q, k, v)):
             self.why = "strides TMA cannot describe as (B*H, N, D)"
         if not self.why and b * h > 65535:  # its grids' second axis: B * Hk, dQ's B * H
@@ -228,11 +236,7 @@ class HopperBwdVarlenPlan:
         self.scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
         self.seq = (batch, max_seqlen_q, max_seqlen_k)
         self.fallback = None  # the generic bwd's varlen plan, built when first needed
-        self.why = unsupported(d, q.dtype) or _device_blocker(q.device)
-        if not self.why and d > 128 and (variant.block_m, variant.block_n,
-                                         variant.num_warps) != D256_TILE:
-            self.why = (f"{variant.name} cannot hold D={d}: only m64-n64-w8 does (two "
-                        "warpgroups split D for dK and dV)")
+        self.why = _cannot_launch(variant, q)
         if self.why:
             return
         # its preprocess (and, dq="separate", its dQ kernel): the generic varlen plan
