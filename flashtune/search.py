@@ -236,8 +236,8 @@ def table_winners(pb: PlannedBucket, k: int, tables_dir=None) -> list[Variant]:
     next bucket opens while its last trials finish, before its pick (neighbour_winners reads
     picks): the D=256 non-causal N=512 re-search never measured the N=1k record's tile, which
     ran it 11% faster (session 25). Stale records count: only the name is used. Each winner's
-    twins (Family.winner_twins: hopper_fwd's l2_order winners with head_order) follow it, so a
-    field added since the table was searched is tried on the point that won."""
+    twins (Family.winner_twins: hopper_fwd's causal winners with head_order as their tile order)
+    follow it, so a field added since the table was searched is tried on the point that won."""
     if k <= 0:
         return []
     from .families import get
@@ -645,15 +645,15 @@ class _Run:
             if same(holder, me()):
                 # the picker may have stored its pick and exited between our read above and
                 # this claim (its claim is then a dead one's, and skipped): read it again
-                final = bs.study.user_attrs.get("final")
-                if final and final.get("measured", -1) >= bs.measured():
+                final = _stored_pick(bs)
+                if final:
                     return _from_final(final) + (False,)
                 break
             # another process is picking this state (re-timing): take its pick when it is
             # stored; if it dies first, its claim no longer counts: claim again
             while self.liveness.alive(holder):
-                final = bs.study.user_attrs.get("final")
-                if final and final.get("measured", -1) >= bs.measured():
+                final = _stored_pick(bs)
+                if final:
                     return _from_final(final) + (False,)
                 time.sleep(0.25)
         rec, res = _finish(bs, pipeline, self.pipeline.info, pb, label, name, cfg, status, t_b,
@@ -664,6 +664,12 @@ class _Run:
                                              "converged": bs.converged,
                                              "record": rec.to_dict() if rec else None})
         return rec, res, True
+
+
+def _stored_pick(bs: BucketStudy) -> dict | None:
+    """The study's stored pick if it saw every variant measured so far, else None."""
+    final = bs.study.user_attrs.get("final")
+    return final if final and final.get("measured", -1) >= bs.measured() else None
 
 
 def _plain(res: BucketResult) -> dict:

@@ -124,7 +124,6 @@ def check(variant) -> str:
     return ""
 
 
-
 def dq_tiles(variant) -> tuple:
     """(block_m, block_n, num_warps, num_stages) of dq="gluon"'s dQ kernel: its own fields
     (block_m2 query rows per program, block_n2 keys per step, num_warps2, num_stages2: the K/V
