@@ -57,6 +57,11 @@ class Variant:
     num_splits: int = 0
     # structural: packed variable-length sequences (cu_seqlens) instead of a dense batch
     varlen: bool = False
+    # structural, hopper families: a descriptor may view its tensor as (B, N, H*D) -- heads side
+    # by side in each row, as a transformers model's q/k/v projections leave them -- beside the
+    # (B*H, N, D) view of the (B, H, N, D) layout; not searched: the launchers take this render
+    # of a record's variant for calls in that layout (flashtune/gluon_tiles.py)
+    bnhd: bool = False
     # structural, splitkv only: the KV cache is paged ((num_pages, page_size, Hk, D) addressed
     # through a block table) instead of one (B, Ncache, Hk, D) tensor
     paged: bool = False
@@ -205,7 +210,7 @@ class Variant:
         """The fields that change the rendered text (the template's `#%if` conditions read these)."""
         return {"causal_split": self.causal_split, "loads": self.loads, "dq": self.dq,
                 "dq_loads": self.dq_loads,
-                "varlen": self.varlen, "paged": self.paged, "pingpong": self.pingpong,
+                "varlen": self.varlen, "bnhd": self.bnhd, "paged": self.paged, "pingpong": self.pingpong,
                 "loader": self.loader_regs > 0, "l2_order": self.l2_order,
                 "head_order": self.head_order,
                 "release_barrier": self.release_barrier, "early_rescale": self.early_rescale,

@@ -155,10 +155,6 @@ def _compete(problem: Problem, varlen: bool = False) -> "Explanation":
     for rival in all_families():
         if problem.family not in rival.serves or (varlen and not rival.varlen_plan):
             continue
-        if varlen and rival.varlen_unproven:
-            ex = dataclasses.replace(ex, notes=ex.notes + (
-                f"{rival.name} skipped: {rival.varlen_unproven}",))
-            continue
         why_not = rival.cannot_run(problem, _levels().arch)
         if why_not:  # silently the problem's own family; explain() says why
             ex = dataclasses.replace(ex, notes=ex.notes + (f"{rival.name} skipped: {why_not}",))

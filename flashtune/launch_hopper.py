@@ -1,10 +1,12 @@
-"""Launch the hopper_fwd family (Gluon, sm_90): TMA descriptors over 3-D views of the tensors,
+"""Launch the hopper_fwd family (Gluon, sm_90): TMA descriptors over 3-D views of the tensors
+((B*H, N, D), or (B, N, H*D) through the variant's bnhd render: tile_view),
 the grid (one program per tile, or one per SM when persistent), the register split. Which
 variant runs is decided by the caller; a call this kernel cannot address (strides TMA cannot
 describe, misaligned bases) runs the generic fwd family's default instead, as ops.run_forward
 expects of any plan."""
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -55,6 +57,27 @@ def _view3(t: torch.Tensor):
     return [b * h, n, d], [sh, sn, 1]
 
 
+def _rows_view(t: torch.Tensor):
+    """(shape, strides) of the (B, N, H*D) view of a (B, H, N, D) tensor whose heads lie side by
+    side in each row ((B, N, H, D) memory, or a slice of a fused QKV projection), or None."""
+    b, h, n, d = t.shape
+    sb, sh, sn, sd = t.stride()
+    if sd != 1 or (h > 1 and sh != d):
+        return None
+    return [b, n, h * d], [sb, sn, 1]
+
+
+def tile_view(t: torch.Tensor):
+    """The view a descriptor of `t` takes: (B*H, N, D) where the strides allow (every render),
+    else (B, N, H*D) (the bnhd renders' second view, flashtune/gluon_tiles.py), else None."""
+    return _view3(t) or _rows_view(t)
+
+
+def needs_bnhd(*tensors: torch.Tensor) -> bool:
+    """Some tensor takes the (B, N, H*D) view: the call needs the variant's bnhd render."""
+    return any(_view3(t) is None for t in tensors)
+
+
 def packed_view3(t: torch.Tensor):
     """(shape, strides) of the (H, total, D) view of a packed (total, H, D) tensor (varlen; TMA
     takes the strides in any order), or None without a contiguous last dim."""
@@ -63,9 +86,9 @@ def packed_view3(t: torch.Tensor):
     return None if sd != 1 else ([h, total, d], [sh, st, 1])
 
 
-def addressable(*tensors: torch.Tensor, view=_view3) -> bool:
-    """TMA can address each tensor's `view` (_view3: mergeable batch/head strides; packed_view3):
-    16-byte strides and base."""
+def addressable(*tensors: torch.Tensor, view=tile_view) -> bool:
+    """TMA can address each tensor's `view` (tile_view; packed_view3 for varlen): 16-byte
+    strides and base."""
     for t in tensors:
         v = view(t)
         if v is None or t.data_ptr() % 16 or any(s * t.element_size() % 16 for s in v[1][:2]):
@@ -127,8 +150,10 @@ class HopperFwdPlan:
         self.masks = masks
         self.why = unsupported(d, q.dtype) or _device_blocker(q.device)
         o_meta = alloc.meta_like(q)
-        if not self.why and not all(_view3(t) for t in (q, k, v, o_meta)):
-            self.why = "strides TMA cannot describe as (B*H, N, D)"
+        if not self.why and not all(tile_view(t) for t in (q, k, v, o_meta)):
+            self.why = "strides TMA cannot describe as (B*H, N, D) or (B, N, H*D)"
+        if not self.why and needs_bnhd(q, k, v, o_meta):  # e.g. transformers' projections
+            variant = self.variant = dataclasses.replace(variant, bnhd=True)
         self.fallback = None
         if self.why:
             self.fallback = generic_plan(q, k, v, causal, scale, masks)
@@ -163,7 +188,7 @@ class HopperFwdPlan:
         bm, bn = self.variant.block_m, self.variant.block_n
 
         def desc(t, rows):
-            shape, strides = _view3(t)
+            shape, strides = tile_view(t)
             return TensorDescriptor(t, shape, strides, [1, rows, d], self.layouts[rows])
         self.kernel(self.grid, desc(q, bm), desc(k, bn), desc(v, bn), desc(o, bm), lse,
                     self.scale, *self.mask_args, h, nq, k.shape[2], self.n_tiles)

@@ -31,8 +31,9 @@ def grads(q, k, v, causal=False, scale=None, do=None, **kw):
     return (out, *torch.autograd.grad(out, (q, k, v), do)), do
 
 
-def assert_grads_match(q, k, v, causal=False, scale=None, **kw):
-    (out, dq, dk, dv), do = grads(q, k, v, causal, scale, **kw)
+def assert_grads_match(q, k, v, causal=False, scale=None, do=None, **kw):
+    """do: the upstream gradient (random, laid out like the output, when None)."""
+    (out, dq, dk, dv), do = grads(q, k, v, causal, scale, do, **kw)
     if k.shape[2] == 1:
         # one key: P = 1 and the exact dQ and dK are 0, which PyTorch's softmax backward hits
         # bit-exactly (dP - rowsum(P * dP) = 0), so DESIGN's tolerance is 0 there. FA2's

@@ -68,20 +68,11 @@ def _ship(tables, hopper_ms: float, generic_ms: float) -> None:
 
 @pytest.mark.parametrize("faster", ["hopper_bwd", "bwd"])
 def test_dispatcher_gives_varlen_backwards_to_the_faster_family(faster, tmp_path, monkeypatch):
-    import flashtune.families as families
     monkeypatch.setenv("TRITON_INTERPRET", "0")  # as on a GPU machine (no kernel runs here)
     _ship(tmp_path, *((2.6, 2.95) if faster == "hopper_bwd" else (3.0, 2.95)))
     dispatch.configure(gpu="H100", db=f"sqlite:///{tmp_path}/none.db", tables_dir=tmp_path)
     q = torch.empty(9000, 16, 128, dtype=torch.bfloat16)
     p = Problem("bwd", "bfloat16", 128, True, 1, 7, 16, 3000, 3000)
-    # not yet run on a GPU: the generic bwd serves varlen calls unless the render is forced,
-    # and explain (flashtune dispatch explain --varlen) says why
-    assert dispatch.select_varlen("bwd", q, q, 7, 3000, 3000, True).family == "bwd"
-    ex = flashtune.explain(p, varlen=True)
-    assert ex.variant.varlen and any("hopper_bwd skipped" in n for n in ex.notes), ex.notes
-    proven = dataclasses.replace(families.get("hopper_bwd"), varlen_unproven="")
-    monkeypatch.setitem(families._registry(), "hopper_bwd", proven)
-    dispatch.clear_cache()
     v = dispatch.select_varlen("bwd", q, q, 7, 3000, 3000, True)
     assert (v.family, v.varlen) == (faster, True)
     assert flashtune.explain(p, varlen=True).variant == v
@@ -240,12 +231,10 @@ def test_misaligned_packed_call_runs_the_generic_kernel():
 @hopper_gpu
 def test_dispatched_varlen_backward_runs_hopper_bwd_on_the_h100():
     """Through the shipped H100 table: the D=128 causal varlen backward runs hopper_bwd (its
-    dense records beat the generic bwd's) and matches the reference -- the generic bwd while
-    the family's varlen_unproven keeps the render to forced calls."""
-    from flashtune.families import get
+    dense records beat the generic bwd's) and matches the reference."""
     lens = [421, 3000, 1700, 64, 1]
     q, k, v, cu_q, cu_k = packed(lens, lens, 16, 16, 128, torch.bfloat16, "cuda")
     ops_varlen._bwd_plans.clear()
     assert_varlen_matches(q, k, v, cu_q, cu_k, causal=True)
     fams = {type(p).__name__ for p in ops_varlen._bwd_plans.values()}
-    assert fams == {"BwdPlan" if get("hopper_bwd").varlen_unproven else "HopperBwdVarlenPlan"}
+    assert fams == {"HopperBwdVarlenPlan"}

@@ -84,9 +84,6 @@ class Family:
     # run(dout, q, k, v, o, lse, (cu_seqlens_q, cu_seqlens_k)) computes it; "" = the family has
     # no varlen render (a family serving another's calls then leaves their varlen calls to it)
     varlen_plan: str = ""
-    # why the dispatcher leaves this family's varlen render to forced calls ("" = it competes for
-    # varlen calls like the dense ones): a render not yet checked on its GPU
-    varlen_unproven: str = ""
     interpreter: bool = True        # runs in Triton's interpreter (CPU tests)
     min_capability: int = 80        # sm_XX the template needs
     max_capability: int = 0         # newest sm_XX it runs on (0: any; Hopper's wgmma: 90 only)

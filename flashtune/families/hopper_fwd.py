@@ -23,7 +23,7 @@ FAMILY = Family(
     fields=("pingpong", "persistent", "loader_regs", "q_buffers", "l2_order", "head_order",
             "causal_split",
             "release_barrier", "early_rescale", "early_k_release", "async_o_store", "window",
-            "softcap", "block_sparse"),
+            "softcap", "block_sparse", "bnhd"),
     defaults="flashtune.families.hopper_fwd:default",
     seeds="flashtune.families.hopper_fwd:seeds",
     measure="flashtune.measure_hopper:OPS",

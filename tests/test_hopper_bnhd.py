@@ -1,0 +1,213 @@
+"""The Hopper families' bnhd renders (Variant.bnhd): q, k, v, O and the gradients in (B, N, H, D)
+memory -- a transformers model's projections viewed as (B, H, N, D), or slices of one fused QKV
+projection -- addressed by TMA as (B, N, H*D), where the dense renders take only (B*H, N, D)
+and such calls ran the generic families. CPU tests: the views, the render (the dense kernels'
+code untouched), the plans' choice and the sm_90 compile; GPU tests force the Hopper families
+on these layouts (odd lengths, GQA, Nq != Nk, causal rows that see no key, dO in another layout
+than q) against the float64 reference, and check that they ran the Gluon kernels."""
+import dataclasses
+
+import pytest
+import torch
+
+import flashtune
+from flashtune import gluon_compat, launch_hopper
+from flashtune.codegen import Variant, kernel_hash, render
+
+from _check import assert_matches_reference, code_lines, hopper_gpu, qkv
+from test_backward import assert_grads_match
+
+gluon_compat.missing()  # imported under the session's interpreter setting (test_hopper_bwd)
+pytestmark = pytest.mark.usefixtures("reset_dispatch")
+
+FWD = {64: ["hopper_fwd-m64-n64-w4-s3-causal_split=false-pingpong=true-persistent=true-lr40-qb2"
+            "-head_order=true-early_k_release=true-async_o_store=true",
+            "hopper_fwd-m64-n128-w4-s2-causal_split=false-pingpong=true-persistent=true-lr40"
+            "-qb2-l2_order=true-early_k_release=true-async_o_store=true"],
+       128: ["hopper_fwd-m64-n128-w4-s2-pingpong=true-persistent=true-lr56-qb2"
+             "-early_k_release=true-async_o_store=true",
+             "hopper_fwd-m64-n128-w4-s3-pingpong=true",  # no loader: the consumers' _refill
+             "hopper_fwd-m128-n64-w8-s3-lr24"],          # one consumer
+       256: ["hopper_fwd-m128-n64-w8-s2-lr24-early_k_release=true",
+             "hopper_fwd-m64-n64-w4-s2-pingpong=true-lr32-l2_order=true-early_k_release=true"
+             "-early_rescale=true"]}
+BWD = {64: ["hopper_bwd-m64-n64-w4-s1-dq=gluon-mq64-nq64-wq4-sq2", "hopper_bwd-m64-n128-w8-s2"],
+       128: ["hopper_bwd-m64-n64-w4-s2-dq=gluon", "hopper_bwd-m64-n128-w8-s2-dq=separate"],
+       256: ["hopper_bwd-m64-n64-w8-s2-dq=gluon-mq64-nq64-wq4-sq2"]}
+
+
+def tensors(layout, b, h, hk, nq, nk, d, dtype, device):
+    """q, k, v as (B, H, N, D) views: "bnhd" of (B, N, H, D) memory; "fused" slices of one
+    (B, N, 3, H, D) projection (row stride 3 H D; needs h == hk, nq == nk); "mixed" q in
+    (B, N, H, D) memory, k and v contiguous."""
+    if layout == "fused":
+        x = torch.randn(b, nq, 3, h, d, dtype=dtype, device=device)
+        return tuple(t.transpose(1, 2) for t in x.unbind(2))
+    if layout == "mixed":
+        q = qkv(b, h, hk, nq, nk, d, dtype, device, layout="bnhd")[0]
+        return (q, *qkv(b, h, hk, nq, nk, d, dtype, device)[1:])
+    return qkv(b, h, hk, nq, nk, d, dtype, device, layout=layout)
+
+
+# -- CPU: views, render, plans, compile -----------------------------------------------------------
+
+def test_tile_view_takes_either_layout():
+    view = launch_hopper.tile_view
+    q = torch.empty(2, 4, 100, 64)
+    assert view(q) == ([8, 100, 64], [6400, 64, 1])                       # (B*H, N, D)
+    assert not launch_hopper.needs_bnhd(q)
+    bnhd = torch.empty(2, 100, 4, 64).transpose(1, 2)
+    assert view(bnhd) == ([2, 100, 256], [25600, 256, 1])                 # (B, N, H*D)
+    assert launch_hopper.needs_bnhd(q, bnhd)
+    fused = torch.empty(2, 100, 3, 4, 64).unbind(2)[1].transpose(1, 2)
+    assert view(fused) == ([2, 100, 256], [76800, 768, 1])                # rows 3 H D apart
+    one = torch.empty(1, 100, 4, 64).transpose(1, 2)                      # B = 1: both; the first
+    assert view(one) == ([4, 100, 64], [64, 256, 1]) and not launch_hopper.needs_bnhd(one)
+    assert view(torch.empty(2, 4, 64, 100).transpose(2, 3)) is None     # D not contiguous
+    assert view(torch.empty(2, 100, 64, 4).permute(0, 3, 1, 2)) is None  # heads interleaved
+    assert not launch_hopper.addressable(torch.empty(2, 100, 4, 65)[..., :64].transpose(1, 2))
+
+
+@pytest.mark.parametrize("name", [n for ns in (*FWD.values(), *BWD.values()) for n in ns]
+                         + ["hopper_fwd-m64-n128-w4-s3-pingpong=true-lr24-window=true",
+                            "hopper_fwd-m64-n128-w4-s3-pingpong=true-lr24-block_sparse=true",
+                            "hopper_bwd-m64-n128-w8-s2-softcap=true-window=true"])
+def test_bnhd_code_only_in_bnhd_renders(name):
+    v = Variant.parse(name)
+    b = dataclasses.replace(v, bnhd=True)
+    assert Variant.parse(b.name) == b and kernel_hash(v) != kernel_hash(b)
+    dense, rows = render(v), render(b)
+    assert "tile_at" not in code_lines(dense) and "tile_at(" in code_lines(rows)
+    assert len(dense.splitlines()) == len(rows.splitlines())  # line numbers match
+    # only the TMA coordinates (and the helper's import) differ
+    changed = set(code_lines(rows).splitlines()) - set(code_lines(dense).splitlines())
+    assert all("tile_at" in ln or ln.strip().startswith("ready.index") for ln in changed), changed
+
+
+def test_bnhd_and_varlen_are_two_layouts():
+    with pytest.raises(ValueError, match="varlen and bnhd"):
+        Variant.parse("hopper_bwd-m64-n64-w4-s2-dq=gluon-varlen=true-bnhd=true")
+
+
+@pytest.mark.parametrize("layout", ["bhnd", "bnhd", "fused", "mixed"])
+def test_plans_take_the_bnhd_render_for_such_calls(layout, monkeypatch):
+    """Meta tensors (the plan is built as for a GPU, nothing launched)."""
+    from flashtune.launch_hopper_bwd import HopperBwdPlan
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    q, k, v = tensors(layout, 2, 4, 4, 256, 256, 128, torch.bfloat16, "meta")
+    fwd = launch_hopper.HopperFwdPlan(q, k, v, True, None, Variant.parse(FWD[128][0]))
+    assert fwd.why == "" and fwd.fallback is None
+    assert fwd.variant.bnhd == (layout != "bhnd")
+    bwd = HopperBwdPlan(q, k, v, True, None, Variant.parse(BWD[128][0]))
+    assert bwd.why == "" and bwd.variant == Variant.parse(BWD[128][0])  # dO decides per call
+    kernel, dq_kernel = bwd._launchers(True)
+    assert dq_kernel is not None and kernel is not bwd._launchers(False)[0]
+    # heads not side by side (nor mergeable): the generic family, as before
+    odd = torch.empty(2, 256, 128, 4, dtype=torch.bfloat16, device="meta").permute(0, 3, 1, 2)
+    assert launch_hopper.HopperFwdPlan(odd, k, v, True, None, Variant.parse(FWD[128][0])).why
+
+
+def test_shipped_kinds_of_bnhd_render_compile_for_sm90():
+    """The renders of two D=128 causal records, bnhd: no spills, as their dense renders (~20 s;
+    triton 3.9 here: the non-causal m64-n128-s2 record spills 28 B dense, 60 B bnhd)."""
+    import json
+    from test_compile_sm90 import kernels_check
+    names = ["hopper_fwd-m64-n64-w4-s3-causal_split=false-pingpong=true-persistent=true-lr56-qb2"
+             "-head_order=true-early_k_release=true-async_o_store=true-bnhd=true",
+             BWD[128][0] + "-bnhd=true"]
+    r = kernels_check(*names, "--head-dim", "128", "--causal", "--format", "json")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    rows = json.loads(r.stdout)
+    assert {(row["variant"].split("-")[0], row["kernel"]) for row in rows} == {
+        ("hopper_fwd", "fwd"), ("hopper_bwd", "bwd"), ("hopper_bwd", "dq")}
+    assert all(row["spill_bytes"] == 0 for row in rows), rows
+
+
+# -- GPU: against the float64 reference ----------------------------------------------------------
+
+# (b, h, hk, nq, nk): tails inside a tile, GQA with Nq != Nk, causal rows that see no key (Nq > Nk)
+SHAPES = [(2, 4, 4, 300, 300), (2, 8, 2, 200, 333), (3, 4, 1, 129, 64)]
+FWD_CASES = [(n, d, s, torch.bfloat16) for d, ns in FWD.items() for n in ns for s in SHAPES[:2]]
+FWD_CASES += [(ns[0], d, SHAPES[2], torch.float16) for d, ns in FWD.items()]
+BWD_CASES = [(n, d, s, torch.bfloat16) for d, ns in BWD.items() for n in ns for s in SHAPES[:2]]
+BWD_CASES += [(ns[0], d, SHAPES[2], torch.float16) for d, ns in BWD.items()]
+
+
+@pytest.fixture
+def no_fallback(monkeypatch):
+    """A check that every Hopper plan of the test ran its own kernels: none handed its call to
+    the generic family (at build or per call)."""
+    from flashtune.launch_hopper_bwd import HopperBwdPlan
+    plans, generic = [], []
+    for cls in (launch_hopper.HopperFwdPlan, HopperBwdPlan):
+        real = cls.run
+        monkeypatch.setattr(cls, "run", lambda self, *a, real=real: plans.append(self)
+                            or real(self, *a))
+    real_generic = launch_hopper.generic_plan
+    monkeypatch.setattr(launch_hopper, "generic_plan", lambda *a, **kw: generic.append(a)
+                        or real_generic(*a, **kw))
+
+    def check(*kinds):
+        assert [type(p).__name__ for p in plans] == list(kinds), plans
+        assert all(p.why == "" and p.fallback is None for p in plans) and not generic
+    return check
+
+
+@pytest.mark.gpu
+@hopper_gpu
+@pytest.mark.parametrize("name,d,shape,dtype", FWD_CASES)
+@pytest.mark.parametrize("causal", [False, True])
+def test_forward_matches_reference(name, d, shape, dtype, causal, no_fallback):
+    q, k, v = tensors("bnhd", *shape, d, dtype, "cuda")
+    with flashtune.force(name):
+        out = assert_matches_reference(q, k, v, causal=causal)
+    assert out.stride() == q.stride()
+    no_fallback("HopperFwdPlan")
+
+
+@pytest.mark.gpu
+@hopper_gpu
+@pytest.mark.parametrize("name,d,shape,dtype", BWD_CASES)
+@pytest.mark.parametrize("causal", [False, True])
+def test_backward_matches_reference(name, d, shape, dtype, causal, no_fallback):
+    q, k, v = tensors("bnhd", *shape, d, dtype, "cuda")
+    with flashtune.force(name):
+        _, dq, dk, dv = assert_grads_match(q, k, v, causal=causal)
+    assert (dq.stride(), dk.stride(), dv.stride()) == (q.stride(), k.stride(), v.stride())
+    no_fallback("HopperBwdPlan")  # the forward: the generic fwd's default (forced bwd variant)
+
+
+@pytest.mark.gpu
+@hopper_gpu
+@pytest.mark.parametrize("layout", ["fused", "mixed"])
+def test_fused_and_mixed_layouts(layout, no_fallback):
+    q, k, v = tensors(layout, 2, 4, 4, 333, 333, 128, torch.bfloat16, "cuda")
+    with flashtune.force(FWD[128][0]):
+        assert_matches_reference(q, k, v, causal=True, scale=0.3)
+    with flashtune.force(BWD[128][0]):
+        assert_grads_match(q, k, v, causal=True, scale=0.3)
+    no_fallback("HopperFwdPlan", "HopperBwdPlan")
+
+
+@pytest.mark.gpu
+@hopper_gpu
+@pytest.mark.parametrize("q_layout", ["bhnd", "bnhd"])
+def test_do_in_another_layout_than_q(q_layout, no_fallback):
+    """dO in (B, N, H, D) memory for a contiguous q (the bnhd kernels for the dense plan's
+    call), and a contiguous dO for (B, N, H, D) inputs."""
+    q, k, v = tensors(q_layout, 2, 8, 2, 300, 300, 128, torch.bfloat16, "cuda")
+    do = (torch.randn(2, 300, 8, 128, dtype=q.dtype, device="cuda").transpose(1, 2)
+          if q_layout == "bhnd" else torch.randn(2, 8, 300, 128, dtype=q.dtype, device="cuda"))
+    with flashtune.force(BWD[128][0]):
+        assert_grads_match(q, k, v, causal=True, do=do)
+    no_fallback("HopperBwdPlan")
+
+
+@pytest.mark.gpu
+@hopper_gpu
+def test_dispatched_bnhd_calls_run_the_hopper_families(no_fallback):
+    """Through the shipped H100 table: a D=128 causal 1k call in (B, N, H, D) memory runs
+    hopper_fwd's and hopper_bwd's bnhd kernels (it ran the generic families before)."""
+    q, k, v = tensors("bnhd", 2, 16, 16, 1024, 1024, 128, torch.bfloat16, "cuda")
+    assert_grads_match(q, k, v, causal=True)
+    no_fallback("HopperFwdPlan", "HopperBwdPlan")
