@@ -275,12 +275,15 @@ print('torch', torch.cuda.get_device_name(0), targets.detect(0).slug)" 2>&1 | te
     bnhd)     # the Hopper families' bnhd renders (q/k/v in (B, N, H, D) memory): their GPU tests, the
               # shipped Hopper records' spills compiled both ways (triton 3.6), then both layouts
               # timed beside SDPA's cuDNN and flash backends (D 64/128, N 1k/4k)
-              timeout ${BNHD_TIMEOUT:-240} python3 -m pytest -q tests/test_hopper_bnhd.py 2>&1 \
-                | tee "$OUT/bnhd_tests.log" | tail -8
-              timeout 150 python3 bench/bnhd_spills.py --jobs 16 --out "$OUT/bnhd_spills.jsonl" 2>&1 \
+              timeout ${BNHD_TIMEOUT:-240} python3 -m pytest -q tests/test_hopper_bnhd.py \
+                ${BNHD_K:+-k "$BNHD_K"} 2>&1 | tee "$OUT/bnhd_tests.log" | tail -8
+              [ -n "${BNHD_K:-}" ] || timeout 150 python3 bench/bnhd_spills.py --jobs 16 --out "$OUT/bnhd_spills.jsonl" 2>&1 \
                 | grep -v "leak\|nanobind\|^ - \|skipped remainder" | tee "$OUT/bnhd_spills.log" | tail -12
               timeout 240 python3 bench/layout_bench.py --out "$OUT/layout.jsonl" 2>&1 \
                 | tee "$OUT/layout.log" | tail -30 ;;
+    fbprof)   # the kernels of a fwd+bwd step against its passes timed apart, per layout
+              timeout 200 python3 bench/fb_profile.py --out "$OUT/fb_profile.json" ${FBPROF_ARGS:-} 2>&1 \
+                | tee "$OUT/fb_profile.log" | tail -40 ;;
     hfstatic) # the static-cache generate() tests, with CUDA graph trees recording where every pool
               # allocation came from (their "tensor not tracked as outputs" error then names it)
               timeout 240 python3 -c "import sys, pytest, torch._inductor.config as c

@@ -1,5 +1,6 @@
 """flashtune and SDPA's backends on q, k, v in (B, H, N, D) memory and in (B, N, H, D) memory
-(a transformers model's projections viewed as (B, H, N, D)), same shapes, one run.
+(a transformers model's projections viewed as (B, H, N, D)), same shapes, one run; `ft-before`:
+flashtune with its Hopper plans refusing the (B, N, H*D) view, as before the bnhd renders.
 
     python3 bench/layout_bench.py --out layout.jsonl     # D 64/128, N 1k/4k, 16k tokens, bf16
 
@@ -13,6 +14,7 @@ families').
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from pathlib import Path
@@ -24,6 +26,7 @@ import triton  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
 import flashtune  # noqa: E402
+from flashtune import dispatch  # noqa: E402
 from flashtune.bench.runner import environment  # noqa: E402
 
 FACTOR = {"fwd": 1.0, "bwd": 2.5, "fwd+bwd": 3.5}
@@ -39,7 +42,22 @@ def impls():
             with sdpa_kernel(backend):
                 return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
         return run
-    return {"flashtune": ft, **{name: sdpa(b) for name, b in SDPA.items()}}
+    return {"flashtune": ft, "ft-before": ft, **{name: sdpa(b) for name, b in SDPA.items()}}
+
+
+@contextlib.contextmanager
+def before_bnhd(on: bool):
+    """flashtune as it was before the bnhd renders (`ft-before`): the Hopper plans take no
+    (B, N, H*D) view, so (B, N, H, D) calls run the generic families. Plans are built and cached
+    under the patch: the caller clears the cache around it."""
+    from flashtune import launch_hopper
+    real = launch_hopper._rows_view
+    if on:
+        launch_hopper._rows_view = lambda t: None
+    try:
+        yield
+    finally:
+        launch_hopper._rows_view = real
 
 
 def timed(fn, q, k, v, causal):
@@ -105,13 +123,18 @@ def main(argv=None) -> None:
                     if layout == "bnhd":
                         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
                     for name, fn in impls().items():
+                        if name == "ft-before" and layout == "bhnd":
+                            continue  # the same kernels as flashtune
+                        dispatch.clear_cache()  # no plan shared with ft-before
                         try:
-                            ms = timed(fn, q, k, v, causal)
+                            with before_bnhd(name == "ft-before"):
+                                ms = timed(fn, q, k, v, causal)
+                                plans = (plans_of(fn, q, k, v, causal)
+                                         if name.startswith("f") else [])
                         except RuntimeError as e:  # a backend that refuses the layout
                             print(f"{d:>3} {n:>5} {causal!s:<6} {layout:<5} {name:<11} "
                                   f"failed: {str(e).splitlines()[0][:80]}")
                             continue
-                        plans = plans_of(fn, q, k, v, causal) if name == "flashtune" else []
                         tf = {p: flops * FACTOR[p] / (m * 1e-3) / 1e12 for p, m in ms.items()}
                         emit({"kind": "result", "D": d, "N": n, "B": b, "H": h,
                               "causal": causal, "layout": layout, "impl": name, "ms": ms,
