@@ -280,7 +280,7 @@ print('torch', torch.cuda.get_device_name(0), targets.detect(0).slug)" 2>&1 | te
               [ -n "${BNHD_K:-}" ] || timeout 150 python3 bench/bnhd_spills.py --jobs 16 --out "$OUT/bnhd_spills.jsonl" 2>&1 \
                 | grep -v "leak\|nanobind\|^ - \|skipped remainder" | tee "$OUT/bnhd_spills.log" | tail -12
               timeout ${LAYOUT_TIMEOUT:-300} python3 bench/layout_bench.py --out "$OUT/layout.jsonl" 2>&1 \
-                | tee "$OUT/layout.log" | tail -30 ;;
+                | tee "$OUT/layout.log" | tail -44 ;;
     fbprof)   # the kernels of a fwd+bwd step against its passes timed apart, per layout
               timeout 200 python3 bench/fb_profile.py --out "$OUT/fb_profile.json" ${FBPROF_ARGS:-} 2>&1 \
                 | tee "$OUT/fb_profile.log" | tail -40 ;;
