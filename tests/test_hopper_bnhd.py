@@ -209,8 +209,14 @@ def test_do_in_another_layout_than_q(q_layout, no_fallback):
 @pytest.mark.gpu
 @hopper_gpu
 def test_dispatched_bnhd_calls_run_the_hopper_families(no_fallback):
-    """Through the shipped H100 table: a D=128 causal 1k call in (B, N, H, D) memory runs
-    hopper_fwd's and hopper_bwd's bnhd kernels (it ran the generic families before)."""
-    q, k, v = tensors("bnhd", 16, 16, 16, 1024, 1024, 128, torch.bfloat16, "cuda")  # the bench's
+    """Through the shipped table (the H100's: both Hopper families serve this bench shape, D=128
+    causal 1k; the H200's gives the backward to the generic bwd): a call in (B, N, H, D) memory
+    runs the family the dispatcher names, with its bnhd kernels (before: the generic families)."""
+    from flashtune.problem import Problem
+    q, k, v = tensors("bnhd", 16, 16, 16, 1024, 1024, 128, torch.bfloat16, "cuda")
     assert_grads_match(q, k, v, causal=True)
-    no_fallback("HopperFwdPlan", "HopperBwdPlan")
+    plan = {"hopper_fwd": "HopperFwdPlan", "hopper_bwd": "HopperBwdPlan"}
+    names = [plan.get(flashtune.explain(Problem(f, "bfloat16", 128, True, 1, 16, 16, 1024,
+                                                1024)).variant.family) for f in ("fwd", "bwd")]
+    assert names[0] == "HopperFwdPlan"  # every H100 / H200 table's record there
+    no_fallback(*filter(None, names))
