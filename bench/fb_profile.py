@@ -65,7 +65,32 @@ def main(argv=None) -> None:
                 if e.device_type == torch.autograd.DeviceType.CUDA:
                     per[e.name[:90]] += e.device_time / a.steps / 1000  # ms per step
             rows[name] = dict(sorted(per.items(), key=lambda kv: -kv[1]))
-        report[layout] = {"ms": ms, "kernels_ms_per_step": rows}
+        # host time per call: launches queue ahead unless the host is the bottleneck
+        import cProfile
+        import io
+        import pstats
+        import time
+        host = {}
+        for name, fn in (("fwd+bwd", step), ("bwd", bwd)):
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            for _ in range(30):
+                fn()
+            host[name] = (time.perf_counter() - t) / 30 * 1e3
+            torch.cuda.synchronize()
+        pr = cProfile.Profile()
+        pr.enable()
+        for _ in range(20):
+            bwd()
+        torch.cuda.synchronize()
+        pr.disable()
+        buf = io.StringIO()
+        pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(14)
+        prof_txt = buf.getvalue()
+        print(f"  host ms per call (no sync): " + ", ".join(f"{k} {v:.3f}" for k, v in host.items()))
+        print("\n".join(prof_txt.splitlines()[:34]))
+        report[layout] = {"ms": ms, "kernels_ms_per_step": rows, "host_ms": host,
+                          "bwd_cprofile": prof_txt}
         print(f"== {layout}: " + ", ".join(f"{k} {v:.3f} ms" for k, v in ms.items()))
         for name, per in rows.items():
             print(f"  {name}: kernels {sum(per.values()):.3f} ms per step")
