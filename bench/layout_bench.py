@@ -8,8 +8,8 @@ Rows per (D, N, causal, layout, impl): fwd, bwd (autograd.grad on one saved grap
 like O: a model's gradient arrives through the same transpose) and fwd+bwd, in TFLOP/s
 (DESIGN.md: 4*B*H*N^2*D per forward, halved for causal; bwd 2.5x; fwd+bwd 3.5x). Times:
 triton.testing.do_bench medians (L2 flushed between runs). `plans` names the flashtune plans that
-ran each cell (HopperFwdPlan / HopperBwdPlan with the variant's bnhd render, or the generic
-families').
+ran each cell (HopperFwdPlan[bnhd]: hopper_fwd's bnhd render; HopperBwdPlan[rows]: hopper_bwd's
+varlen render on equal lengths; FwdPlan / BwdPlan: the generic families).
 """
 from __future__ import annotations
 
@@ -47,17 +47,20 @@ def impls():
 
 @contextlib.contextmanager
 def before_bnhd(on: bool):
-    """flashtune as it was before the bnhd renders (`ft-before`): the Hopper plans take no
-    (B, N, H*D) view, so (B, N, H, D) calls run the generic families. Plans are built and cached
+    """flashtune as it was before session 27 (`ft-before`): the Hopper plans take no view of
+    (B, N, H, D) memory, so such calls run the generic families. Plans are built and cached
     under the patch: the caller clears the cache around it."""
-    from flashtune import launch_hopper
-    real = launch_hopper._rows_view
+    from flashtune import launch_hopper, launch_hopper_bwd
+    mods = (launch_hopper, launch_hopper_bwd)
+    real = [m._rows_view for m in mods]
     if on:
-        launch_hopper._rows_view = lambda t: None
+        for m in mods:
+            m._rows_view = lambda t: None
     try:
         yield
     finally:
-        launch_hopper._rows_view = real
+        for m, r in zip(mods, real):
+            m._rows_view = r
 
 
 def timed(fn, q, k, v, causal):
@@ -73,6 +76,15 @@ def timed(fn, q, k, v, causal):
     return {"fwd": f, "bwd": b, "fwd+bwd": fb}
 
 
+def _plan_name(plan) -> str:
+    name = type(plan).__name__
+    if getattr(getattr(plan, "variant", None), "bnhd", False):
+        name += "[bnhd]"
+    if getattr(plan, "rows", None) is not None:
+        name += "[rows]"
+    return name + ("(fallback)" if getattr(plan, "why", "") else "")
+
+
 def plans_of(fn, q, k, v, causal) -> list:
     """The flashtune plan classes (and bnhd) one fwd+bwd ran."""
     from flashtune import launch, launch_bwd, launch_hopper, launch_hopper_bwd
@@ -81,9 +93,7 @@ def plans_of(fn, q, k, v, causal) -> list:
                 launch_bwd.BwdPlan):
         real = cls.run
         saved.append((cls, real))
-        cls.run = (lambda self, *a, real=real: seen.append(
-            type(self).__name__ + ("[bnhd]" if getattr(getattr(self, "variant", None), "bnhd",
-                                                       False) else "")) or real(self, *a))
+        cls.run = (lambda self, *a, real=real: seen.append(_plan_name(self)) or real(self, *a))
     try:
         xs = [t.detach().requires_grad_() for t in (q, k, v)]
         out = fn(*xs, causal)

@@ -67,15 +67,14 @@ def _rows_view(t: torch.Tensor):
     return [b, n, h * d], [sb, sn, 1]
 
 
-def tile_view(t: torch.Tensor):
-    """The view a descriptor of `t` takes: (B*H, N, D) where the strides allow (every render),
-    else (B, N, H*D) (the bnhd renders' second view, flashtune/gluon_tiles.py), else None."""
-    return _view3(t) or _rows_view(t)
-
-
-def needs_bnhd(*tensors: torch.Tensor) -> bool:
-    """Some tensor takes the (B, N, H*D) view: the call needs the variant's bnhd render."""
-    return any(_view3(t) is None for t in tensors)
+def tile_view(*tensors: torch.Tensor):
+    """The view every descriptor of a call takes: _view3 ((B*H, N, D): every render) where all
+    the tensors allow it, else _rows_view ((B, N, H*D): bnhd renders, flashtune/gluon_tiles.py)
+    where all allow that; None: neither (the generic family serves the call)."""
+    for view in (_view3, _rows_view):
+        if all(view(t) is not None for t in tensors):
+            return view
+    return None
 
 
 def packed_view3(t: torch.Tensor):
@@ -86,9 +85,9 @@ def packed_view3(t: torch.Tensor):
     return None if sd != 1 else ([h, total, d], [sh, st, 1])
 
 
-def addressable(*tensors: torch.Tensor, view=tile_view) -> bool:
-    """TMA can address each tensor's `view` (tile_view; packed_view3 for varlen): 16-byte
-    strides and base."""
+def addressable(*tensors: torch.Tensor, view=_view3) -> bool:
+    """TMA can address each tensor's `view` (_view3, _rows_view; packed_view3 for varlen):
+    16-byte strides and base."""
     for t in tensors:
         v = view(t)
         if v is None or t.data_ptr() % 16 or any(s * t.element_size() % 16 for s in v[1][:2]):
@@ -133,7 +132,7 @@ class HopperFwdPlan:
     this plan checks the base addresses itself (ops.run_forward would otherwise swap the variant
     for a pointer twin, which this family has not)."""
     __slots__ = ("variant", "kernel", "grid", "scale", "n_tiles", "consts", "layouts", "fallback",
-                 "why", "masks", "mask_args")
+                 "why", "masks", "mask_args", "view")
     descriptor = False
 
     def __init__(self, q, k, v, causal: bool, scale: float | None, variant: Variant,
@@ -150,9 +149,12 @@ class HopperFwdPlan:
         self.masks = masks
         self.why = unsupported(d, q.dtype) or _device_blocker(q.device)
         o_meta = alloc.meta_like(q)
-        if not self.why and not all(tile_view(t) for t in (q, k, v, o_meta)):
-            self.why = "strides TMA cannot describe as (B*H, N, D) or (B, N, H*D)"
-        if not self.why and needs_bnhd(q, k, v, o_meta):  # e.g. transformers' projections
+        self.view = tile_view(q, k, v, o_meta)
+        if not self.why and self.view is None:
+            self.why = "strides TMA cannot describe as (B*H, N, D), nor as (B, N, H*D), for all"
+        elif not self.why and self.view is _rows_view:  # e.g. transformers' projections
+            if max(b, h) >= 1 << 16:
+                self.why = "(B, N, H, D) memory with batch or heads past 65,535"
             variant = self.variant = dataclasses.replace(variant, bnhd=True)
         self.fallback = None
         if self.why:
@@ -179,7 +181,7 @@ class HopperFwdPlan:
         if self.fallback is not None:
             return self.fallback.run(q, k, v)
         o = alloc.empty_like(q)  # keeps q's layout, as the generic plan's
-        if not addressable(q, k, v, o):  # this call's base addresses only: no memo
+        if not addressable(q, k, v, o, view=self.view):  # this call's bases only: no memo
             return generic_plan(q, k, v, self.consts["IS_CAUSAL"], self.scale,
                                  self.masks).run(q, k, v)
         from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
@@ -188,7 +190,7 @@ class HopperFwdPlan:
         bm, bn = self.variant.block_m, self.variant.block_n
 
         def desc(t, rows):
-            shape, strides = tile_view(t)
+            shape, strides = self.view(t)
             return TensorDescriptor(t, shape, strides, [1, rows, d], self.layouts[rows])
         self.kernel(self.grid, desc(q, bm), desc(k, bn), desc(v, bn), desc(o, bm), lse,
                     self.scale, *self.mask_args, h, nq, k.shape[2], self.n_tiles)

@@ -18,8 +18,8 @@ from . import alloc
 from .codegen import Variant, load
 from .launcher import Launcher
 from .launch import check_mask_variant, mask_args, mask_params
-from .launch_hopper import (_device_blocker, addressable, needs_bnhd, packed_view3, tile_layouts,
-                            tile_view)
+from .launch_hopper import (_device_blocker, _rows_view, _view3, addressable, packed_view3,
+                            tile_layouts)
 from .launch_hopper import unsupported as _unsupported
 from .families.hopper_bwd import dq_tiles
 from .masks import NONE, Masks
@@ -73,9 +73,9 @@ class HopperBwdPlan:
     block mask, dispatch.mask_twin; built like launch.FwdPlan: Family.plan_for);
     run(dout, q, k, v, o, lse) -> (dq, dk, dv) in the dtype and layout of q, k, v, as
     launch_bwd.backward."""
-    __slots__ = ("variant", "kernels", "grid", "scale", "causal", "consts", "layouts", "why",
-                 "generic", "masks", "mask_args", "fallback", "pre", "dq_plan", "dq_grid",
-                 "dq_mask_args")
+    __slots__ = ("variant", "kernel", "grid", "scale", "causal", "consts", "layouts", "why",
+                 "generic", "masks", "mask_args", "fallback", "pre", "dq_plan", "dq_kernel",
+                 "dq_grid", "dq_mask_args", "rows")
     descriptor = False
 
     def __init__(self, q, k, v, causal: bool, scale: float | None, variant: Variant,
@@ -102,10 +102,15 @@ class HopperBwdPlan:
         self.generic = _generic_variant(d, q.dtype)  # its preprocess (no masks in 16 bits)
         self.fallback = None  # the generic bwd's plan, built when first needed
         self.dq_plan = None  # dq="separate": the generic bwd's plan that runs dQ
-        self.kernels = {}  # bnhd -> (dK/dV kernel, dq="gluon"'s dQ kernel or None): _launchers
+        self.dq_kernel = None  # dq="gluon": the template's dQ kernel, one program a query block
+        self.rows = None  # (B, N, H, D) memory: the varlen render on equal lengths (RowsBwd)
         self.why = _cannot_launch(variant, q)
-        if not self.why and not all(tile_view(t) for t in (q, k, v)):
-            self.why = "strides TMA cannot describe as (B*H, N, D) or (B, N, H*D)"
+        if not self.why and not all(_view3(t) for t in (q, k, v)):
+            self.why = "strides TMA cannot describe as (B*H, N, D)"
+            if all(_rows_view(t) for t in (q, k, v)) and not masks.any and not variant.dq_overlap:
+                self.rows = RowsBwd(q, k, self.causal, scale, variant)
+                self.why = self.rows.plan.why
+            return
         if not self.why and b * h > 65535:  # its grids' second axis: B * Hk, dQ's B * H
             self.why = f"batch x heads = {b * h} passes a grid axis's 65,535"
         if self.why:
@@ -119,10 +124,12 @@ class HopperBwdPlan:
         self.consts = dict(HEAD_DIM=d, BLOCK_M=variant.block_m, BLOCK_N=variant.block_n,
                            STAGES=variant.num_stages, GROUP=h // hk, IS_CAUSAL=self.causal,
                            num_warps=variant.num_warps, **mask_params(masks))
+        self.kernel = Launcher(load(variant).attn_bwd_hopper, **self.consts)
         self.pre = preprocess_launch(q, k, self.causal, self.generic)
         if variant.dq == "gluon":
-            self.dq_grid = (triton.cdiv(nq, dq_kernel_consts(variant, self.consts)["BLOCK_M"]),
-                            b * h)
+            dq_consts = dq_kernel_consts(variant, self.consts)
+            self.dq_kernel = Launcher(load(variant).attn_bwd_dq_hopper, **dq_consts)
+            self.dq_grid = (triton.cdiv(nq, dq_consts["BLOCK_M"]), b * h)
             # window / softcap: the same bounds and cap as the dK/dV kernel's (no block mask)
             self.dq_mask_args = mask_args(masks, causal, "q", b, h)
         # dq="separate": the generic bwd's dQ kernel (its default tiles, the call's masks)
@@ -132,19 +139,13 @@ class HopperBwdPlan:
                                            _generic_variant(d, q.dtype, masks, dq="separate"),
                                            masks)
 
-    def _launchers(self, bnhd: bool) -> tuple:
-        """(dK/dV kernel, dQ kernel or None) of the variant's dense or bnhd render (the latter for
-        a call with a tensor in (B, N, H, D) memory: its dO may be, where q, k, v are not)."""
-        if bnhd not in self.kernels:
-            module = load(dataclasses.replace(self.variant, bnhd=bnhd))
-            dq = (Launcher(module.attn_bwd_dq_hopper, **dq_kernel_consts(self.variant, self.consts))
-                  if self.variant.dq == "gluon" else None)
-            self.kernels[bnhd] = Launcher(module.attn_bwd_hopper, **self.consts), dq
-        return self.kernels[bnhd]
-
     def run(self, dout, q, k, v, o, lse):
+        if self.rows is not None:
+            return self.rows.run(dout, q, k, v, o, lse)
         dk = alloc.empty_like(k)  # keeps the caller's layout, as the generic bwd
         dv = alloc.empty_like(v)
+        if not self.why and not addressable(dout) and addressable(q, k, v, dk, dv):
+            dout = dout.contiguous()  # e.g. the (B, N, H, D) gradient of a (B, H, N, D) output
         if self.why or not addressable(q, k, v, dout, dk, dv):  # base addresses: per call
             if self.fallback is None:
                 from . import launch_bwd
@@ -154,27 +155,26 @@ class HopperBwdPlan:
             return self.fallback.run(dout, q, k, v, o, lse)
         from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
         delta, lse2 = preprocess(self.pre, dout, q, k, v, o, lse, self.scale)
-        dq = alloc.empty_like(q)  # q's layout, as the generic bwd (dq_acc is contiguous)
-        # dq="gluon": TMA stores dQ in q's layout; one it cannot address goes through a copy
-        out = dq if addressable(dq) else torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        kernel, dq_kernel = self._launchers(needs_bnhd(q, k, v, dout, out, dk, dv))
-        separate = self.dq_plan is not None or dq_kernel is not None
+        separate = self.dq_plan is not None or self.dq_kernel is not None
         # the kernel adds dQ into a float32 buffer (dq="none"); separate, gluon: it writes none
         dq_acc = delta if separate else torch.zeros(q.shape, dtype=torch.float32,
                                                      device=q.device)
         bm, bn, d = self.variant.block_m, self.variant.block_n, q.shape[3]
 
         def desc(t, rows):
-            shape, strides = tile_view(t)
+            shape, strides = _view3(t)
             return TensorDescriptor(t, shape, strides, [1, rows, d], self.layouts[rows])
-        kernel(self.grid, desc(q, bm), desc(k, bn), desc(v, bn), desc(dout, bm), desc(dk, bn),
-               desc(dv, bn), dq_acc, lse2, delta, self.scale, *self.mask_args, q.shape[1],
-               q.shape[2], k.shape[2])
-        if dq_kernel is not None:
+        self.kernel(self.grid, desc(q, bm), desc(k, bn), desc(v, bn), desc(dout, bm),
+                    desc(dk, bn), desc(dv, bn), dq_acc, lse2, delta, self.scale,
+                    *self.mask_args, q.shape[1], q.shape[2], k.shape[2])
+        dq = alloc.empty_like(q)  # q's layout, as the generic bwd (dq_acc is contiguous)
+        if self.dq_kernel is not None:
+            # TMA stores dQ in q's layout; one it cannot address goes through a contiguous copy
+            out = dq if addressable(dq) else torch.empty(q.shape, dtype=q.dtype, device=q.device)
             bm2, bn2 = dq_tiles(self.variant)[:2]
-            dq_kernel(self.dq_grid, desc(q, bm2), desc(k, bn2), desc(v, bn2), desc(dout, bm2),
-                      desc(out, bm2), lse2, delta, self.scale, *self.dq_mask_args, q.shape[1],
-                      q.shape[2], k.shape[2])
+            self.dq_kernel(self.dq_grid, desc(q, bm2), desc(k, bn2), desc(v, bn2),
+                           desc(dout, bm2), desc(out, bm2), lse2, delta, self.scale,
+                           *self.dq_mask_args, q.shape[1], q.shape[2], k.shape[2])
             if out is not dq:
                 dq.copy_(out)
         elif separate:
@@ -182,6 +182,39 @@ class HopperBwdPlan:
         else:
             dq.copy_(dq_acc)
         return dq, dk, dv
+
+
+def _packed(t: torch.Tensor) -> torch.Tensor:
+    """The (B*N, H, D) view of a (B, H, N, D) tensor in (B, N, H, D) memory (a copy otherwise)."""
+    b, h, n, d = t.shape
+    return t.transpose(1, 2).reshape(b * n, h, d)
+
+
+class RowsBwd:
+    """A dense backward whose q, k, v lie in (B, N, H, D) memory (a transformers model's
+    projections), run by hopper_bwd's varlen render as B sequences of equal lengths over the
+    (B*N, H, D) views -- no copy of q, k, v; dO and O are copied only in another layout. Its
+    tiles take their rows by (head, sequence start + row): the dense render's (B*H, N, D)
+    descriptors cannot describe that memory, and the varlen kernels were measured at least as
+    fast as the dense ones (docs/benchmarks.md, session 27). LSE goes in as (H, B*Nq), a copy of
+    B*H*Nq floats."""
+    __slots__ = ("plan", "cu")
+
+    def __init__(self, q, k, causal: bool, scale: float | None, variant: Variant):
+        b, _, nq, _ = q.shape
+        nk = k.shape[2]
+        self.plan = HopperBwdVarlenPlan(_packed(q), _packed(k), b, nq, nk, causal, scale,
+                                        dataclasses.replace(variant, varlen=True))
+        self.cu = tuple(torch.arange(0, (b + 1) * n, n, dtype=torch.int32, device=q.device)
+                        for n in (nq, nk))
+
+    def run(self, dout, q, k, v, o, lse):
+        b, h, nq, _ = q.shape
+        grads = self.plan.run(*map(_packed, (dout, q, k, v, o)),
+                              lse.transpose(0, 1).reshape(h, b * nq), self.cu)
+        # (B*N, H, D) in the layout of the packed views: back to (B, H, N, D) views of it
+        return tuple(g.view(x.shape[0], x.shape[2], x.shape[1], x.shape[3]).transpose(1, 2)
+                     for g, x in zip(grads, (q, k, v)))
 
 
 def preprocess_launch(q, k, causal: bool, generic: Variant) -> tuple:

@@ -1,9 +1,10 @@
-"""The Hopper families' bnhd renders (Variant.bnhd): q, k, v, O and the gradients in (B, N, H, D)
-memory -- a transformers model's projections viewed as (B, H, N, D), or slices of one fused QKV
-projection -- addressed by TMA as (B, N, H*D), where the dense renders take only (B*H, N, D)
-and such calls ran the generic families. CPU tests: the views, the render (the dense kernels'
-code untouched), the plans' choice and the sm_90 compile; GPU tests force the Hopper families
-on these layouts (odd lengths, GQA, Nq != Nk, causal rows that see no key, dO in another layout
+"""q, k, v in (B, N, H, D) memory -- a transformers model's projections viewed as (B, H, N, D),
+or slices of one fused QKV projection -- on the Hopper families, where the dense renders' (B*H,
+N, D) descriptors cannot reach and such calls ran the generic families: hopper_fwd's bnhd render
+(Variant.bnhd; descriptors over (B, N, H*D)) and hopper_bwd's varlen render on equal lengths
+(launch_hopper_bwd.RowsBwd). CPU tests: the views, the render (the dense kernels' code
+untouched), the plans' choice and the sm_90 compile; GPU tests force the Hopper families on
+these layouts (odd lengths, GQA, Nq != Nk, causal rows that see no key, dO in another layout
 than q) against the float64 reference, and check that they ran the Gluon kernels."""
 import dataclasses
 
@@ -51,27 +52,27 @@ def tensors(layout, b, h, hk, nq, nk, d, dtype, device):
 
 # -- CPU: views, render, plans, compile -----------------------------------------------------------
 
-def test_tile_view_takes_either_layout():
+def test_tile_view_takes_one_view_for_all_tensors():
     view = launch_hopper.tile_view
     q = torch.empty(2, 4, 100, 64)
-    assert view(q) == ([8, 100, 64], [6400, 64, 1])                       # (B*H, N, D)
-    assert not launch_hopper.needs_bnhd(q)
+    assert view(q) is launch_hopper._view3 and view(q)(q) == ([8, 100, 64], [6400, 64, 1])
     bnhd = torch.empty(2, 100, 4, 64).transpose(1, 2)
-    assert view(bnhd) == ([2, 100, 256], [25600, 256, 1])                 # (B, N, H*D)
-    assert launch_hopper.needs_bnhd(q, bnhd)
+    assert view(bnhd) is launch_hopper._rows_view
+    assert view(bnhd)(bnhd) == ([2, 100, 256], [25600, 256, 1])           # (B, N, H*D)
     fused = torch.empty(2, 100, 3, 4, 64).unbind(2)[1].transpose(1, 2)
-    assert view(fused) == ([2, 100, 256], [76800, 768, 1])                # rows 3 H D apart
-    one = torch.empty(1, 100, 4, 64).transpose(1, 2)                      # B = 1: both; the first
-    assert view(one) == ([4, 100, 64], [64, 256, 1]) and not launch_hopper.needs_bnhd(one)
+    assert view(fused)(fused) == ([2, 100, 256], [76800, 768, 1])       # rows 3 H D apart
+    one = torch.empty(1, 100, 4, 64).transpose(1, 2)                    # B = 1: both; the first
+    assert view(one) is launch_hopper._view3 and view(one, bnhd) is launch_hopper._rows_view
+    assert view(q, bnhd) is None                                          # mixed: neither
     assert view(torch.empty(2, 4, 64, 100).transpose(2, 3)) is None     # D not contiguous
     assert view(torch.empty(2, 100, 64, 4).permute(0, 3, 1, 2)) is None  # heads interleaved
-    assert not launch_hopper.addressable(torch.empty(2, 100, 4, 65)[..., :64].transpose(1, 2))
+    assert not launch_hopper.addressable(torch.empty(2, 100, 4, 65)[..., :64].transpose(1, 2),
+                                         view=launch_hopper._rows_view)
 
 
-@pytest.mark.parametrize("name", [n for ns in (*FWD.values(), *BWD.values()) for n in ns]
+@pytest.mark.parametrize("name", [n for ns in FWD.values() for n in ns]
                          + ["hopper_fwd-m64-n128-w4-s3-pingpong=true-lr24-window=true",
-                            "hopper_fwd-m64-n128-w4-s3-pingpong=true-lr24-block_sparse=true",
-                            "hopper_bwd-m64-n128-w8-s2-softcap=true-window=true"])
+                            "hopper_fwd-m64-n128-w4-s3-pingpong=true-lr24-block_sparse=true"])
 def test_bnhd_code_only_in_bnhd_renders(name):
     v = Variant.parse(name)
     b = dataclasses.replace(v, bnhd=True)
@@ -79,51 +80,47 @@ def test_bnhd_code_only_in_bnhd_renders(name):
     dense, rows = render(v), render(b)
     assert "tile_at" not in code_lines(dense) and "tile_at(" in code_lines(rows)
     assert len(dense.splitlines()) == len(rows.splitlines())  # line numbers match
-    # only the TMA coordinates (and the helper's import) differ
+    # only the TMA coordinates (and how the tile's batch and head are packed for them) differ
     changed = set(code_lines(rows).splitlines()) - set(code_lines(dense).splitlines())
-    assert all("tile_at" in ln or ln.strip().startswith("ready.index") for ln in changed), changed
-
-
-def test_bnhd_and_varlen_are_two_layouts():
-    with pytest.raises(ValueError, match="varlen and bnhd"):
-        Variant.parse("hopper_bwd-m64-n64-w4-s2-dq=gluon-varlen=true-bnhd=true")
+    assert all("tile_at" in ln or "<< 16" in ln or ln.strip().startswith("q_ready.index")
+               for ln in changed), changed
+    with pytest.raises(ValueError, match="bnhd"):
+        Variant.parse("hopper_bwd-m64-n64-w4-s2-dq=gluon-bnhd=true")  # RowsBwd: varlen's
 
 
 @pytest.mark.parametrize("layout", ["bhnd", "bnhd", "fused", "mixed"])
-def test_plans_take_the_bnhd_render_for_such_calls(layout, monkeypatch):
-    """Meta tensors (the plan is built as for a GPU, nothing launched)."""
+def test_plans_take_the_bnhd_kernels_for_such_calls(layout, monkeypatch):
+    """Meta tensors (the plan is built as for a GPU, nothing launched); q, k, v in two layouts
+    at once keep the generic families."""
     from flashtune.launch_hopper_bwd import HopperBwdPlan
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     q, k, v = tensors(layout, 2, 4, 4, 256, 256, 128, torch.bfloat16, "meta")
     fwd = launch_hopper.HopperFwdPlan(q, k, v, True, None, Variant.parse(FWD[128][0]))
-    assert fwd.why == "" and fwd.fallback is None
-    assert fwd.variant.bnhd == (layout != "bhnd")
     bwd = HopperBwdPlan(q, k, v, True, None, Variant.parse(BWD[128][0]))
-    assert bwd.why == "" and bwd.variant == Variant.parse(BWD[128][0])  # dO decides per call
-    kernel, dq_kernel = bwd._launchers(True)
-    assert dq_kernel is not None and kernel is not bwd._launchers(False)[0]
-    # heads not side by side (nor mergeable): the generic family, as before
-    odd = torch.empty(2, 256, 128, 4, dtype=torch.bfloat16, device="meta").permute(0, 3, 1, 2)
-    assert launch_hopper.HopperFwdPlan(odd, k, v, True, None, Variant.parse(FWD[128][0])).why
+    if layout == "mixed":
+        assert fwd.why and fwd.fallback is not None and bwd.why and bwd.rows is None
+        return
+    assert fwd.why == "" and fwd.fallback is None and bwd.why == ""
+    assert fwd.variant.bnhd == (layout != "bhnd") and (bwd.rows is None) == (layout == "bhnd")
+    if bwd.rows is not None:
+        assert bwd.rows.plan.variant == dataclasses.replace(bwd.variant, varlen=True)
+    # a window: the varlen render takes none, so the generic bwd (the forward renders it)
+    win = HopperBwdPlan(q, k, v, True, None, Variant.parse(BWD[128][0] + "-window=true"),
+                        flashtune.masks.Masks(window=(64, 0)))
+    assert bool(win.why) == (layout != "bhnd") and win.rows is None
 
 
-def test_shipped_kinds_of_bnhd_render_compile_for_sm90():
-    """The renders of two D=128 causal records, bnhd: no spills, as their dense renders (~20 s).
-    Triton 3.9 (CI); 3.6 (the H100 machine) spills 8 B in the bnhd dK/dV kernel, 0 dense
-    (bench/bnhd_spills.py compares every shipped record's two renders)."""
+def test_shipped_kind_of_bnhd_render_compiles_for_sm90():
+    """The bnhd render of a D=128 causal record and of the D=256 default: no spills, as their
+    dense renders (~20 s; bench/bnhd_spills.py compares every shipped record's two renders)."""
     import json
     from test_compile_sm90 import kernels_check
     names = ["hopper_fwd-m64-n64-w4-s3-causal_split=false-pingpong=true-persistent=true-lr56-qb2"
-             "-head_order=true-early_k_release=true-async_o_store=true-bnhd=true",
-             BWD[128][0] + "-bnhd=true"]
+             "-head_order=true-early_k_release=true-async_o_store=true-bnhd=true"]
     r = kernels_check(*names, "--head-dim", "128", "--causal", "--format", "json")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     rows = json.loads(r.stdout)
-    assert {(row["variant"].split("-")[0], row["kernel"]) for row in rows} == {
-        ("hopper_fwd", "fwd"), ("hopper_bwd", "bwd"), ("hopper_bwd", "dq")}
-    import triton
-    old = tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 9)
-    assert all(row["spill_bytes"] <= (8 if old else 0) for row in rows), rows
-    assert old or r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert len(rows) == 1 and rows[0]["spill_bytes"] == 0, rows
 
 
 # -- GPU: against the float64 reference ----------------------------------------------------------
@@ -153,6 +150,8 @@ def no_fallback(monkeypatch):
     def check(*kinds):
         assert [type(p).__name__ for p in plans] == list(kinds), plans
         assert all(p.why == "" and p.fallback is None for p in plans) and not generic
+        # RowsBwd's varlen plan: its own generic fallback unused
+        assert all(p.rows.plan.fallback is None for p in plans if getattr(p, "rows", None))
     return check
 
 
@@ -184,20 +183,23 @@ def test_backward_matches_reference(name, d, shape, dtype, causal, no_fallback):
 @hopper_gpu
 @pytest.mark.parametrize("layout", ["fused", "mixed"])
 def test_fused_and_mixed_layouts(layout, no_fallback):
+    """Slices of one fused QKV projection run the Hopper kernels; q in (B, N, H, D) memory beside
+    contiguous k, v (no one view for all) the generic families -- right either way."""
     q, k, v = tensors(layout, 2, 4, 4, 333, 333, 128, torch.bfloat16, "cuda")
     with flashtune.force(FWD[128][0]):
         assert_matches_reference(q, k, v, causal=True, scale=0.3)
     with flashtune.force(BWD[128][0]):
         assert_grads_match(q, k, v, causal=True, scale=0.3)
-    no_fallback("HopperFwdPlan", "HopperBwdPlan")
+    if layout == "fused":
+        no_fallback("HopperFwdPlan", "HopperBwdPlan")
 
 
 @pytest.mark.gpu
 @hopper_gpu
 @pytest.mark.parametrize("q_layout", ["bhnd", "bnhd"])
 def test_do_in_another_layout_than_q(q_layout, no_fallback):
-    """dO in (B, N, H, D) memory for a contiguous q (the bnhd kernels for the dense plan's
-    call), and a contiguous dO for (B, N, H, D) inputs."""
+    """dO in (B, N, H, D) memory for a contiguous q, and a contiguous dO for (B, N, H, D)
+    inputs: copied into q's layout, the Hopper kernels run (the generic bwd did before)."""
     q, k, v = tensors(q_layout, 2, 8, 2, 300, 300, 128, torch.bfloat16, "cuda")
     do = (torch.randn(2, 300, 8, 128, dtype=q.dtype, device="cuda").transpose(1, 2)
           if q_layout == "bhnd" else torch.randn(2, 8, 300, 128, dtype=q.dtype, device="cuda"))

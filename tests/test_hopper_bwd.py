@@ -152,7 +152,7 @@ def test_gluon_dq_renders_its_own_dq_kernel_and_no_atomics():
     q = torch.empty(2, 4, 300, 256, dtype=torch.bfloat16, device="meta")
     k = torch.empty(2, 2, 300, 256, dtype=torch.bfloat16, device="meta")
     plan = HopperBwdPlan(q, k, k, True, None, g)
-    assert not plan.why and plan.dq_plan is None and plan._launchers(False)[1] is not None
+    assert not plan.why and plan.dq_plan is None and plan.dq_kernel is not None
     assert plan.dq_grid == (5, 8)  # cdiv(300, 64) query blocks, batch * q heads
     with pytest.raises(ValueError, match="walks no block mask"):
         from flashtune.block_mask import BlockMask
@@ -186,8 +186,7 @@ def test_gluon_dq_kernel_takes_its_own_tiles():
     k = torch.empty(2, 2, 300, 128, dtype=torch.bfloat16, device="meta")
     plan = HopperBwdPlan(q, k, k, False, None, g)
     assert plan.dq_grid == (3, 8)  # cdiv(300, 128) query blocks of the dQ kernel's rows
-    assert plan._launchers(False)[1].kwargs["BLOCK_M"] == 128 and \
-        plan._launchers(False)[1].kwargs["STAGES"] == 3
+    assert plan.dq_kernel.kwargs["BLOCK_M"] == 128 and plan.dq_kernel.kwargs["STAGES"] == 3
     resources = dict(FAM.resources(g, _problem(d=128), None))
     assert resources["attn_bwd_dq_hopper"].threads == 256
     with flashtune.force(g.name):  # a window keeps the dQ kernel and its tiles

@@ -119,7 +119,7 @@ def test_forced_masked_gluon_plan_passes_the_window_to_the_dq_kernel():
     k = torch.empty(1, 2, 300, 128, dtype=torch.bfloat16, device="meta")
     g = Variant.parse("hopper_bwd-m64-n64-w4-s2-dq=gluon-window=true-softcap=true")
     plan = HopperBwdPlan(q, k, k, True, None, g, _masks(True, (40, 0), 5.0))
-    assert plan._launchers(False)[1] is not None and plan.dq_mask_args == plan.mask_args
+    assert plan.dq_kernel is not None and plan.dq_mask_args == plan.mask_args
     assert len(plan.dq_mask_args) == 3 and plan.dq_mask_args[2] == 5.0
 
 
@@ -218,9 +218,9 @@ def test_step_schedule_covers_each_key_exactly(bm, bn, nq, nk, window, causal, s
 def test_masks_are_fields():
     # dq: none, separate or gluon; dq_overlap: the atomics under a product; block_m2 ..
     # num_stages2: the tiles of dq="gluon"'s dQ kernel; varlen: packed sequences
-    # (tests/test_hopper_bwd_varlen.py); bnhd: (B, N, H, D) memory (tests/test_hopper_bnhd.py)
+    # (tests/test_hopper_bwd_varlen.py)
     assert FAM.fields == ("dq", "dq_overlap", "window", "softcap", "block_sparse", "block_m2",
-                          "block_n2", "num_warps2", "num_stages2", "varlen", "bnhd")
+                          "block_n2", "num_warps2", "num_stages2", "varlen")
     assert FAM.mask_fields("bwd") == ("window", "softcap", "block_sparse")
     v = Variant.parse(DEFAULT + "-window=true-softcap=true")
     assert v.masks == ("window", "softcap") and Variant.parse(v.name) == v

@@ -28,7 +28,7 @@ FAMILY = Family(
     template="attn_hopper_bwd.py.tmpl",
     kernels=("attn_bwd_hopper",),
     fields=("dq", "dq_overlap", "window", "softcap", "block_sparse", "block_m2", "block_n2",
-            "num_warps2", "num_stages2", "varlen", "bnhd"),
+            "num_warps2", "num_stages2", "varlen"),
     defaults="flashtune.families.hopper_bwd:default",
     measure="flashtune.measure_hopper_bwd:OPS",
     compile_check="flashtune.families.hopper_bwd:compile_check",
@@ -113,8 +113,6 @@ def check(variant) -> str:
     if set_ and variant.dq != "gluon":
         return (f"{', '.join(set_)}: those fields tile dq='gluon''s dQ kernel, and this variant "
                 f"has dq={variant.dq!r}")
-    if variant.varlen and variant.bnhd:
-        return "varlen and bnhd: packed sequences have one layout, (total, H, D): take varlen"
     if variant.varlen:
         extra = [f for f in ("window", "softcap", "block_sparse", "dq_overlap")
                  if getattr(variant, f)]
