@@ -272,10 +272,11 @@ print('torch', torch.cuda.get_device_name(0), targets.detect(0).slug)" 2>&1 | te
                 --force-bwd hopper_bwd-m64-n64-w4-s2-dq=gluon \
                 --force-bwd bwd-m64-n128-w8-s3-causal_split=false-dq=fused-mq128-nq64 \
                 --force-bwd bwd-m64-n64-w4-s2-dq=fused-mq64-nq64 2>&1 | tee "$OUT/varlen_hopper.log" | tail -30 ;;
-    bnhd)     # the Hopper families' bnhd renders (q/k/v in (B, N, H, D) memory): their GPU tests, the
-              # shipped Hopper records' spills compiled both ways (triton 3.6), then both layouts
+    bnhd)     # q/k/v in (B, N, H, D) memory on the Hopper families (hopper_fwd's bnhd render,
+              # hopper_bwd's RowsBwd): their GPU tests (~240 s), the
+              # shipped hopper_fwd records' spills compiled both ways (triton 3.6), then both layouts
               # timed beside SDPA's cuDNN and flash backends (D 64/128, N 1k/4k)
-              timeout ${BNHD_TIMEOUT:-240} python3 -m pytest -q tests/test_hopper_bnhd.py \
+              timeout ${BNHD_TIMEOUT:-300} python3 -m pytest -q tests/test_hopper_bnhd.py \
                 ${BNHD_K:+-k "$BNHD_K"} 2>&1 | tee "$OUT/bnhd_tests.log" | tail -8
               [ -n "${BNHD_K:-}" ] || timeout 150 python3 bench/bnhd_spills.py --jobs 16 --out "$OUT/bnhd_spills.jsonl" 2>&1 \
                 | grep -v "leak\|nanobind\|^ - \|skipped remainder" | tee "$OUT/bnhd_spills.log" | tail -12

@@ -80,7 +80,7 @@ def _plan_name(plan) -> str:
     name = type(plan).__name__
     if getattr(getattr(plan, "variant", None), "bnhd", False):
         name += "[bnhd]"
-    if getattr(plan, "rows", None) is not None:
+    if name == "HopperBwdPlan" and plan.rows is not None:  # (the generic BwdPlan has .rows too)
         name += "[rows]"
     return name + ("(fallback)" if getattr(plan, "why", "") else "")
 
