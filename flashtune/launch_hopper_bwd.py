@@ -195,9 +195,9 @@ class RowsBwd:
     projections), run by hopper_bwd's varlen render as B sequences of equal lengths over the
     (B*N, H, D) views -- no copy of q, k, v; dO and O are copied only in another layout. Its
     tiles take their rows by (head, sequence start + row): the dense render's (B*H, N, D)
-    descriptors cannot describe that memory, and the varlen kernels were measured at least as
-    fast as the dense ones (docs/benchmarks.md, session 27). LSE goes in as (H, B*Nq), a copy of
-    B*H*Nq floats."""
+    descriptors cannot describe that memory, and the varlen kernels ran within 3% of the dense
+    render's on the same problem (docs/benchmarks.md, session 27). LSE goes in as (H, B*Nq), a
+    copy of B*H*Nq floats."""
     __slots__ = ("plan", "cu")
 
     def __init__(self, q, k, causal: bool, scale: float | None, variant: Variant):
