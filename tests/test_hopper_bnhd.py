@@ -111,8 +111,8 @@ def test_plans_take_the_bnhd_kernels_for_such_calls(layout, monkeypatch):
 
 
 def test_shipped_kind_of_bnhd_render_compiles_for_sm90():
-    """The bnhd render of a D=128 causal record and of the D=256 default: no spills, as their
-    dense renders (~20 s; bench/bnhd_spills.py compares every shipped record's two renders)."""
+    """The bnhd render of a D=128 causal record: no spills, as its dense render (~10 s;
+    bench/bnhd_spills.py compares every shipped record's two renders)."""
     import json
     from test_compile_sm90 import kernels_check
     names = ["hopper_fwd-m64-n64-w4-s3-causal_split=false-pingpong=true-persistent=true-lr56-qb2"
