@@ -87,9 +87,10 @@ def render(doc: dict, out: Path, plots: bool = True) -> list[Path]:
               help="an earlier bench.json of this device (e.g. a run cut by a time limit): its "
                    "finished cells are kept, the rest measured")
 @click.option("--section", "sections", multiple=True, default=(),
-              callback=_names(("dense", "decode", "varlen", "masks", "memory")),
+              callback=_names(("dense", "decode", "varlen", "masks", "memory", "bnhd")),
               help="what to run (repeat or comma-separate): dense, decode, varlen, masks, "
-                   "memory (default: all)")
+                   "memory (default: these five), bnhd (the dense grid with q, k, v in "
+                   "(B, N, H, D) memory, as a transformers model passes them)")
 @click.option("--peer", "peers", multiple=True, default=(), callback=_names(None),
               help="implementations to time (repeat or comma-separate; default: all): "
                    "flashtune, flashtune-defaults, flashtune-paged256 (decoding), sdpa-flash, "
@@ -174,7 +175,7 @@ def bench(ctx, quick, out_dir, from_json, resume_json, sections, peers, modes, h
             raise click.BadParameter(str(e), param_hint="--resume") from None
     out_dir.mkdir(parents=True, exist_ok=True)
     try:
-        doc = runner.run(shapes, sections or grid.SECTIONS, chosen, device, quick=quick,
+        doc = runner.run(shapes, sections or grid.DEFAULT_SECTIONS, chosen, device, quick=quick,
                          budget_ms=budget_ms or (25.0 if quick else 60.0), graph=graph,
                          progress=progress, checkpoint=out_dir / "bench.json",
                          command=_command_line(ctx), resume=resume,

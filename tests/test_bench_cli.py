@@ -59,12 +59,36 @@ def test_bench_quick_runs_on_the_cpu_and_writes_the_report(tmp_path):
                 assert "throughput" in r or "error" in r
             else:
                 assert r["skipped"].startswith("not available in this flashtune")
+    assert not _rows(doc, section="bnhd")  # on request only (--section bnhd)
     md = (out / "bench.md").read_text()
     assert "## Dense forward" in md and "## Decoding" in md and "## Not run" in md
     assert "vs flashtune-defaults" in md and "Reproduce: `flashtune bench --quick" in md
     assert "flashtune" in (out / "bench.csv").read_text().splitlines()[1]
     assert (out / "dense.png").exists() == HAS_MPL and (out / "decode.png").exists() == HAS_MPL
     assert "Dense forward" in res.output and "ETA" in res.output
+
+
+def test_bnhd_section_times_the_dense_grid_in_that_layout(tmp_path):
+    """--section bnhd: the dense grid with q, k, v and dO in (B, N, H, D) memory; flashtune
+    computes it there (the output keeps the layout), as the tuned and the default variants."""
+    from flashtune.bench import grid
+    from flashtune.bench.peers import make_inputs
+    case = grid.bnhd(grid.Shapes.tiny())[0]
+    q, k, v = make_inputs(case, "cpu").tensors
+    assert q.shape == (case.batch, case.heads, case.seqlen_q, case.head_dim)
+    assert q.stride(1) == case.head_dim and q.stride(2) == case.heads * case.head_dim
+    out = tmp_path / "out"
+    res = CliRunner().invoke(main, ["bench", "--device", "cpu", "--section", "bnhd", "--peer",
+                                    "flashtune,flashtune-defaults", "--out", str(out),
+                                    "--progress", "none", "--no-plots"])
+    assert res.exit_code == 0, res.output
+    doc = json.loads((out / "bench.json").read_text())
+    rows = _rows(doc, section="bnhd")
+    assert len(rows) == 2 * len(grid.bnhd(grid.Shapes.tiny())) and not _rows(doc, section="dense")
+    assert all(r["throughput"] > 0 for r in rows), rows[:1]
+    assert all(r["max_abs_diff"] < 2e-2 for r in _rows(doc, section="bnhd",
+                                                        peer="flashtune-defaults"))
+    assert "## Dense backward, q/k/v in (B, N, H, D) memory" in (out / "bench.md").read_text()
 
 
 class _Ref(Peer):
@@ -267,6 +291,7 @@ def _expected(case, inp):
 _LAYOUT_CASES = [
     Case("dense", "fwd", 2, 4, 4, 48, 48, 16, False, "float32"),
     Case("dense", "fwd", 2, 4, 4, 48, 48, 16, True, "float32"),
+    Case("bnhd", "fwd", 2, 4, 4, 48, 48, 16, True, "float32"),
     Case("decode", "fwd", 3, 8, 2, 1, 80, 16, False, "float32"),
     Case("varlen", "fwd", 3, 4, 4, 50, 50, 16, True, "float32", lengths=(20, 50, 7)),
     Case("varlen", "fwd", 3, 4, 4, 50, 50, 16, False, "float32", lengths=(20, 50, 7)),

@@ -1,5 +1,5 @@
 """What `flashtune bench` measures: one Case per problem, in sections (dense, decode, varlen,
-masks, memory), each with its work in the family's unit (flashtune/families).
+masks, memory; bnhd on request), each with its work in the family's unit (flashtune/families).
 
 Conventions (DESIGN.md): TFLOP/s counts 4*B*H*Nq*Nk*D per forward, halved for causal, 2.5x for
 the backward (3.5x forward+backward); masked cases count the (query, key) pairs they keep.
@@ -7,6 +7,7 @@ Decoding is judged in GB/s of K and V read once.
 """
 from __future__ import annotations
 
+import dataclasses
 import random
 from dataclasses import dataclass
 
@@ -18,7 +19,10 @@ TOKENS, HIDDEN = 16384, 2048
 SEQLENS = (512, 1024, 2048, 4096, 8192, 16384)
 HEAD_DIMS = (64, 128, 256)
 MODES = ("fwd", "bwd", "fwd+bwd")
-SECTIONS = ("dense", "decode", "varlen", "masks", "memory")
+SECTIONS = ("dense", "decode", "varlen", "masks", "memory", "bnhd")
+# what a run without --section covers: bnhd (the dense grid again, q, k, v in (B, N, H, D) memory)
+# only when asked for
+DEFAULT_SECTIONS = SECTIONS[:-1]
 # forward FLOPs -> the mode's (the bwd family's flops_factor, plus the forward for fwd+bwd)
 _MODE_FAMILY = {"fwd": "fwd", "bwd": "bwd", "fwd+bwd": "bwd"}
 
@@ -30,7 +34,7 @@ def mode_factor(mode: str) -> float:
 
 @dataclass(frozen=True)
 class Case:
-    section: str          # one of SECTIONS
+    section: str          # one of SECTIONS (bnhd: dense, q/k/v in (B, N, H, D) memory)
     mode: str             # "fwd" | "bwd" | "fwd+bwd"
     batch: int
     heads: int
@@ -254,7 +258,14 @@ def memory(s: Shapes) -> list[Case]:
             for n in s.memory_seqlens]
 
 
-BUILDERS = {"dense": dense, "decode": decode, "varlen": varlen, "masks": masks, "memory": memory}
+def bnhd(s: Shapes) -> list[Case]:
+    """The dense grid with q, k, v (and dO) in (B, N, H, D) memory, passed as (B, H, N, D) views:
+    what a transformers model's projections hand attention."""
+    return [dataclasses.replace(c, section="bnhd") for c in dense(s)]
+
+
+BUILDERS = {"dense": dense, "decode": decode, "varlen": varlen, "masks": masks, "memory": memory,
+            "bnhd": bnhd}
 
 
 def cases(s: Shapes, sections=SECTIONS) -> list[Case]:

@@ -48,6 +48,10 @@ def make_inputs(case: Case, device: str, seed: int = 0) -> Inputs:
         cu = torch.tensor((0,) + case.lengths, device=device).cumsum(0).to(torch.int32)
         return Inputs((rand(total, h, d), rand(total, hk, d), rand(total, hk, d)),
                       {"cu_seqlens": cu, "max_seqlen": max(case.lengths)})
+    if case.section == "bnhd":  # (B, H, N, D) views of (B, N, H, D) memory
+        return Inputs((rand(b, case.seqlen_q, h, d).transpose(1, 2),
+                       rand(b, case.seqlen_k, hk, d).transpose(1, 2),
+                       rand(b, case.seqlen_k, hk, d).transpose(1, 2)))
     return Inputs((rand(b, h, case.seqlen_q, d), rand(b, hk, case.seqlen_k, d),
                    rand(b, hk, case.seqlen_k, d)))
 
@@ -166,7 +170,7 @@ class Forced(Flashtune):
         self.name, self.variants = name, dict(variants)
         self.doc = doc or "flashtune forced to " + ", ".join(
             f"D={d}: {v.name}" for d, v in sorted(self.variants.items()))
-        self.sections = ("dense", "masks", "memory")
+        self.sections = ("dense", "masks", "memory", "bnhd")
 
     def why_not(self, case, device):
         if case.head_dim not in self.variants:

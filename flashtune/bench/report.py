@@ -24,7 +24,10 @@ _LAYOUT = (("dense", (("fwd", "Dense forward"), ("bwd", "Dense backward"),
            ("decode", ((None, "Decoding (one query token over a KV cache)"),)),
            ("varlen", ((None, "Variable-length batches"),)),
            ("masks", ((None, "Masks"),)),
-           ("memory", ((None, "Memory: peak of forward + backward"),)))
+           ("memory", ((None, "Memory: peak of forward + backward"),)),
+           ("bnhd", (("fwd", "Dense forward, q/k/v in (B, N, H, D) memory"),
+                     ("bwd", "Dense backward, q/k/v in (B, N, H, D) memory"),
+                     ("fwd+bwd", "Dense forward + backward, q/k/v in (B, N, H, D) memory"))))
 
 
 def geomean(xs) -> float | None:
@@ -99,7 +102,7 @@ def _describe(key: tuple, section: str) -> list[str]:
     r = dict(zip(_CASE_FIELDS, key))
     lengths = key[-1]
     c = "yes" if r["causal"] else "no"
-    if section == "dense":
+    if section in ("dense", "bnhd"):
         return [str(r["head_dim"]), c, str(r["seqlen_q"]), f"{r['batch']}x{r['heads']}"]
     if section == "decode":
         return [f"{r['heads']}/{r['kv_heads']}", str(r["batch"]), str(r["seqlen_k"])]
@@ -113,7 +116,7 @@ def _describe(key: tuple, section: str) -> list[str]:
 
 _KEY_HEAD = {"dense": ["D", "causal", "N", "BxH"], "decode": ["Hq/Hk", "B", "Nk"],
              "varlen": ["pass", "causal", "batch"], "masks": ["mask", "pass", "causal", "N", "BxH"],
-             "memory": ["N", "BxH", "D"]}
+             "memory": ["N", "BxH", "D"], "bnhd": ["D", "causal", "N", "BxH"]}
 
 
 def table(doc: dict, section: str, mode: str | None = None) -> str:

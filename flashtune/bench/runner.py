@@ -50,7 +50,12 @@ def _timed(case: Case, fn, inp: Inputs):
     xs = [t.detach().requires_grad_() for t in inp.tensors]
     out = fn(*xs)
     gen = torch.Generator(device=out.device).manual_seed(1)
-    do = torch.randn(out.shape, generator=gen, device=out.device, dtype=out.dtype)
+    if case.section == "bnhd":  # dO in (B, N, H, D) memory too, as a model's gradient comes
+        b, h, n, d = out.shape
+        do = torch.randn(b, n, h, d, generator=gen, device=out.device,
+                         dtype=out.dtype).transpose(1, 2)
+    else:
+        do = torch.randn(out.shape, generator=gen, device=out.device, dtype=out.dtype)
     if case.mode == "bwd":  # the backward alone, on one saved graph
         call = lambda: torch.autograd.grad(out, xs, do, retain_graph=True)  # noqa: E731
     else:
