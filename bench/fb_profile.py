@@ -87,7 +87,7 @@ def main(argv=None) -> None:
         buf = io.StringIO()
         pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(14)
         prof_txt = buf.getvalue()
-        print(f"  host ms per call (no sync): " + ", ".join(f"{k} {v:.3f}" for k, v in host.items()))
+        print("  host ms per call (no sync): " + ", ".join(f"{k} {v:.3f}" for k, v in host.items()))
         print("\n".join(prof_txt.splitlines()[:34]))
         report[layout] = {"ms": ms, "kernels_ms_per_step": rows, "host_ms": host,
                           "bwd_cprofile": prof_txt}

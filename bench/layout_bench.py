@@ -20,14 +20,15 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
-import triton  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
 import flashtune  # noqa: E402
 from flashtune import dispatch  # noqa: E402
 from flashtune.bench.runner import environment  # noqa: E402
+from varlen_bench import time_passes  # noqa: E402
 
 FACTOR = {"fwd": 1.0, "bwd": 2.5, "fwd+bwd": 3.5}
 SDPA = {"sdpa-cudnn": SDPBackend.CUDNN_ATTENTION, "sdpa-flash": SDPBackend.FLASH_ATTENTION}
@@ -64,16 +65,9 @@ def before_bnhd(on: bool):
 
 
 def timed(fn, q, k, v, causal):
-    xs = [t.detach().requires_grad_() for t in (q, k, v)]
-    out = fn(*xs, causal)
-    do = torch.randn_like(out)  # out's layout
-    bench = dict(warmup=10, rep=60, return_mode="median")
-    with torch.no_grad():
-        f = triton.testing.do_bench(lambda: fn(q, k, v, causal), **bench)
-    b = triton.testing.do_bench(lambda: torch.autograd.grad(out, xs, do, retain_graph=True),
-                                **bench)
-    fb = triton.testing.do_bench(lambda: torch.autograd.grad(fn(*xs, causal), xs, do), **bench)
-    return {"fwd": f, "bwd": b, "fwd+bwd": fb}
+    """{pass: median ms}, dO in the output's layout (varlen_bench.time_passes)."""
+    gen = torch.Generator(device=q.device).manual_seed(0)
+    return time_passes(lambda *xs: fn(*xs, causal), (q, k, v), gen, do_like_out=True)
 
 
 def _plan_name(plan) -> str:

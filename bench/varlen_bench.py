@@ -55,11 +55,13 @@ def fwd_flops(h: int, d: int, lens_q, lens_k, causal: bool) -> float:
 PASS_FACTOR = {"fwd": 1.0, "bwd": 2.5, "fwd+bwd": 3.5}
 
 
-def time_passes(fwd, inputs, gen):
-    """{pass: median ms} for fwd alone, bwd alone (one saved graph) and fwd+bwd."""
+def time_passes(fwd, inputs, gen, do_like_out: bool = False):
+    """{pass: median ms} for fwd alone, bwd alone (one saved graph) and fwd+bwd; do_like_out: dO
+    in the output's layout (as a model's gradient comes), else contiguous."""
     xs = [t.detach().requires_grad_() for t in inputs]
     out = fwd(*xs)
-    do = torch.randn(out.shape, device=out.device, dtype=out.dtype, generator=gen)
+    do = (torch.empty_like(out).normal_(generator=gen) if do_like_out else
+          torch.randn(out.shape, device=out.device, dtype=out.dtype, generator=gen))
     with torch.no_grad():
         ms_f = triton.testing.do_bench(lambda: fwd(*inputs), warmup=10, rep=50,
                                        return_mode="median")

@@ -210,7 +210,8 @@ class Variant:
         """The fields that change the rendered text (the template's `#%if` conditions read these)."""
         return {"causal_split": self.causal_split, "loads": self.loads, "dq": self.dq,
                 "dq_loads": self.dq_loads,
-                "varlen": self.varlen, "bnhd": self.bnhd, "paged": self.paged, "pingpong": self.pingpong,
+                "varlen": self.varlen, "bnhd": self.bnhd, "paged": self.paged,
+                "pingpong": self.pingpong,
                 "loader": self.loader_regs > 0, "l2_order": self.l2_order,
                 "head_order": self.head_order,
                 "release_barrier": self.release_barrier, "early_rescale": self.early_rescale,

@@ -153,9 +153,10 @@ class HopperFwdPlan:
         if not self.why and self.view is None:
             self.why = "strides TMA cannot describe as (B*H, N, D), nor as (B, N, H*D), for all"
         elif not self.why and self.view is _rows_view:  # e.g. transformers' projections
-            if max(b, h) >= 1 << 16:
+            if max(b, h) >= 1 << 16:  # tile_at's batch << 16 | head
                 self.why = "(B, N, H, D) memory with batch or heads past 65,535"
-            variant = self.variant = dataclasses.replace(variant, bnhd=True)
+            else:
+                variant = self.variant = dataclasses.replace(variant, bnhd=True)
         self.fallback = None
         if self.why:
             self.fallback = generic_plan(q, k, v, causal, scale, masks)

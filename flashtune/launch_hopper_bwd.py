@@ -106,8 +106,12 @@ class HopperBwdPlan:
         self.rows = None  # (B, N, H, D) memory: the varlen render on equal lengths (RowsBwd)
         self.why = _cannot_launch(variant, q)
         if not self.why and not all(_view3(t) for t in (q, k, v)):
-            self.why = "strides TMA cannot describe as (B*H, N, D)"
-            if all(_rows_view(t) for t in (q, k, v)) and not masks.any and not variant.dq_overlap:
+            if not all(_rows_view(t) for t in (q, k, v)):
+                self.why = "strides TMA cannot describe as (B*H, N, D) nor as (B*N, H, D)"
+            elif masks.any or variant.dq_overlap:
+                self.why = ("(B, N, H, D) memory: the varlen render it runs takes no window, "
+                            "softcap, block mask or dq_overlap")
+            else:
                 self.rows = RowsBwd(q, k, self.causal, scale, variant)
                 self.why = self.rows.plan.why
             return
