@@ -117,19 +117,44 @@ class TunedDB:
             return self._engine
         with self._lock:
             if self._engine is None:
-                try:
-                    engine = self._create_engine()
-                    migrate.upgrade(engine, self.url)
-                except DBError:
-                    raise
-                except (ArgumentError, NoSuchModuleError, ImportError) as e:
-                    raise DBError(f"cannot open tuned DB {self.display_url}: {e}") from None
-                except OSError as e:  # e.g. the SQLite file's folder cannot be created
-                    raise DBError(f"cannot open tuned DB {self.display_url}: {e}") from None
-                except DBAPIError as e:
-                    raise DBError(f"cannot reach tuned DB {self.display_url}: {e.orig}") from None
-                self._engine = engine
+                # processes opening one new SQLite file at once race for it (journal_mode=WAL
+                # and the schema's creation take its lock; the WAL switch can answer "database
+                # is locked" without waiting out busy_timeout): a busy open is tried again, as
+                # a busy write is
+                self._engine = self._retrying(self._connect, "reach")
         return self._engine
+
+    def _connect(self):
+        engine = self._create_engine()
+        try:
+            migrate.upgrade(engine, self.url)
+        except BaseException:
+            engine.dispose()
+            raise
+        return engine
+
+    def _retrying(self, fn, what: str):
+        """fn() again while another process holds the database's lock, for up to _RETRY_FOR_S;
+        any other failure, or the lock past that, a DBError naming the URL."""
+        deadline = time.monotonic() + _RETRY_FOR_S
+        delay = 0.01
+        while True:
+            try:
+                return fn()
+            except DBError:
+                raise
+            except (ArgumentError, NoSuchModuleError, ImportError) as e:
+                raise DBError(f"cannot open tuned DB {self.display_url}: {e}") from None
+            except OSError as e:  # e.g. the SQLite file's folder cannot be created
+                raise DBError(f"cannot open tuned DB {self.display_url}: {e}") from None
+            except OperationalError as e:
+                if not _is_busy(e) or time.monotonic() > deadline:
+                    raise DBError(f"cannot {what} tuned DB {self.display_url}: {e.orig}"
+                                  ) from None
+            except DBAPIError as e:
+                raise DBError(f"cannot {what} tuned DB {self.display_url}: {e.orig}") from None
+            time.sleep(delay * (1 + random.random()))
+            delay = min(delay * 2, 0.5)
 
     def _create_engine(self):
         path = sqlite_path(self.url)
@@ -146,20 +171,11 @@ class TunedDB:
     def _write(self, fn):
         """Run fn(conn) in a write transaction, retrying while another writer holds the lock."""
         engine = self._open()
-        deadline = time.monotonic() + _RETRY_FOR_S
-        delay = 0.01
-        while True:
-            try:
-                with engine.connect().execution_options(flashtune_write=True) as conn, conn.begin():
-                    result = fn(conn)
-                break
-            except OperationalError as e:
-                if not _is_busy(e) or time.monotonic() > deadline:
-                    raise DBError(f"cannot write tuned DB {self.display_url}: {e.orig}") from None
-                time.sleep(delay * (1 + random.random()))
-                delay = min(delay * 2, 0.5)
-            except DBAPIError as e:
-                raise DBError(f"cannot write tuned DB {self.display_url}: {e.orig}") from None
+
+        def attempt():
+            with engine.connect().execution_options(flashtune_write=True) as conn, conn.begin():
+                return fn(conn)
+        result = self._retrying(attempt, "write")
         notify_write()
         return result
 
