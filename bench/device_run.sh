@@ -92,8 +92,9 @@ for step in ${STEPS:-fwdtests}; do
               done ;;
     varlen)   timeout ${VARLEN_TIMEOUT:-240} python3 bench/varlen_bench.py --out "$OUT/varlen.jsonl" ${VARLEN_ARGS:-} \
                 2>&1 | tee "$OUT/varlen.log" | tail -30 ;;
-    hf)       timeout ${HF_TIMEOUT:-240} python3 -m pytest -q tests/test_transformers_backend.py 2>&1 | tail -5
-              timeout 240 python3 bench/transformers_bench.py --out "$OUT/transformers.json" 2>&1 \
+    hf)       [ -n "${HF_NO_TESTS:-}" ] || timeout ${HF_TIMEOUT:-240} python3 -m pytest -q \
+                tests/test_transformers_backend.py 2>&1 | tail -5
+              timeout 240 python3 bench/transformers_bench.py --out "$OUT/transformers.json" ${HF_ARGS:-} 2>&1 \
                 | tee "$OUT/transformers.log" | tail -20 ;;
     scaling)  # the same search with --gpus 0, then 0,1 (SCALING_GPUS="0 0,1 0,1,2,3" on 4 GPUs): wall,
               # trials/s, winners compared; --warm fills Triton's cache first (SCALING_ARGS=--cold: none)
@@ -518,6 +519,14 @@ PY
               python3 bench/trial_phases.py --failed /tmp/rs.journal 2>&1 | tail -8
               mkdir -p "$OUT/tables"
               flashtune db export --gpu "$name" --db sqlite:////tmp/rs.db -o "$OUT/tables/research.json" 2>&1 | tail -1 ;;
+    decodehost) # a DynamicCache decoding loop (torch.cat per step) timed eagerly: flashtune, with session
+              # 28's host fixes undone one by one, and SDPA (bench/decode_host.py)
+              timeout ${DHOST_TIMEOUT:-200} python3 bench/decode_host.py --out "$OUT/decode_host.json" \
+                ${DHOST_ARGS:-} 2>&1 | tee "$OUT/decode_host.log" | tail -12 ;;
+    decodeprobe) # issue 9: MQA B=1 32k/128k (kernel durations, partial shapes, read ceiling, cuDNN) and
+              # paged B=1 2k against contiguous, interleaved (bench/decode_probe.py)
+              timeout ${DPROBE_TIMEOUT:-300} python3 bench/decode_probe.py --out "$OUT/decode_probe.jsonl" \
+                ${DPROBE_ARGS:-} 2>&1 | tee "$OUT/decode_probe.log" | tail -60 ;;
     parity)   # the backward beside Flex on PARITY_SEQLENS (default 512), PARITY_RUNS times, as
               # dispatched -- from the shipped table, then from $PARITY_DB (a research step's /tmp/rs.db) when set
               for i in $(seq ${PARITY_RUNS:-3}); do

@@ -70,6 +70,8 @@ def main(argv=None) -> None:
     ap.add_argument("--gen-repeats", type=int, default=3, help="timed generate() calls per impl")
     ap.add_argument("--tiny", action="store_true", help="a tiny model and shapes (smoke test)")
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--profile", action="store_true",
+                    help="torch.profiler's kernel table of one training step per implementation")
     ap.add_argument("--dtype", default=None, help="bfloat16 on cuda, float32 on cpu by default")
     args = ap.parse_args(argv)
 
@@ -125,6 +127,25 @@ def main(argv=None) -> None:
                                  "loss": float(losses[impl])}
         print(f"train  {impl:14s} {med * 1e3:9.2f} ms  {b * n / med:12.0f} tok/s  "
               f"peak {peak.get(impl) or 0:.1f} GiB  loss {float(losses[impl]):.4f}", flush=True)
+
+    if args.profile and device.type == "cuda":  # which kernels a training step spends its time in
+        result["train_kernels_ms"] = {}
+        for impl in impls:
+            model.set_attn_implementation(impl)
+            step()
+            sync(device)
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                step()
+                sync(device)
+            per: dict = {}
+            for e in prof.events():
+                if e.device_type == torch.autograd.DeviceType.CUDA:
+                    per[e.name[:80]] = per.get(e.name[:80], 0.0) + e.device_time / 1e3
+            top = dict(sorted(per.items(), key=lambda kv: -kv[1])[:14])
+            result["train_kernels_ms"][impl] = {"total": sum(per.values()), "top": top}
+            print(f"train kernels {impl}: {sum(per.values()):.2f} ms in all")
+            for k_, v_ in top.items():
+                print(f"    {v_:8.3f}  {k_}")
 
     # ---- generation ------------------------------------------------------------------------
     model.eval()

@@ -249,12 +249,14 @@ class DensePlan:
     between calls -- a kept one broke torch.compile's CUDA graph trees). run(q, k, v) -> (O in q's
     layout, LSE (B, H, Nq)), as launch.FwdPlan. masks: the call's window / softcap / block mask; a
     block mask these kernels cannot walk (block_mask_blocker) runs the generic fwd's plan
-    (`fallback`, `why`)."""
-    __slots__ = ("variant", "plan", "descriptor", "fallback", "why")
+    (`fallback`, `why`). any_seqlen_k: the plan serves a call with any key count and K/V strides
+    (each run takes them from its call), so ops.run_forward keeps one per key-count bucket: a
+    decoding loop over a growing cache builds it once (unless it fell back)."""
+    __slots__ = ("variant", "plan", "descriptor", "fallback", "why", "any_seqlen_k")
 
     def __init__(self, q, k, v, causal: bool, scale: float | None, variant: Variant,
                  masks=None):
-        self.fallback, self.why = None, ""
+        self.fallback, self.why, self.any_seqlen_k = None, "", False
         if masks is not None:
             self.why = block_mask_blocker(masks.block_mask, q.shape[2],
                                           q.shape[1] // k.shape[1], variant.paged)
@@ -270,8 +272,10 @@ class DensePlan:
         self.variant = variant
         self.plan = SplitKVPlan(q.transpose(1, 2), k.transpose(1, 2), causal, scale, variant,
                                 masks)
-        # ops.run_forward checks each call's base addresses for TMA (strides: above, once)
+        # ops.run_forward checks each call's base addresses for TMA (strides: above, and their
+        # alignment is part of its bucket key)
         self.descriptor = variant.loads == "descriptor"
+        self.any_seqlen_k = True
 
     def run(self, q, k, v):
         if self.fallback is not None:

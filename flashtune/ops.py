@@ -15,7 +15,7 @@ from . import dispatch, launch, launch_bwd
 from .codegen import Variant
 from .defaults import default_variant
 from .masks import NONE, Masks
-from .problem import dtype_name
+from .problem import dtype_name, log2_bucket
 
 
 # the bwd dQ schemes without atomics: the same inputs give the same gradients, bit for bit
@@ -29,6 +29,9 @@ dispatch.on_clear(_plans.clear)
 # variant choice (select_bwd, mask_twin), constexprs and the masks' kernel arguments, built once
 _bwd_plans: dict = {}
 dispatch.on_clear(_bwd_plans.clear)
+# _bucket_key -> a forward plan that serves any key count of its bucket (run_forward)
+_bucket_plans: dict = {}
+dispatch.on_clear(_bucket_plans.clear)
 _PLANS_MAX = 4096
 
 
@@ -47,9 +50,28 @@ def _plan_key(q, k, v, causal: bool, scale, masks: Masks, variant, *extra) -> tu
     return key if pinned is None else key + (pinned,)
 
 
+def _bucket_key(q, k, v, causal: bool, scale, masks: Masks, variant) -> tuple:
+    """A call's key in _bucket_plans: _plan_key with the key count as its bucket (log2) and the
+    K/V strides as their layout and 16-byte alignment -- what a plan that serves every key count
+    (`any_seqlen_k`) depends on, and the dispatcher's choice, up to the key count's exact value
+    within its bucket."""
+    def layout(t):  # heads outside tokens or not; TMA's 16-byte strides
+        st = t.stride()
+        return st[1] > st[2], st[3], (st[0] | st[1] | st[2]) * t.element_size() & 15 == 0
+    key = (q.device, q.dtype, q.shape, q.stride(), k.shape[:2], k.shape[3:],
+           log2_bucket(k.shape[2]), layout(k), layout(v), causal, scale)
+    if masks.any:
+        key += masks.key
+    pinned = variant if variant is not None else dispatch.forced_variant()
+    return key if pinned is None else key + (pinned,)
+
+
 def run_forward(q, k, v, causal: bool, scale, variant=None, masks: Masks = NONE):
     """Validated inputs -> (O, LSE). Handles the empty cases the kernel never sees.
-    masks: window / softcap / block mask beyond causal (flashtune/masks.py), validated."""
+    masks: window / softcap / block mask beyond causal (flashtune/masks.py), validated.
+    A decoding loop over a growing cache (transformers' DynamicCache: a new key count, and new
+    K/V strides, every step) finds its plan by the key count's bucket: a plan that serves any
+    key count (splitkv's, `any_seqlen_k`) is built and chosen once per bucket, not per step."""
     key = _plan_key(q, k, v, causal, scale, masks, variant)
     plan = _plans.get(key)
     if plan is None:
@@ -57,9 +79,16 @@ def run_forward(q, k, v, causal: bool, scale, variant=None, masks: Masks = NONE)
             return _empty_forward(q, k)
         if len(_plans) >= _PLANS_MAX:
             _plans.clear()
-        if variant is None:  # the forced one, if it is fwd
-            variant = dispatch.select_for_call("fwd", q, k, causal, masks)
-        plan = _plans[key] = _plan(q, k, v, causal, scale, variant, masks)
+            _bucket_plans.clear()
+        bucket = _bucket_key(q, k, v, causal, scale, masks, variant)
+        plan = _bucket_plans.get(bucket)
+        if plan is None:
+            if variant is None:  # the forced one, if it is fwd
+                variant = dispatch.select_for_call("fwd", q, k, causal, masks)
+            plan = _plan(q, k, v, causal, scale, variant, masks)
+            if getattr(plan, "any_seqlen_k", False):
+                _bucket_plans[bucket] = plan
+        _plans[key] = plan
     if plan.descriptor and (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15:
         plan = _plan(q, k, v, causal, scale, dispatch.pointer_twin(plan.variant), masks)
     return plan.run(q, k, v)

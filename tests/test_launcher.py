@@ -92,6 +92,44 @@ def test_each_specialization_change_takes_triton_path(fake_cuda):
     assert _paths(log) == ["triton"] * 7 + ["direct"]
 
 
+def test_an_int_triton_specializes_alike_stays_direct(fake_cuda):
+    """A key count or stride that grows each decoding step: the compiled kernel serves every int
+    Triton would specialize the same way (int_class); one it would not takes Triton's path."""
+    log = []
+    lau = L.Launcher(_fake_jit(log))
+    x, y = _tensors()
+    for n in (32, 48, 17, 33, 2048, 1, 2**31 + 16, 4096):
+        lau((1,), x, y, n, 0.5)
+    # 16-multiples like the first (32) direct; 17, 33 (not), 1 (a constant), 2**31 + 16 (64-bit)
+    assert _paths(log) == ["triton", "direct", "triton", "triton", "direct", "triton", "triton",
+                           "direct"]
+    assert [e[3][2] for e in log if e[0] == "direct"] == [48, 2048, 4096]  # the call's own value
+    # a bool where the int was, or another float, is Triton's too
+    lau((1,), x, y, True, 0.5)
+    lau((1,), x, y, 64, 0.25)
+    assert _paths(log)[-2:] == ["triton", "triton"]
+
+
+def test_int_class_is_the_installed_tritons_specialization():
+    """int_class(a) == int_class(b) only where Triton's own specialization of a and b agrees (the
+    direct path may only run a kernel Triton would have picked for those values), and for ints
+    exactly there (bools stay exact: stricter than Triton)."""
+    from triton.backends.compiler import BaseBackend
+    from triton.runtime.jit import native_specialize_impl
+    values = [0, 1, 2, 3, 15, 16, 17, 31, 32, 48, 1000, 1024, 2**20 + 1, 2**31 - 16, 2**31 - 1,
+              2**31, 2**31 + 1, 2**31 + 16, 2**32, 2**40 + 3, 2**63 - 16, 2**63, 2**63 + 16,
+              2**64 - 1, -1, -2, -16, -17, -2**31, -2**31 - 1, -2**31 - 16, -2**40, True, False]
+    triton_key = {repr(v): native_specialize_impl(BaseBackend, v, False, True, True)
+                  for v in values}
+    for a in values:
+        for b in values:
+            same = triton_key[repr(a)] == triton_key[repr(b)]
+            if L.int_class(a) == L.int_class(b):
+                assert same, (a, b)
+            elif type(a) is int and type(b) is int:
+                assert not same, (a, b)
+
+
 def test_launch_hooks_and_device_change_take_triton_path(fake_cuda, monkeypatch):
     from triton import knobs
     log = []

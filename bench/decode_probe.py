@@ -1,0 +1,180 @@
+"""Two decode questions of issue 9, in one device call (bench/decode_bench.py's timing: 16-layer
+CUDA graph replays, each layer its own cache, L2 flushed between replays):
+
+  mqa    MQA (8/1) at B=1, 32k and 128k keys: where a step's time goes beside the read ceiling --
+         the partial and combine kernels' own durations (torch.profiler, eager, PDL off so the
+         combine's wait is not counted as its time) -- and a few partial-kernel shapes that keep
+         more bytes in flight per SM (deeper rings, 8 warps, TMA loads, two programs per SM).
+  paged  B=1, 2k keys, GQA 32/8 and MQA 8/1: the dispatched variant on the contiguous cache and
+         on its 256-key pages (shuffled table, one table for every layer), interleaved over
+         --reps repetitions (one cell is ~9 us: single runs differ by 8% for the same kernel),
+         then paged variants with fewer, longer splits.
+
+    python3 bench/decode_probe.py --out probe.jsonl [--parts mqa,paged] [--reps 5]
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+import decode_bench as db  # noqa: E402
+from flashtune import kvcache  # noqa: E402
+from flashtune.codegen import Variant  # noqa: E402
+from flashtune.launch_splitkv import SplitKVPlan  # noqa: E402
+
+D = 128
+LAYERS = 16
+MQA_VARIANTS = ["splitkv-m64-n64-w4-s3", "splitkv-m64-n64-w4-s3-sp264",
+                "splitkv-m64-n64-w4-s5", "splitkv-m64-n128-w8-s3",
+                "splitkv-m64-n128-w4-s3-loads=descriptor", "splitkv-m64-n64-w4-s4-loads=descriptor",
+                "splitkv-m64-n64-w4-s4-sp264-loads=descriptor", "splitkv-m64-n32-w2-s4-sp264",
+                "splitkv-m64-n64-w8-s4"]
+PAGED_SPLITS = [8, 16, 32]
+
+
+def caches(b, hq, hk, nk, layers):
+    q = torch.randn(b, 1, hq, D, dtype=torch.bfloat16, device="cuda")
+    kcs = [torch.randn(b, nk, hk, D, dtype=torch.bfloat16, device="cuda") for _ in range(layers)]
+    vcs = [torch.randn_like(k) for k in kcs]
+    return q, kcs, vcs
+
+
+def graph_ms(plans, q, kcs, vcs, seqlens, bt, nk) -> float:
+    """ms per layer of `plans[i].run` over the layers, as one graph replay."""
+    return db.bench_ms(db.layered(
+        lambda i: (lambda: plans[i % len(plans)].run(q, kcs[i], vcs[i], seqlens, bt, nk)),
+        len(kcs))) / len(kcs)
+
+
+def kernel_us(plan, q, kc, vc, seqlens, bt, nk) -> dict:
+    """Each kernel's mean duration over 20 eager runs, PDL off."""
+    plan.pdl = False
+    plan.kwargs["USE_PDL"] = False
+    plan._launchers.clear()
+    for _ in range(3):
+        plan.run(q, kc, vc, seqlens, bt, nk)
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(20):
+            plan.run(q, kc, vc, seqlens, bt, nk)
+        torch.cuda.synchronize()
+    per: dict = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA and "splitkv" in e.name:
+            per.setdefault(e.name.split("_")[-1], []).append(e.device_time)
+    return {k: statistics.mean(v) for k, v in per.items()}
+
+
+def mqa(write):
+    for nk in (32768, 131072):
+        q, kcs, vcs = caches(1, 8, 1, nk, LAYERS)
+        kv_bytes = 2 * nk * D * 2
+        seqlens = torch.full((1,), nk, dtype=torch.int32, device="cuda")
+        ceil_ms, progs = db.read_ceiling(kcs, vcs, LAYERS, torch.cuda.get_device_properties(0)
+                                         .multi_processor_count)
+        write({"part": "mqa", "Nk": nk, "impl": "read-ceiling", "ms": ceil_ms,
+               "gbps": kv_bytes / ceil_ms / 1e6, "programs": progs})
+        fns = [db.sdpa_peer("cudnn", q, k, v)[0] for k, v in zip(kcs, vcs)]
+        ms = db.bench_ms(db.layered(lambda i: fns[i], LAYERS)) / LAYERS
+        write({"part": "mqa", "Nk": nk, "impl": "sdpa-cudnn", "ms": ms,
+               "gbps": kv_bytes / ms / 1e6})
+        for name in MQA_VARIANTS:
+            try:
+                v = Variant.parse(name)
+                plan = SplitKVPlan(q, kcs[0], False, None, v)
+                ms = graph_ms([plan], q, kcs, vcs, seqlens, None, nk)
+                row = {"part": "mqa", "Nk": nk, "impl": name, "ms": ms,
+                       "gbps": kv_bytes / ms / 1e6, "splits": plan.num_splits(nk),
+                       "kernel_us": kernel_us(SplitKVPlan(q, kcs[0], False, None, v), q, kcs[0],
+                                              vcs[0], seqlens, None, nk)}
+            except Exception as e:  # noqa: BLE001 -- a shape that cannot run is a row
+                row = {"part": "mqa", "Nk": nk, "impl": name, "error": f"{type(e).__name__}: {e}"[:300]}
+            write(row)
+        del q, kcs, vcs
+        torch.cuda.empty_cache()
+
+
+def paged(write, reps: int):
+    page = 256
+    for hq, hk in ((32, 8), (8, 1)):
+        nk = 2048
+        q, kcs, vcs = caches(1, hq, hk, nk, LAYERS)
+        kv_bytes = 2 * nk * hk * D * 2
+        seqlens = torch.full((1,), nk, dtype=torch.int32, device="cuda")
+        pcs = [(k.view(-1, page, hk, D), v.view(-1, page, hk, D)) for k, v in zip(kcs, vcs)]
+        bt = torch.randperm(nk // page, device="cuda").to(torch.int32).view(1, -1)
+        contiguous = kvcache._variant(q, kcs[0], vcs[0], False, False, nk)
+        used = kvcache.fit_pages(contiguous, page)
+        runs = {"contiguous " + contiguous.name: (contiguous, False)}
+        runs["paged " + used.name] = (used, True)
+        for s in PAGED_SPLITS:
+            for bn in (16, 32, 64):
+                v = dataclasses.replace(used, num_splits=s, block_n=bn)
+                runs[f"paged {v.name}"] = (v, True)
+        times: dict = {k: [] for k in runs}
+        for rep in range(reps):
+            for label, (v, is_paged) in runs.items():
+                if rep >= 2 and len(times) > 2 and label not in list(runs)[:2]:
+                    continue  # the alternatives: two repetitions each
+                try:
+                    if is_paged:
+                        plan = SplitKVPlan(q, pcs[0][0], False, None, v)
+                        ms = graph_ms([plan], q, [p[0] for p in pcs], [p[1] for p in pcs],
+                                      seqlens, bt, nk)
+                    else:
+                        plan = SplitKVPlan(q, kcs[0], False, None, v)
+                        ms = graph_ms([plan], q, kcs, vcs, seqlens, None, nk)
+                    times[label].append(ms)
+                except Exception as e:  # noqa: BLE001
+                    write({"part": "paged", "Hq": hq, "Hk": hk, "impl": label,
+                           "error": f"{type(e).__name__}: {e}"[:300]})
+                    times[label] = []
+                    break
+        base = statistics.median(times["contiguous " + contiguous.name])
+        for label, ts in times.items():
+            if ts:
+                write({"part": "paged", "Hq": hq, "Hk": hk, "Nk": nk, "impl": label,
+                       "ms_all": ts, "ms": statistics.median(ts),
+                       "gbps": kv_bytes / statistics.median(ts) / 1e6,
+                       "vs_contiguous": base / statistics.median(ts)})
+        del q, kcs, vcs, pcs
+        torch.cuda.empty_cache()
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--parts", default="mqa,paged")
+    ap.add_argument("--reps", type=int, default=5)
+    a = ap.parse_args(argv)
+    db.GRAPH = True
+    out = open(a.out, "w")
+    out.write(json.dumps({"kind": "env", "device": torch.cuda.get_device_name(),
+                          "torch": torch.__version__,
+                          "triton": __import__("triton").__version__}) + "\n")
+
+    def write(row):
+        out.write(json.dumps(row) + "\n")
+        out.flush()
+        keys = ("part", "Hq", "Nk", "impl", "gbps", "vs_contiguous", "splits", "kernel_us",
+                "error")
+        print({k: (round(row[k], 3) if isinstance(row[k], float) else row[k])
+               for k in keys if k in row}, flush=True)
+    parts = a.parts.split(",")
+    if "paged" in parts:
+        paged(write, a.reps)
+    if "mqa" in parts:
+        mqa(write)
+
+
+if __name__ == "__main__":
+    main()
