@@ -519,6 +519,10 @@ PY
               python3 bench/trial_phases.py --failed /tmp/rs.journal 2>&1 | tail -8
               mkdir -p "$OUT/tables"
               flashtune db export --gpu "$name" --db sqlite:////tmp/rs.db -o "$OUT/tables/research.json" 2>&1 | tail -1 ;;
+    gqa)      # GQA (Llama 16/4, D=128, causal): dispatched now and before session 28's rule, beside SDPA
+              # cuDNN / flash and Flex (bench/gqa_bench.py)
+              timeout ${GQA_TIMEOUT:-300} python3 bench/gqa_bench.py --out "$OUT/gqa.jsonl" ${GQA_ARGS:-} \
+                2>&1 | tee "$OUT/gqa.log" | tail -30 ;;
     decodehost) # a DynamicCache decoding loop (torch.cat per step) timed eagerly: flashtune, with session
               # 28's host fixes undone one by one, and SDPA (bench/decode_host.py)
               timeout ${DHOST_TIMEOUT:-200} python3 bench/decode_host.py --out "$OUT/decode_host.json" \

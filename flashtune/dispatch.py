@@ -172,8 +172,7 @@ def _compete(problem: Problem, varlen: bool = False) -> "Explanation":
         # a masked bucket's nearest records of the same shape (another window or density, the
         # dense one) do compete, scaled by the keys computed (a 50%-dense block mask at 16k ran
         # the generic fwd's dense record by the heuristic, 0.6x the Hopper one)
-        if (ex.record is not None and rex.record is not None
-                and _same_shape(ex) and _same_shape(rex)
+        if (ex.record is not None and rex.record is not None and _comparable(ex, rex)
                 and _runs_as_timed(problem, ex) and _runs_as_timed(rp, rex)):
             mine = get(problem.family).estimate_ms(problem, ex.record)
             theirs = rival.estimate_ms(rp, rex.record)
@@ -199,13 +198,26 @@ def _runs_as_timed(problem: Problem, ex: "Explanation") -> bool:
     return not get(ex.variant.family).masked_changes(ex.variant, problem.mask_kinds)
 
 
-def _same_shape(ex: "Explanation") -> bool:
-    """Whether ex's record was measured on the problem's own bucket, masks apart."""
+def _same_shape(ex: "Explanation", gqa: bool = True) -> bool:
+    """Whether ex's record was measured on the problem's own bucket, masks apart (gqa=False:
+    and whether K/V were shared by query heads apart)."""
     if ex.distance == 0:
         return True
     a, b = ex.bucket, ex.record.bucket
-    return (a.seqlen_q, a.seqlen_k, a.batch_heads, a.gqa) == (b.seqlen_q, b.seqlen_k,
-                                                            b.batch_heads, b.gqa)
+    return (a.seqlen_q, a.seqlen_k, a.batch_heads, a.gqa or not gqa) == (
+        b.seqlen_q, b.seqlen_k, b.batch_heads, b.gqa or not gqa)
+
+
+def _comparable(ex: "Explanation", rex: "Explanation") -> bool:
+    """Whether two families' records may decide between them: each measured on the problem's
+    own bucket; or, for a GQA call, both on its shape without GQA (the tables tune the standard
+    grid, whose heads are not shared: a GQA call -- Llama, Mistral, Qwen -- found no record of
+    its own in any family, and the rivals' heuristics gave every such call on the H100 to the
+    generic kernels; every family reads the K/V a group shares in place alike)."""
+    if _same_shape(ex) and _same_shape(rex):
+        return True
+    return (_same_shape(ex, gqa=False) and _same_shape(rex, gqa=False)
+            and ex.record.bucket.gqa == rex.record.bucket.gqa)
 
 
 @lru_cache(maxsize=256)

@@ -67,6 +67,20 @@ def _rows_view(t: torch.Tensor):
     return [b, n, h * d], [sb, sn, 1]
 
 
+def rows_copy(t: torch.Tensor) -> torch.Tensor:
+    """t's values in (B, N, H, D) memory, as a (B, H, N, D) view of it."""
+    return t.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+def kv_rows_copy(q: torch.Tensor, o: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """q and O in (B, N, H, D) memory beside K and V in another layout (a transformers model's
+    projections: q after RoPE keeps its projection's memory, k and v come back contiguous): the
+    Hopper plans then copy K and V into q's layout each call (2 B x Hk x N x D each: a quarter
+    of q's bytes at GQA 4:1) rather than hand the call to the generic families."""
+    return (_rows_view(q) is not None and _rows_view(o) is not None
+            and not (_rows_view(k) is not None and _rows_view(v) is not None))
+
+
 def tile_view(*tensors: torch.Tensor):
     """The view every descriptor of a call takes: _view3 ((B*H, N, D): every render) where all
     the tensors allow it, else _rows_view ((B, N, H*D): bnhd renders, flashtune/gluon_tiles.py)
@@ -132,7 +146,7 @@ class HopperFwdPlan:
     this plan checks the base addresses itself (ops.run_forward would otherwise swap the variant
     for a pointer twin, which this family has not)."""
     __slots__ = ("variant", "kernel", "grid", "scale", "n_tiles", "consts", "layouts", "fallback",
-                 "why", "masks", "mask_args", "view")
+                 "why", "masks", "mask_args", "view", "copy_kv")
     descriptor = False
 
     def __init__(self, q, k, v, causal: bool, scale: float | None, variant: Variant,
@@ -150,6 +164,9 @@ class HopperFwdPlan:
         self.why = unsupported(d, q.dtype) or _device_blocker(q.device)
         o_meta = alloc.meta_like(q)
         self.view = tile_view(q, k, v, o_meta)
+        self.copy_kv = self.view is None and kv_rows_copy(q, o_meta, k, v)
+        if self.copy_kv:
+            self.view = _rows_view
         if not self.why and self.view is None:
             self.why = "strides TMA cannot describe as (B*H, N, D), nor as (B, N, H*D), for all"
         elif not self.why and self.view is _rows_view:  # e.g. transformers' projections
@@ -182,6 +199,8 @@ class HopperFwdPlan:
         if self.fallback is not None:
             return self.fallback.run(q, k, v)
         o = alloc.empty_like(q)  # keeps q's layout, as the generic plan's
+        if self.copy_kv:  # kv_rows_copy
+            k, v = rows_copy(k), rows_copy(v)
         if not addressable(q, k, v, o, view=self.view):  # this call's bases only: no memo
             return generic_plan(q, k, v, self.consts["IS_CAUSAL"], self.scale,
                                  self.masks).run(q, k, v)

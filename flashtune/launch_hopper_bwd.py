@@ -18,8 +18,8 @@ from . import alloc
 from .codegen import Variant, load
 from .launcher import Launcher
 from .launch import check_mask_variant, mask_args, mask_params
-from .launch_hopper import (_device_blocker, _rows_view, _view3, addressable, packed_view3,
-                            tile_layouts)
+from .launch_hopper import (_device_blocker, _rows_view, _view3, addressable, kv_rows_copy,
+                            packed_view3, rows_copy, tile_layouts)
 from .launch_hopper import unsupported as _unsupported
 from .families.hopper_bwd import dq_tiles
 from .masks import NONE, Masks
@@ -106,13 +106,14 @@ class HopperBwdPlan:
         self.rows = None  # (B, N, H, D) memory: the varlen render on equal lengths (RowsBwd)
         self.why = _cannot_launch(variant, q)
         if not self.why and not all(_view3(t) for t in (q, k, v)):
-            if not all(_rows_view(t) for t in (q, k, v)):
+            copy_kv = kv_rows_copy(q, q, k, v)  # O and dO come in q's layout (else copied)
+            if not copy_kv and not all(_rows_view(t) for t in (q, k, v)):
                 self.why = "strides TMA cannot describe as (B*H, N, D) nor as (B*N, H, D)"
             elif masks.any or variant.dq_overlap:
                 self.why = ("(B, N, H, D) memory: the varlen render it runs takes no window, "
                             "softcap, block mask or dq_overlap")
             else:
-                self.rows = RowsBwd(q, k, self.causal, scale, variant)
+                self.rows = RowsBwd(q, k, self.causal, scale, variant, copy_kv)
                 self.why = self.rows.plan.why
             return
         if not self.why and b * h > 65535:  # its grids' second axis: B * Hk, dQ's B * H
@@ -201,12 +202,18 @@ class RowsBwd:
     tiles take their rows by (head, sequence start + row): the dense render's (B*H, N, D)
     descriptors cannot describe that memory, and the varlen kernels ran within 3% of the dense
     render's on the same problem (docs/benchmarks.md, session 27). LSE goes in as (H, B*Nq), a
-    copy of B*H*Nq floats."""
-    __slots__ = ("plan", "cu")
+    copy of B*H*Nq floats. copy_kv (launch_hopper.kv_rows_copy: K and V in another layout than
+    q, as a transformers model hands them): K and V are copied into q's layout each call, and
+    dK, dV copied back into theirs."""
+    __slots__ = ("plan", "cu", "copy_kv")
 
-    def __init__(self, q, k, causal: bool, scale: float | None, variant: Variant):
-        b, _, nq, _ = q.shape
+    def __init__(self, q, k, causal: bool, scale: float | None, variant: Variant,
+                 copy_kv: bool = False):
+        b, hk, nq, d = q.shape[0], k.shape[1], q.shape[2], q.shape[3]
         nk = k.shape[2]
+        self.copy_kv = copy_kv
+        if copy_kv:  # the plan sees K as its copy will be (nothing is copied here)
+            k = torch.empty((b, nk, hk, d), dtype=k.dtype, device="meta").transpose(1, 2)
         self.plan = HopperBwdVarlenPlan(_packed(q), _packed(k), b, nq, nk, causal, scale,
                                         dataclasses.replace(variant, varlen=True))
         self.cu = tuple(torch.arange(0, (b + 1) * n, n, dtype=torch.int32, device=q.device)
@@ -214,11 +221,15 @@ class RowsBwd:
 
     def run(self, dout, q, k, v, o, lse):
         b, h, nq, _ = q.shape
-        grads = self.plan.run(*map(_packed, (dout, q, k, v, o)),
+        kc, vc = (rows_copy(k), rows_copy(v)) if self.copy_kv else (k, v)
+        grads = self.plan.run(*map(_packed, (dout, q, kc, vc, o)),
                               lse.transpose(0, 1).reshape(h, b * nq), self.cu)
         # (B*N, H, D) in the layout of the packed views: back to (B, H, N, D) views of it
-        return tuple(g.view(x.shape[0], x.shape[2], x.shape[1], x.shape[3]).transpose(1, 2)
-                     for g, x in zip(grads, (q, k, v)))
+        dq, dk, dv = (g.view(x.shape[0], x.shape[2], x.shape[1], x.shape[3]).transpose(1, 2)
+                      for g, x in zip(grads, (q, kc, vc)))
+        if self.copy_kv:  # the gradients in K's and V's own layout
+            dk, dv = alloc.empty_like(k).copy_(dk), alloc.empty_like(v).copy_(dv)
+        return dq, dk, dv
 
 
 def preprocess_launch(q, k, causal: bool, generic: Variant) -> tuple:

@@ -447,3 +447,31 @@ def test_splitkv_record_from_another_bucket_keeps_its_parallelism(tables, monkey
     assert any("num_splits 8 -> 2" in n for n in wider.notes)
     widest = decode(32, 8, 64, 32768)  # 8x: one split, as the rule gives
     assert widest.variant.num_splits == 0
+
+
+@pytest.mark.parametrize("faster", ["hopper_bwd", "bwd"])
+def test_a_gqa_call_lets_records_of_its_shape_without_gqa_compete(tables, monkeypatch, faster):
+    """The tables tune heads that are not shared: a GQA backward (Llama's 4:1) finds each
+    family's record on its shape without GQA, and those compete (dispatch._comparable) -- the
+    rival's heuristic alone gave every such call to the generic kernels. A family whose record
+    is the GQA bucket's own does not compete with the other's non-GQA one: not alike."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # as on a GPU machine (no kernel runs here)
+    gqa = Problem("bwd", "bfloat16", 128, True, 4, 8, 16, 2048, 2048)
+    ms = (0.5, 1.0) if faster == "hopper_bwd" else (1.0, 0.5)
+    recs = [make_record(gpu=H200, sq=2048, bh=128, dtype="bfloat16", family="hopper_bwd",
+                        variant="hopper_bwd-m64-n64-w4-s2-dq=gluon", ms=ms[0]),
+            make_record(gpu=H200, sq=2048, bh=128, dtype="bfloat16", family="bwd",
+                        variant="bwd-m64-n128-w8-s2-dq=fused", ms=ms[1])]
+    ship(tables, H200, *recs)
+    dispatch.clear_cache()
+    ex = flashtune.explain(gqa)
+    assert ex.variant.family == faster and any("competed" in n and "tuned records" in n
+                                               for n in ex.notes), str(ex)
+    # the generic family with a record of the GQA bucket itself: no comparison, its own wins
+    own = make_record(gpu=H200, sq=2048, bh=128, dtype="bfloat16", family="bwd", gqa=True,
+                      variant="bwd-m64-n64-w4-s2-dq=atomic", ms=2.0)
+    ship(tables, H200, *recs, own)
+    dispatch.clear_cache()
+    ex = flashtune.explain(gqa)
+    assert ex.variant.name == "bwd-m64-n64-w4-s2-dq=atomic" and not any("competed" in n
+                                                               for n in ex.notes), str(ex)

@@ -90,17 +90,18 @@ def test_bnhd_code_only_in_bnhd_renders(name):
 
 @pytest.mark.parametrize("layout", ["bhnd", "bnhd", "fused", "mixed"])
 def test_plans_take_the_bnhd_kernels_for_such_calls(layout, monkeypatch):
-    """Meta tensors (the plan is built as for a GPU, nothing launched); q, k, v in two layouts
-    at once keep the generic families."""
+    """Meta tensors (the plan is built as for a GPU, nothing launched). "mixed" (q in (B, N, H, D)
+    memory, k and v contiguous: a transformers model's attention after RoPE) takes the bnhd
+    kernels with K and V copied into q's layout; the other way round (q contiguous) keeps the
+    generic families."""
     from flashtune.launch_hopper_bwd import HopperBwdPlan
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     q, k, v = tensors(layout, 2, 4, 4, 256, 256, 128, torch.bfloat16, "meta")
     fwd = launch_hopper.HopperFwdPlan(q, k, v, True, None, Variant.parse(FWD[128][0]))
     bwd = HopperBwdPlan(q, k, v, True, None, Variant.parse(BWD[128][0]))
-    if layout == "mixed":
-        assert fwd.why and fwd.fallback is not None and bwd.why and bwd.rows is None
-        return
     assert fwd.why == "" and fwd.fallback is None and bwd.why == ""
+    assert fwd.copy_kv == (layout == "mixed")
+    assert (bwd.rows is not None and bwd.rows.copy_kv) == (layout == "mixed")
     assert fwd.variant.bnhd == (layout != "bhnd") and (bwd.rows is None) == (layout == "bhnd")
     if bwd.rows is not None:
         assert bwd.rows.plan.variant == dataclasses.replace(bwd.variant, varlen=True)
@@ -108,6 +109,16 @@ def test_plans_take_the_bnhd_kernels_for_such_calls(layout, monkeypatch):
     win = HopperBwdPlan(q, k, v, True, None, Variant.parse(BWD[128][0] + "-window=true"),
                         flashtune.masks.Masks(window=(64, 0)))
     assert bool(win.why) == (layout != "bhnd") and win.rows is None
+
+
+def test_q_contiguous_beside_kv_in_rows_memory_keeps_the_generic_families(monkeypatch):
+    from flashtune.launch_hopper_bwd import HopperBwdPlan
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    k, v = qkv(2, 4, 4, 256, 256, 128, torch.bfloat16, "meta", layout="bnhd")[1:]
+    q = torch.empty(2, 4, 256, 128, dtype=torch.bfloat16, device="meta")
+    fwd = launch_hopper.HopperFwdPlan(q, k, v, True, None, Variant.parse(FWD[128][0]))
+    bwd = HopperBwdPlan(q, k, v, True, None, Variant.parse(BWD[128][0]))
+    assert fwd.fallback is not None and not fwd.copy_kv and bwd.why and bwd.rows is None
 
 
 def test_shipped_kind_of_bnhd_render_compiles_for_sm90():
@@ -177,15 +188,19 @@ def test_matches_reference(which, name, d, shape, dtype, causal, no_fallback):
 @hopper_gpu
 @pytest.mark.parametrize("layout", ["fused", "mixed"])
 def test_fused_and_mixed_layouts(layout, no_fallback):
-    """Slices of one fused QKV projection run the Hopper kernels; q in (B, N, H, D) memory beside
-    contiguous k, v (no one view for all) the generic families -- right either way."""
-    q, k, v = tensors(layout, 2, 4, 4, 333, 333, 128, torch.bfloat16, "cuda")
+    """Slices of one fused QKV projection run the Hopper kernels; so does q in (B, N, H, D)
+    memory beside contiguous k, v (K and V copied into q's layout: kv_rows_copy), GQA, whose
+    gradients come back in each tensor's own layout."""
+    h, hk = (4, 4) if layout == "fused" else (8, 2)
+    q, k, v = tensors(layout, 2, h, hk, 333, 333, 128, torch.bfloat16, "cuda")
     with flashtune.force(FWD[128][0]):
-        assert_matches_reference(q, k, v, causal=True, scale=0.3)
+        o = assert_matches_reference(q, k, v, causal=True, scale=0.3)
     with flashtune.force(BWD[128][0]):
-        assert_grads_match(q, k, v, causal=True, scale=0.3)
-    if layout == "fused":
-        no_fallback("HopperFwdPlan", "HopperBwdPlan")
+        grads = assert_grads_match(q, k, v, causal=True, scale=0.3)[1:]
+    if layout == "mixed":  # (fused: dense (B, N, H, D) gradients, not the projection's slices)
+        assert o.stride() == q.stride()
+        assert [g.stride() for g in grads] == [x.stride() for x in (q, k, v)]
+    no_fallback("HopperFwdPlan", "HopperBwdPlan")
 
 
 @pytest.mark.gpu
