@@ -29,14 +29,20 @@ def main(argv=None) -> None:
     ap.add_argument("--b", type=int, default=16)
     ap.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--hk", type=int, default=0, help="kv heads (default: as many as q's)")
+    ap.add_argument("--layouts", default="bhnd,bnhd",
+                    help="bhnd, bnhd, mixed (q in (B, N, H, D) memory, k and v contiguous)")
     a = ap.parse_args(argv)
     h = 2048 // a.d
+    hk = a.hk or h
     report = {}
-    for layout in ("bhnd", "bnhd"):
-        shape = (a.b, h, a.n, a.d) if layout == "bhnd" else (a.b, a.n, h, a.d)
-        xs = [torch.randn(shape, dtype=torch.bfloat16, device="cuda") for _ in range(3)]
-        if layout == "bnhd":
-            xs = [t.transpose(1, 2) for t in xs]
+    for layout in a.layouts.split(","):
+        xs = []
+        for i, heads in enumerate((h, hk, hk)):
+            rows = layout == "bnhd" or (layout == "mixed" and i == 0)
+            t = torch.randn((a.b, a.n, heads, a.d) if rows else (a.b, heads, a.n, a.d),
+                            dtype=torch.bfloat16, device="cuda")
+            xs.append(t.transpose(1, 2) if rows else t)
         xs = [t.requires_grad_() for t in xs]
         out = flashtune.attention(*xs, causal=a.causal)
         do = torch.randn_like(out)

@@ -17,6 +17,7 @@ from .codegen import Variant, load
 from .launcher import Launcher
 from .launch import check_mask_variant, generic_plan, mask_args, mask_params
 from .masks import NONE, Masks
+from .relayout import rows_copy
 
 HEAD_DIMS = (64, 128, 256)
 DTYPES = (torch.float16, torch.bfloat16)
@@ -65,11 +66,6 @@ def _rows_view(t: torch.Tensor):
     if sd != 1 or (h > 1 and sh != d):
         return None
     return [b, n, h * d], [sb, sn, 1]
-
-
-def rows_copy(t: torch.Tensor) -> torch.Tensor:
-    """t's values in (B, N, H, D) memory, as a (B, H, N, D) view of it."""
-    return t.transpose(1, 2).contiguous().transpose(1, 2)
 
 
 def kv_rows_copy(q: torch.Tensor, o: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:

@@ -19,10 +19,11 @@ from .codegen import Variant, load
 from .launcher import Launcher
 from .launch import check_mask_variant, mask_args, mask_params
 from .launch_hopper import (_device_blocker, _rows_view, _view3, addressable, kv_rows_copy,
-                            packed_view3, rows_copy, tile_layouts)
+                            packed_view3, tile_layouts)
 from .launch_hopper import unsupported as _unsupported
 from .families.hopper_bwd import dq_tiles
 from .masks import NONE, Masks
+from .relayout import like_copy, rows_copy
 
 HEAD_DIMS = (64, 128, 256)  # D=256: two warpgroups split D for dK / dV (the template's SPLIT)
 D256_TILE = (64, 64, 8)     # (block_m, block_n, num_warps): the one D=256 tile that fits
@@ -228,7 +229,7 @@ class RowsBwd:
         dq, dk, dv = (g.view(x.shape[0], x.shape[2], x.shape[1], x.shape[3]).transpose(1, 2)
                       for g, x in zip(grads, (q, kc, vc)))
         if self.copy_kv:  # the gradients in K's and V's own layout
-            dk, dv = alloc.empty_like(k).copy_(dk), alloc.empty_like(v).copy_(dv)
+            dk, dv = like_copy(k, dk), like_copy(v, dv)
         return dq, dk, dv
 
 
