@@ -54,6 +54,10 @@ def _seconds(text):
                    "query = key length 512..16k; splitkv the decode grid, keys 2k..128k)")
 @click.option("--batch", "batches", multiple=True, default=(),
               help="batch sizes (default: the standard grid's, 16k tokens per batch)")
+@click.option("--group", "groups", multiple=True, default=(),
+              help="q heads per K/V head of the dense buckets (repeat or comma-separate): 1, MHA "
+                   "(the default: the standard grid), 4 for Llama-style GQA; GQA buckets are "
+                   "their own (splitkv's decode grid has its own 32/8 and 8/1)")
 @click.option("--mask", "masks", multiple=True, default=(),
               help="tune masked buckets: none, window=<keys>, softcap, density=<0..1>, joined "
                    "by '+' (window=4096+softcap); repeat for several; default: none")
@@ -100,9 +104,10 @@ def _seconds(text):
               "every 10 s) or none; auto: bars on a terminal, lines otherwise")
 @click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table",
               show_default=True, help="the summary (or the --dry-run plan) as a table or as JSON")
-def search(gpu, families, dtypes, head_dims, causal, seqlens, batches, masks, trials, sampler,
-           seed, db_url, storage, gpus, workers, compile_workers, resume, dry_run, show_status,
-           time_budget, in_order, top_k, trial_timeout, replay, no_prune, progress, fmt):
+def search(gpu, families, dtypes, head_dims, causal, seqlens, batches, groups, masks, trials,
+           sampler, seed, db_url, storage, gpus, workers, compile_workers, resume, dry_run,
+           show_status, time_budget, in_order, top_k, trial_timeout, replay, no_prune, progress,
+           fmt):
     """Tune this GPU's kernels and store the winners.
 
     Searches the kernel variants of each bucket on the GPU present and writes each bucket's
@@ -131,7 +136,11 @@ def search(gpu, families, dtypes, head_dims, causal, seqlens, batches, masks, tr
         mask_specs = tuple(tuple(sorted(parse_spec(m).items())) for m in masks) or ((),)
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--mask") from None
-    cfg = SearchConfig(masks=mask_specs,
+    group_list = _split(groups, int, "--group") or (1,)
+    if any(g < 1 for g in group_list):
+        raise click.BadParameter(f"q heads per K/V head must be >= 1, got {group_list}",
+                                 param_hint="--group")
+    cfg = SearchConfig(masks=mask_specs, groups=group_list,
         gpu=gpu, families=fams, dtypes=dtypes, head_dims=head_dims,
         causal={"both": (False, True), "true": (True,), "false": (False,)}[causal],
         seqlens=_split(seqlens, int, "--seqlen"), batches=_split(batches, int, "--batch"),

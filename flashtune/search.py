@@ -72,6 +72,7 @@ class SearchConfig:
     tables_dir: str | None = None  # where those tables are (default: the shipped tuned_db/tables)
     replay: str | None = None      # answer from a recording instead of the GPU
     masks: tuple = ((),)           # mask specs (Problem fields as pairs; () = dense), --mask
+    groups: tuple = (1,)           # q heads per K/V head of the dense grid's buckets, --group
 
 
 @dataclass(frozen=True)
@@ -172,7 +173,7 @@ def resolve_target(cfg: SearchConfig, *, dry_run: bool = False):
 
 def plan_of(cfg: SearchConfig, target) -> list[PlannedBucket]:
     return plan(target, cfg.families, cfg.dtypes, cfg.head_dims, cfg.causal, cfg.seqlens,
-                cfg.batches, cfg.masks)
+                cfg.batches, cfg.masks, cfg.groups)
 
 
 def default_for(pb: PlannedBucket) -> Variant | None:

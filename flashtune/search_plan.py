@@ -39,12 +39,23 @@ def standard_grid(family: str, dtype: str, head_dim: int, causal: bool, seqlens=
             for n in (seqlens or STANDARD_SEQLENS) for b in (batches or (None,))]
 
 
+def with_group(p: Problem, group: int) -> Problem:
+    """A dense grid problem with `group` q heads per K/V head (GQA; its heads rounded down to a
+    multiple, at least one group). The decode grid's problems keep their own (32/8, 8/1)."""
+    if group == 1 or p.group != 1:
+        return p
+    heads = max(group, p.heads)
+    return dataclasses.replace(p, group=group, heads=heads - heads % group)
+
+
 def plan(target: Target, families, dtypes, head_dims, causal, seqlens=(), batches=(),
-         masks=((),)) -> list[PlannedBucket]:
+         masks=((),), groups=(1,)) -> list[PlannedBucket]:
     """One entry per distinct bucket, in the order given (problems that share a bucket are
     tuned once, with the first). Empty head_dims/seqlens/batches: each family's own grid.
     masks: Problem mask fields per mask spec (masks.parse_spec, as (name, value) pairs; () = no
-    mask): every grid problem is tuned once per spec its family can take."""
+    mask): every grid problem is tuned once per spec its family can take. groups: q heads per
+    K/V head of the dense grid's problems (1: MHA, the standard grid; 4: Llama's GQA), each its
+    own buckets (Bucket.gqa)."""
     from .families import get
     from .problem import head_dim_bucket
     out: dict[str, PlannedBucket] = {}
@@ -56,7 +67,9 @@ def plan(target: Target, families, dtypes, head_dims, causal, seqlens=(), batche
                     # measure the bucket's own head dim: D=96 shares the D=128 bucket (one
                     # BLOCK_D), so asking for 96 tunes exactly what 128 tunes instead of
                     # overwriting its record with other measurements
-                    for p0 in grid(dt, head_dim_bucket(d), c, seqlens, batches):
+                    for p0 in (with_group(g0, g) for g0 in grid(dt, head_dim_bucket(d), c,
+                                                                  seqlens, batches)
+                               for g in groups):
                         for spec in masks:
                             p = dataclasses.replace(p0, **dict(spec))
                             if any(m not in get(fam).mask_fields(fam) for m in p.mask_kinds):

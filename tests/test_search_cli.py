@@ -113,3 +113,32 @@ def test_by_default_every_family_is_tuned_on_its_own_grid():
     r = _run("--dry-run", "--gpu", "H100", "--family", "splitkv", "--head-dim", "128",
              "--seqlen", "32768", "--batch", "1", "--format", "json")
     assert {b["problem"]["family"] for b in json.loads(r.output)["buckets"]} == {"splitkv"}
+
+
+def test_group_adds_gqa_buckets_of_the_dense_grid():
+    """--group 1,4: each dense bucket also as Llama-style GQA (its own bucket, heads a multiple
+    of the group, K/V heads = heads / group); the decode grid keeps its own heads; 0 is an
+    error naming the option."""
+    r = _run("--dry-run", "--gpu", "H100", "--family", "hopper_bwd,fwd", "--head-dim", "128,256",
+             "--seqlen", "2048", "--causal", "true", "--group", "1,4", "--format", "json")
+    assert r.exit_code == 0, r.output
+    buckets = json.loads(r.output)["buckets"]
+    assert len(buckets) == 8 and sum("-gqa-" in b["bucket"] for b in buckets) == 4
+    for b in buckets:
+        p = b["problem"]
+        assert p["group"] == (4 if "-gqa-" in b["bucket"] else 1)
+        assert p["heads"] % p["group"] == 0 and p["heads"] == 2048 // p["head_dim"]
+    r = _run("--dry-run", "--gpu", "H100", "--family", "splitkv", "--head-dim", "128",
+             "--seqlen", "8192", "--group", "4", "--format", "json")
+    assert r.exit_code == 0, r.output
+    assert {b["problem"]["group"] for b in json.loads(r.output)["buckets"]} == {4, 8}
+    r = _run("--dry-run", "--gpu", "H100", "--group", "0")
+    assert r.exit_code != 0 and "--group" in r.output and ">= 1" in r.output
+
+
+def test_with_group_rounds_heads_to_whole_groups():
+    from flashtune.search_plan import standard_problem, with_group
+    p = standard_problem("fwd", "bfloat16", 256, True, 1024)   # H = 8
+    assert (with_group(p, 4).heads, with_group(p, 4).group) == (8, 4)
+    assert (with_group(p, 3).heads, with_group(p, 16).heads) == (6, 16)
+    assert with_group(p, 1) == p
