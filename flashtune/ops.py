@@ -42,8 +42,12 @@ def _plan_key(q, k, v, causal: bool, scale, masks: Masks, variant, *extra) -> tu
     benches that force a variant through the API (bwd_cands_bench.py's candidates,
     timer_agreement.py's API path) read such variants low against the dispatched path (session
     21: a forced bwd record read ~6% below the same kernel from its search's kept plan)."""
-    key = (q.device, q.dtype, q.shape, q.stride(), k.shape, k.stride(), v.stride(), causal,
-           scale, *extra)
+    return _masked_pinned((q.device, q.dtype, q.shape, q.stride(), k.shape, k.stride(),
+                           v.stride(), causal, scale, *extra), masks, variant)
+
+
+def _masked_pinned(key: tuple, masks: Masks, variant) -> tuple:
+    """key, then the call's masks and the variant given or force()d (_plan_key, _bucket_key)."""
     if masks.any:
         key += masks.key
     pinned = variant if variant is not None else dispatch.forced_variant()
@@ -58,12 +62,9 @@ def _bucket_key(q, k, v, causal: bool, scale, masks: Masks, variant) -> tuple:
     def layout(t):  # heads outside tokens or not; TMA's 16-byte strides
         st = t.stride()
         return st[1] > st[2], st[3], (st[0] | st[1] | st[2]) * t.element_size() & 15 == 0
-    key = (q.device, q.dtype, q.shape, q.stride(), k.shape[:2], k.shape[3:],
-           log2_bucket(k.shape[2]), layout(k), layout(v), causal, scale)
-    if masks.any:
-        key += masks.key
-    pinned = variant if variant is not None else dispatch.forced_variant()
-    return key if pinned is None else key + (pinned,)
+    return _masked_pinned((q.device, q.dtype, q.shape, q.stride(), k.shape[:2], k.shape[3:],
+                           log2_bucket(k.shape[2]), layout(k), layout(v), causal, scale),
+                          masks, variant)
 
 
 def run_forward(q, k, v, causal: bool, scale, variant=None, masks: Masks = NONE):
