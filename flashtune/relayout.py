@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from . import alloc
+from .env import interpreting
 from .launcher import Launcher
 
 BLOCK_N = 64
@@ -42,8 +43,8 @@ def copy_(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
     if dst.shape != src.shape or dst.dtype != src.dtype or dst.dim() != 4:
         raise ValueError(f"copy_: (B, H, N, D) tensors of one shape and dtype, got "
                          f"{tuple(dst.shape)} {dst.dtype} and {tuple(src.shape)} {src.dtype}")
-    if dst.stride(3) != 1 or src.stride(3) != 1 or dst.device.type not in ("cuda", "cpu") or (
-            dst.device.type == "cpu" and not _interpreting()):
+    kernel = dst.device.type == "cuda" or (dst.device.type == "cpu" and interpreting())
+    if not kernel or dst.stride(3) != 1 or src.stride(3) != 1:
         return dst.copy_(src)
     b, h, n, d = src.shape
     if src.numel() == 0:
@@ -67,8 +68,3 @@ def rows_copy(t: torch.Tensor) -> torch.Tensor:
 def like_copy(like: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     """t's values in `like`'s layout (alloc.empty_like keeps it)."""
     return copy_(alloc.empty_like(like), t)
-
-
-def _interpreting() -> bool:
-    import os
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"

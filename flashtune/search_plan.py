@@ -19,10 +19,9 @@ STANDARD_SEQLENS = (512, 1024, 2048, 4096, 8192, 16384)
 
 def standard_problem(family: str, dtype: str, head_dim: int, causal: bool, seqlen: int,
                      batch: int | None = None, group: int = 1) -> Problem:
-    heads = max(group, HIDDEN // head_dim)
-    heads -= heads % group
     b = batch if batch else max(1, TOKENS // seqlen)
-    return Problem(family, dtype, head_dim, causal, group, b, heads, seqlen, seqlen)
+    return with_group(Problem(family, dtype, head_dim, causal, 1, b, HIDDEN // head_dim, seqlen,
+                              seqlen), group)
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ def test_copies_between_layouts_exactly(shape, dtype, device, monkeypatch):
     assert torch.equal(rows, views[0]) and rows.transpose(1, 2).is_contiguous()
     like = relayout.like_copy(views[0], views[1])
     assert torch.equal(like, views[1]) and like.is_contiguous()
-    if device == "cuda" or relayout._interpreting():  # the kernel's, not torch's copy
+    if device == "cuda" or relayout.interpreting():  # the kernel's, not torch's copy
         assert len(launches) == 11
 
 
