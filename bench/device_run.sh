@@ -243,12 +243,13 @@ print('torch', torch.cuda.get_device_name(0), targets.detect(0).slug)" 2>&1 | te
               python3 bench/hopper_ncu.py --summary "$OUT/hopper_ncu.csv" | tail -40
               python3 bench/hopper_ncu.py --stalls "$OUT/hopper_ncu_raw.csv" | tail -40 ;;
     srcprof)  # issue 10: per-SASS-instruction stall samples (ncu SourceCounters, PC sampling) of the
-              # hopper kernels bench/hopper_ncu.py runs (SRCPROF_ARGS), the source page as CSV; then
+              # hopper kernels bench/hopper_ncu.py runs (SRCPROF_ARGS; SRCPROF_SCRIPT another script,
+              # e.g. bench/paged_ncu.py with SRCPROF_KERNEL=splitkv), the source page as CSV; then
               # bench/sass_stalls.py's summary (which instructions the warps wait at, and on what)
               timeout ${SRCPROF_TIMEOUT:-240} ncu --clock-control none --profile-from-start off \
                 -k "regex:${SRCPROF_KERNEL:-attn_fwd_hopper}" --section SourceCounters --section WarpStateStats \
                 --section SpeedOfLight --section ComputeWorkloadAnalysis --import-source no -f -o /tmp/srcprof \
-                python3 bench/hopper_ncu.py ${SRCPROF_ARGS:---cases fwd-d256-4k,fwd-d128-4k --only hopper_fwd} \
+                python3 ${SRCPROF_SCRIPT:-bench/hopper_ncu.py} ${SRCPROF_ARGS---cases fwd-d256-4k,fwd-d128-4k --only hopper_fwd} \
                 > "$OUT/srcprof.log" 2>&1
               tail -4 "$OUT/srcprof.log"
               ncu -i /tmp/srcprof.ncu-rep --page details --csv > "$OUT/srcprof_details.csv" 2>&1

@@ -172,6 +172,12 @@ class SplitKVPlan:
             self._splits[max_seqlen] = s
         return s
 
+    def _split_args(self, split_keys: int, num_splits: int) -> tuple:
+        """Paged: split_keys (the host's longest sequence, which places every split) and
+        split_chunk, the keys of one split as the kernel would compute them from it."""
+        block_n = self.kwargs["BLOCK_N"]
+        return split_keys, triton.cdiv(triton.cdiv(split_keys, num_splits), block_n) * block_n
+
     def run(self, q, k_cache, v_cache, seqlens, block_table=None, max_seqlen: int = 0):
         """Returns O (q's shape, dtype and layout) and LSE (B, Hq, Nq) float32.
         seqlens (B,) int32 on q's device: the keys each sequence attends to (at most the cache's
@@ -208,7 +214,7 @@ class SplitKVPlan:
             *o_strides, *l_strides,
             hk, nq, s, k_cache.shape[0] if self.paged else 0,
             min(max_seqlen, capacity) if uniform else capacity,
-            *((min(max_seqlen, capacity),) if self.paged else ()))  # split_keys
+            *(self._split_args(min(max_seqlen, capacity), s) if self.paged else ()))
         if s > 1:
             chunk_d = combine_tile(s, self.kwargs["BLOCK_D"])[1]
             self._launcher(("combine", s))(

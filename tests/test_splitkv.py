@@ -168,6 +168,24 @@ def test_paged_equals_contiguous(loads, device):
     check(q, kc, vc, [32, 52], out, causal=True)
 
 
+@pytest.mark.parametrize("loads", ["pointer", "descriptor"])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_pages_of_several_key_blocks(loads, num_splits, device):
+    # 64-key pages, 16-key blocks: a split walks several blocks of a page (whose table entry it
+    # does not read again) and crosses into shuffled pages mid-split; ragged lengths end inside
+    # a page, and Nq = 2 causal masks the last blocks
+    q, kc, vc = make(2, 2, 4, 2, 16, 192, torch.float16, device)
+    lengths = [70, 181]
+    for b, n in enumerate(lengths):
+        kc[b, n:] = float("nan")
+        vc[b, n:] = float("nan")
+    kp, vp, bt = to_paged(kc, vc, 64, generator_seed=3)
+    sl = torch.tensor(lengths, dtype=torch.int32, device=device)
+    extra = "" if loads == "pointer" else "-loads=descriptor"
+    out = run(q, kp, vp, sl, variant(num_splits, extra), causal=True, block_table=bt)
+    check(q, kc, vc, lengths, out, causal=True)
+
+
 @pytest.mark.parametrize("paged", [False, True])
 def test_int_cache_seqlens_append(paged, device):
     # an int cache_seqlens is one length for every sequence: no lengths tensor (UNIFORM), the
