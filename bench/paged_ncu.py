@@ -1,6 +1,6 @@
 """Where a paged decode step loses to the contiguous one (issue 9: B=1, 2k keys, paged at
 0.95x contiguous): one launch of each splitkv kernel under Nsight Compute, contiguous and paged
-(256-key pages, shuffled table), GQA 32/8 and MQA 8/1, D=128, bf16, the dispatched variant as
+(256-key pages, shuffled table), GQA 32/8 and MQA 8/1, D=128, bf16, --batch sequences (1), the dispatched variant as
 bench/decode_probe.py runs it. Every plan runs a few times first; only the profiled calls lie
 between cudaProfilerStart and cudaProfilerStop (so `ncu --profile-from-start off` sees one
 launch of each kernel of each case). Through device_run.sh:
@@ -27,13 +27,19 @@ D, NK, PAGE = 128, 2048, 256
 
 
 def main() -> None:
+    import argparse
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batch", type=int, default=1)
+    b = ap.parse_args().batch
     runs = []
     for hq, hk in ((32, 8), (8, 1)):
-        q = torch.randn(1, 1, hq, D, dtype=torch.bfloat16, device="cuda")
-        kc = torch.randn(1, NK, hk, D, dtype=torch.bfloat16, device="cuda")
+        q = torch.randn(b, 1, hq, D, dtype=torch.bfloat16, device="cuda")
+        kc = torch.randn(b, NK, hk, D, dtype=torch.bfloat16, device="cuda")
         vc = torch.randn_like(kc)
-        sl = torch.full((1,), NK, dtype=torch.int32, device="cuda")
-        bt = torch.randperm(NK // PAGE, device="cuda").to(torch.int32).view(1, -1)
+        sl = torch.full((b,), NK, dtype=torch.int32, device="cuda")
+        per = NK // PAGE
+        bt = torch.stack([i * per + torch.randperm(per) for i in range(b)]).to(
+            device="cuda", dtype=torch.int32)
         contiguous = kvcache._variant(q, kc, vc, False, False, NK)
         paged = kvcache.fit_pages(contiguous, PAGE)
         kp, vp = kc.view(-1, PAGE, hk, D), vc.view(-1, PAGE, hk, D)

@@ -21,25 +21,48 @@ def _flush(nbytes: int) -> None:
     buf.zero_()
 
 
+def capture(fn):
+    """fn captured once in a CUDA graph (warmed on a side stream first, as capture requires):
+    its replay. Raises where fn cannot be captured (a host sync inside, say: found before any
+    capture begins). The replay keeps
+    fn -- and so every tensor its closures hold -- and the captured outputs alive: the graph
+    holds raw pointers to them, and once freed the allocator hands their memory to whatever is
+    allocated next (flashtune bench's paged decode peer replayed with its block tables
+    overwritten by the next peer's tensors: clamped page indices, in bounds but wrong, and
+    timed faster than the GPU can read -- 3.4-4.0 TB/s on the H100, session 29)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+        # a host sync would break the capture, and a broken capture leaves the CUDA generator
+        # in capture mode: every later torch.randn on the device raised "Offset increment
+        # outside graph capture" (torch 2.11). So a second warm-up run with syncs made errors.
+        prev = torch.cuda.get_sync_debug_mode()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode(prev)
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = fn()
+    torch.cuda.synchronize()
+
+    def replay(g=g, keep=(fn, out)):
+        return g.replay()
+    return replay
+
+
 def graphed(fn):
-    """fn captured once in a CUDA graph: replay() runs the kernels fn launches without the host's
-    per-launch cost, so a microsecond kernel (a decoding step) is timed by its GPU time, not by
-    Python's launch latency (which the L2 flush before each run does not always hide). fn itself
-    where it cannot be captured (a host sync inside, say)."""
+    """fn's CUDA-graph replay (capture): a microsecond kernel (a decoding step) is timed by its
+    GPU time, not by Python's launch latency (which the L2 flush before each run does not
+    always hide). fn itself where it cannot be captured."""
     try:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm-up outside the graph, as capture requires
-            fn()
-        torch.cuda.current_stream().wait_stream(side)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            fn()
-        torch.cuda.synchronize()
+        return capture(fn)
     except Exception:  # noqa: BLE001 -- not capturable: time the plain calls
         torch.cuda.synchronize()
         return fn
-    return g.replay
 
 
 def samples(fn, reps: int, flush_bytes: int, after_flush=None) -> list[float]:

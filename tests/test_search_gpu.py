@@ -29,6 +29,31 @@ def test_tiny_real_search(tmp_path):
     assert not any("recompiled" in r.get("notes", "") for r in ok), results
 
 
+@pytest.mark.parametrize("which", ["timing", "bench"])
+def test_a_replay_keeps_what_its_step_reads_alive(which):
+    # the graph holds raw pointers: a replay whose step's tensors were freed reads whatever the
+    # allocator put there next (flashtune bench's paged decode peer: its block tables, then the
+    # next peer's tensors). Here the index tensor lives only in the step's closure.
+    import torch
+
+    from flashtune import timing
+    from flashtune.bench import timing as bench_timing
+    src = torch.randn(1 << 16, device="cuda")
+    want = torch.randperm(1 << 16, device="cuda")
+    out = torch.empty_like(src)
+
+    def make():
+        idx = want.clone()
+        return lambda: torch.index_select(src, 0, idx, out=out)
+    replay = (timing.graphed if which == "timing" else bench_timing.graphed)(make())
+    junk = [torch.zeros(1 << 16, dtype=torch.int64, device="cuda") for _ in range(64)]
+    out.zero_()
+    replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, src[want]), "the replay read freed (overwritten) indices"
+    del junk
+
+
 def test_graphed_timing_replays_the_kernels_and_falls_back():
     # splitkv's search times CUDA-graph replays (timing.graphed): the replay must run what fn
     # launches, on fresh data each time, and a fn that cannot be captured is timed as it is
@@ -52,5 +77,7 @@ def test_graphed_timing_replays_the_kernels_and_falls_back():
         fn()
         return out.sum().item()  # a host sync: not capturable
     assert timing.graphed(syncing) is syncing
+    # the refused capture left the device's random generator usable
+    assert torch.randn(4, device="cuda").isfinite().all()
     ms, _ = timing.bench(replay, budget_ms=5.0)
     assert ms > 0

@@ -100,17 +100,13 @@ def measure_together(fns: list, device: str, *, budget_ms: float = 60.0,
 
 
 def graphed(fn):
-    """fn captured as a CUDA graph (warmed eagerly and on the capture stream): its replay."""
+    """fn captured as a CUDA graph after an eager run (its compiles and caches stay out of the
+    capture): its replay, which keeps what fn holds alive (flashtune.timing.capture). Raises
+    where fn cannot be captured (timed_form times it eagerly then)."""
+    from .. import timing
     fn()
     torch.cuda.synchronize()
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        fn()  # warm on the capture stream
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, stream=stream):
-            fn()
-    torch.cuda.synchronize()
-    return g.replay
+    return timing.capture(fn)
 
 
 def peak_mib(fn, device: str) -> float:
