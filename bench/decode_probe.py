@@ -10,7 +10,11 @@ CUDA graph replays, each layer its own cache, L2 flushed between replays):
          --reps repetitions (one cell is ~9 us: single runs differ by 8% for the same kernel),
          then paged variants with fewer, longer splits.
 
-    python3 bench/decode_probe.py --out probe.jsonl [--parts mqa,paged] [--reps 5]
+  api    paged against contiguous through the public API, as flashtune bench's paged peer calls
+         it, at --batches (1,64): every layer's paged output against the contiguous one (and
+         layer 0 against float64), then both timed, interleaved (session 29).
+
+    python3 bench/decode_probe.py --out probe.jsonl [--parts mqa,paged,api] [--reps 5]
 """
 from __future__ import annotations
 
@@ -27,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 import decode_bench as db  # noqa: E402
+import flashtune  # noqa: E402
 from flashtune import kvcache  # noqa: E402
 from flashtune.codegen import Variant  # noqa: E402
 from flashtune.launch_splitkv import SplitKVPlan  # noqa: E402
@@ -150,10 +155,64 @@ def paged(write, reps: int):
         torch.cuda.empty_cache()
 
 
+def api(write, reps: int, batches) -> None:
+    """Paged against contiguous through attention_with_kvcache, as `flashtune bench`'s
+    flashtune-paged256 peer calls it (each sequence's 256-key pages shuffled within its own
+    range, one table for every layer), 2k keys, GQA 32/8 and MQA 8/1, at each of `batches`:
+    every layer's paged output against the contiguous one, layer 0 against float64 on two
+    sequences, then both timed, interleaved over `reps` repetitions."""
+    from flashtune.reference import reference
+    NK, PAGE = 2048, 256
+    for hq, hk in ((32, 8), (8, 1)):
+        for b in batches:
+            q = torch.randn(b, 1, hq, D, dtype=torch.bfloat16, device="cuda")
+            kcs = [torch.randn(b, NK, hk, D, dtype=torch.bfloat16, device="cuda")
+                   for _ in range(LAYERS)]
+            vcs = [torch.randn_like(k) for k in kcs]
+            sl = torch.full((b,), NK, dtype=torch.int32, device="cuda")
+            per = NK // PAGE
+            gen = torch.Generator().manual_seed(0)
+            table = torch.stack([i * per + torch.randperm(per, generator=gen)
+                                 for i in range(b)]).to(device="cuda", dtype=torch.int32)
+
+            def contiguous(i):
+                return lambda: flashtune.attention_with_kvcache(q, kcs[i], vcs[i],
+                                                                cache_seqlens=sl)
+
+            def paged(i):
+                return lambda: flashtune.attention_with_kvcache(
+                    q, kcs[i].view(-1, PAGE, hk, D), vcs[i].view(-1, PAGE, hk, D),
+                    cache_seqlens=sl, block_table=table)
+            worst = max(float((contiguous(i)() - paged(i)()).abs().max()) for i in range(LAYERS))
+            o = paged(0)()
+            ref_err = 0.0
+            for s in (0, b - 1):
+                ref = reference(q[s:s + 1].transpose(1, 2), kcs[0][s:s + 1].transpose(1, 2),
+                                vcs[0][s:s + 1].transpose(1, 2))
+                ref_err = max(ref_err, float((o[s:s + 1].transpose(1, 2).double().cpu()
+                                              - ref.cpu()).abs().max()))
+            times = {"contiguous": [], "paged": []}
+            for _ in range(reps):
+                for name, make in (("contiguous", contiguous), ("paged", paged)):
+                    times[name].append(db.bench_ms(db.layered(make, LAYERS)) / LAYERS)
+            kv = 2 * b * NK * hk * D * 2
+            ms = {k: statistics.median(v) for k, v in times.items()}
+            write({"part": "api", "Hq": hq, "Hk": hk, "B": b, "Nk": NK,
+                   "paged_vs_contiguous_max_diff": worst,
+                   "paged_vs_fp64_max_err": ref_err,
+                   "contiguous_gbps": kv / ms["contiguous"] / 1e6,
+                   "paged_gbps": kv / ms["paged"] / 1e6,
+                   "paged_over_contiguous": ms["contiguous"] / ms["paged"],
+                   "ms_all": times})
+            q = kcs = vcs = None  # the caches go before the next shape's (closures hold them)
+            torch.cuda.empty_cache()
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True)
-    ap.add_argument("--parts", default="mqa,paged")
+    ap.add_argument("--parts", default="mqa,paged", help="mqa, paged, api (comma-separated)")
+    ap.add_argument("--batches", default="1,64", help="api: batch sizes")
     ap.add_argument("--reps", type=int, default=5)
     a = ap.parse_args(argv)
     db.GRAPH = True
@@ -165,11 +224,13 @@ def main(argv=None) -> None:
     def write(row):
         out.write(json.dumps(row) + "\n")
         out.flush()
-        keys = ("part", "Hq", "Nk", "impl", "gbps", "vs_contiguous", "splits", "kernel_us",
-                "error")
+        keys = ("part", "Hq", "B", "Nk", "impl", "gbps", "vs_contiguous", "splits", "kernel_us",
+                "paged_over_contiguous", "paged_vs_contiguous_max_diff", "error")
         print({k: (round(row[k], 3) if isinstance(row[k], float) else row[k])
                for k in keys if k in row}, flush=True)
     parts = a.parts.split(",")
+    if "api" in parts:
+        api(write, a.reps, [int(x) for x in a.batches.split(",")])
     if "paged" in parts:
         paged(write, a.reps)
     if "mqa" in parts:

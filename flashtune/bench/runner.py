@@ -3,6 +3,7 @@ why it was skipped, or its error. Inputs are made once per case and shared by ev
 from __future__ import annotations
 
 import datetime
+import gc
 import platform
 
 import torch
@@ -280,6 +281,11 @@ def run(shapes: grid.Shapes, sections, peers: list[Peer], device: str, *, quick:
         rows += mine
         bar.line(_summary(case, done + mine))
         del inp, more
+        if device == "cuda":
+            # a cell's graphs, caches and outputs go before the next cell's inputs are made, also
+            # where something the cell left in a reference cycle still holds them
+            gc.collect()
+            torch.cuda.empty_cache()
         if checkpoint is not None:
             write_json({**doc, "partial": True}, checkpoint)
     bar.close()

@@ -76,7 +76,11 @@ def measure_together(fns: list, device: str, *, budget_ms: float = 60.0,
             state.append([reps, [], est])
         except Exception as e:  # noqa: BLE001
             torch.cuda.synchronize()
-            state.append(e)
+            # kept without its traceback: the traceback holds this frame, whose `state` holds
+            # the exception -- a cycle that kept every peer's graphs and a cell's 16 layers of
+            # caches alive until Python's cyclic collector ran (the H100 decode grid's last
+            # cell ran out of memory behind 32 GiB of such pools, session 29)
+            state.append(e.with_traceback(None))
     for r in range(rounds):
         live = [i for i, st in enumerate(state) if not isinstance(st, Exception)]
         # there and back: over an even number of rounds every fn's mean place is the same,
@@ -89,7 +93,7 @@ def measure_together(fns: list, device: str, *, budget_ms: float = 60.0,
                     got += timing.samples(fns[i], reps, flush)
             except Exception as e:  # noqa: BLE001
                 torch.cuda.synchronize()
-                state[i] = e
+                state[i] = e.with_traceback(None)  # (no cycle: above)
     out = []
     for st in state:
         if isinstance(st, Exception):
