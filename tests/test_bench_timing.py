@@ -73,3 +73,36 @@ def test_rounds_go_there_and_back_and_a_failing_peer_is_its_own_error(drifting):
     # the estimates a, b, c; then rounds a c | c a | a c | c a (consecutive visits of one fn
     # read as one here)
     assert visits == [a, b, c, a, c, a, c, a], visits
+
+
+def test_a_decode_replay_that_is_not_its_eager_step_is_an_error():
+    # a CUDA-graph replay is checked layer by layer against the step's eager outputs once
+    # before it is timed: the agreement check sees layer 0's eager output only, and a replay
+    # over freed block tables gave wrong layers at impossible bandwidth (session 29). A fake
+    # replay here (CPU): it writes its captured outputs, right or not.
+    from flashtune.bench.runner import _replay_differs
+    eager = [(torch.randn(2, 1, 4, 8),) for _ in range(4)]
+    outs = [torch.empty(2, 1, 4, 8) for _ in range(4)]
+
+    def replay(wrong=()):
+        for i, (o, (e,)) in enumerate(zip(outs, eager)):
+            o.copy_(e + (1.0 if i in wrong else 1e-3 * torch.randn_like(e)))
+    replay.outputs = outs
+    assert _replay_differs(replay, eager) is None
+
+    def bad():
+        replay(wrong={2})
+    bad.outputs = outs
+    why = _replay_differs(bad, eager)
+    assert why is not None and "layer 2" in why and why.startswith("wrong result")
+
+    def silent():  # writes nothing: the NaN the check fills in stays
+        pass
+    silent.outputs = outs
+    assert "layer 0" in _replay_differs(silent, eager)
+    single = outs[0]  # one layer: the capture returned a tensor, not a list
+
+    def one():
+        single.copy_(eager[0][0])
+    one.outputs = single
+    assert _replay_differs(one, eager[:1]) is None

@@ -83,6 +83,26 @@ def _wrong(diff: float, ref: tuple) -> str | None:
             "|value| (see the agreement section); its time is left out")
 
 
+def _replay_differs(replay, eager: list) -> str | None:
+    """Why a decode step's CUDA-graph replay is not the step it times, if it is not: replayed
+    once, every layer's output against the one it computed eagerly. The agreement check sees
+    layer 0's eager output only; a replay over freed tensors (session 29: the paged peer's block
+    tables, whose replays read other tensors' bytes as page indices) gave wrong layers and
+    impossible bandwidth."""
+    outs = replay.outputs if isinstance(replay.outputs, list) else [replay.outputs]
+    for o in outs:
+        o.fill_(float("nan"))
+    replay()
+    if outs and outs[0].is_cuda:
+        torch.cuda.synchronize()
+    for i, (o, (e,)) in enumerate(zip(outs, eager)):
+        diff = _max_diff((o,), (e,))
+        if diff is None or _wrong(diff, (e,)):
+            return (f"wrong result: its CUDA graph replay differs from its eager run (layer {i}: "
+                    f"max |diff| {diff}); its time is left out")
+    return None
+
+
 def _error(e: BaseException) -> str:
     text = " ".join(str(e).split())
     return f"{type(e).__name__}: {text[:300]}"
@@ -119,8 +139,11 @@ def _prepare(case: Case, peer: Peer, inp: Inputs, device: str, graph: bool,
                 row["peak_mib"] = peak_mib(step, device)
                 return row, None, None
             call, out = _timed(case, fn, inp)
+            eager = [out]
             if more:
-                calls = [call] + [_timed(case, peer.prepare(case, m), m)[0] for m in more]
+                timed = [_timed(case, peer.prepare(case, m), m) for m in more]
+                calls = [call] + [c for c, _ in timed]
+                eager += [o for _, o in timed]
                 row["layers"] = len(calls)
 
                 def call():
@@ -128,6 +151,11 @@ def _prepare(case: Case, peer: Peer, inp: Inputs, device: str, graph: bool,
             call, note = timed_form(call, device, graph and case.section == "decode")
             if note:
                 row["timing"] = note
+            why = _replay_differs(call, eager) if note == "cuda graph" and case.mode == "fwd" \
+                else None
+            if why:
+                row["error"] = why
+                return row, None, None
             return row, call, out
     except Exception as e:  # noqa: BLE001 -- a peer that fails is a cell, not a crash
         _failed(row, e, case)
