@@ -24,19 +24,20 @@ def _flush(nbytes: int) -> None:
 def capture(fn):
     """fn captured once in a CUDA graph (warmed on a side stream first, as capture requires):
     its replay. Raises where fn cannot be captured (a host sync inside, say: found before any
-    capture begins). The replay keeps
-    fn -- and so every tensor its closures hold -- and the captured outputs alive: the graph
-    holds raw pointers to them, and once freed the allocator hands their memory to whatever is
-    allocated next (flashtune bench's paged decode peer replayed with its block tables
-    overwritten by the next peer's tensors: clamped page indices, in bounds but wrong, and
-    timed faster than the GPU can read -- 3.4-4.0 TB/s on the H100, session 29)."""
+    capture begins). The replay keeps fn -- and so every tensor its closures hold -- and the
+    captured outputs (replay.outputs) alive: the graph holds raw pointers to them, and once
+    freed the allocator hands their memory to whatever is allocated next (flashtune bench's
+    paged decode peer replayed with its block tables overwritten by the next peer's tensors:
+    clamped page indices, in bounds but wrong, and timed faster than the GPU can read -- 3.4-4.0
+    TB/s on the H100, session 29)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         fn()
         # a host sync would break the capture, and a broken capture leaves the CUDA generator
         # in capture mode: every later torch.randn on the device raised "Offset increment
-        # outside graph capture" (torch 2.11). So a second warm-up run with syncs made errors.
+        # outside graph capture" (torch 2.11). So the second warm-up run makes syncs errors: a
+        # syncing fn raises here, before any capture begins.
         prev = torch.cuda.get_sync_debug_mode()
         torch.cuda.set_sync_debug_mode("error")
         try:
