@@ -1,6 +1,7 @@
 """One cell of `flashtune bench`, timed the way the bench times it (flashtune/bench/runner.py's
 time_cell: the peers together, 16 decode layers, CUDA graphs), to look at one number without
-running a whole grid:
+running a whole grid. time_cell replays each peer's graph once and compares every layer with
+its eager step (runner._replay_differs): a replay that differs is the row's error.
 
     python3 bench/bench_cell.py --section decode --batch 64 --heads 32 --kv-heads 8 \\
         --seqlen-k 2048 --peers flashtune,flashtune-paged256 [--eager] [--layers 16]
@@ -32,10 +33,6 @@ def main(argv=None) -> None:
     ap.add_argument("--peers", default="flashtune,flashtune-paged256")
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs")
-    ap.add_argument("--verify", action="store_true",
-                    help="also replay each peer's step as one CUDA graph (prepared in the "
-                         "--peers order) and compare every layer's output with the first "
-                         "peer's eager one")
     a = ap.parse_args(argv)
     case = Case(a.section, a.mode, a.batch, a.heads, a.kv_heads, a.seqlen_q, a.seqlen_k,
                 a.head_dim, a.causal)
@@ -45,58 +42,6 @@ def main(argv=None) -> None:
     for row in runner.time_cell(case, ps, inp, "cuda", 60.0, not a.eager, more):
         print(json.dumps({k: row.get(k) for k in ("peer", "ms", "throughput", "layers", "timing",
                                                   "max_abs_diff", "error")}), flush=True)
-    if a.verify:
-        verify(case, ps, (inp,) + tuple(more))
-
-
-def verify(case, ps, layers) -> None:
-    import torch
-
-    from flashtune import kvcache
-    from flashtune.launcher import Launcher
-    # what flashtune does on the host while a stream captures: host checks, new plans, launches
-    # through Triton's path
-    notes = []
-    check, plan_cls, call = kvcache._check_values, kvcache.SplitKVPlan, Launcher.__call__
-
-    def spy_check(*a, **kw):
-        notes.append(("check", torch.cuda.is_current_stream_capturing()))
-        return check(*a, **kw)
-
-    def spy_plan(*a, **kw):
-        notes.append(("plan", torch.cuda.is_current_stream_capturing()))
-        return plan_cls(*a, **kw)
-
-    def spy_call(self, grid, *args):
-        if self.kernel is None or not self._same(args):
-            notes.append(("triton launch", torch.cuda.is_current_stream_capturing()))
-        return call(self, grid, *args)
-    kvcache._check_values, kvcache.SplitKVPlan, Launcher.__call__ = spy_check, spy_plan, spy_call
-    steps, eager, keep = [], None, []
-    for p in ps:
-        with p.context(case):
-            fns = [p.prepare(case, m) for m in layers]
-            with torch.no_grad():
-                got = [f(*m.tensors) for f, m in zip(fns, layers)]
-                eager = eager or [g.clone() for g in got]
-                g = torch.cuda.CUDAGraph()
-                s = torch.cuda.Stream()
-                with torch.cuda.stream(s):
-                    [f(*m.tensors) for f, m in zip(fns, layers)]
-                    with torch.cuda.graph(g, stream=s):
-                        outs = [f(*m.tensors) for f, m in zip(fns, layers)]
-            torch.cuda.synchronize()
-            steps.append((p.name, g, outs))
-            keep.append(fns)  # the graph reads their block tables: alive until it replays
-            print(json.dumps({"peer": p.name, "host events (what, capturing)": notes}), flush=True)
-            notes.clear()
-    for name, g, outs in steps:
-        for o in outs:
-            o.fill_(float("nan"))
-        g.replay()
-        torch.cuda.synchronize()
-        diffs = [float((o.float() - e.float()).abs().max()) for o, e in zip(outs, eager)]
-        print(json.dumps({"peer": name, "replayed_layers_max_diff": diffs}), flush=True)
 
 
 if __name__ == "__main__":

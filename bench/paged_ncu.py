@@ -1,9 +1,9 @@
 """Where a paged decode step loses to the contiguous one (issue 9: B=1, 2k keys, paged at
 0.95x contiguous): one launch of each splitkv kernel under Nsight Compute, contiguous and paged
-(256-key pages, shuffled table), GQA 32/8 and MQA 8/1, D=128, bf16, --batch sequences (1), the dispatched variant as
-bench/decode_probe.py runs it. Every plan runs a few times first; only the profiled calls lie
-between cudaProfilerStart and cudaProfilerStop (so `ncu --profile-from-start off` sees one
-launch of each kernel of each case). Through device_run.sh:
+(256-key pages, shuffled table), GQA 32/8 and MQA 8/1, D=128, bf16, --batch sequences (1), the
+dispatched variant as bench/decode_probe.py runs it. Every plan runs a few times first; only the
+profiled calls lie between cudaProfilerStart and cudaProfilerStop (so `ncu --profile-from-start
+off` sees one launch of each kernel of each case). Through device_run.sh:
 
     STEPS=srcprof SRCPROF_SCRIPT=bench/paged_ncu.py SRCPROF_KERNEL=splitkv SRCPROF_ARGS= \\
         bash bench/device_run.sh
@@ -47,7 +47,8 @@ def main() -> None:
                                        ("paged", paged, kp, vp, bt)):
             plan = SplitKVPlan(q, k, False, None, v)
             runs.append((f"{hq}/{hk} {label} {v.name} splits={plan.num_splits(NK)}",
-                         lambda plan=plan, k=k, vv=vv, table=table: plan.run(q, k, vv, sl, table, NK)))
+                         lambda plan=plan, k=k, vv=vv, table=table:
+                         plan.run(q, k, vv, sl, table, NK)))
     for _, fn in runs:
         for _ in range(5):
             fn()

@@ -104,12 +104,9 @@ def measure_together(fns: list, device: str, *, budget_ms: float = 60.0,
 
 
 def graphed(fn):
-    """fn captured as a CUDA graph after an eager run (its compiles and caches stay out of the
-    capture): its replay, which keeps what fn holds alive (flashtune.timing.capture). Raises
-    where fn cannot be captured (timed_form times it eagerly then)."""
+    """fn's CUDA-graph replay (flashtune.timing.capture: warmed first, keeps what fn holds
+    alive). Raises where fn cannot be captured (timed_form times it eagerly then)."""
     from .. import timing
-    fn()
-    torch.cuda.synchronize()
     return timing.capture(fn)
 
 
