@@ -70,6 +70,9 @@ class Variant:
     # (launch); the loader warp's registers (setmaxnreg; 0 = no loader partition: the consumers
     # load their own K/V ring -- structural -- and other families, which have none)
     pingpong: bool = False
+    # hopper_fwd only (structural, with pingpong): a third consumer partition, the turns going
+    # round the three (FA3's 192-row tile at D=64)
+    three_consumers: bool = False
     persistent: bool = False
     loader_regs: int = 0
     # hopper_fwd only: Q tiles per consumer (each its tile's O staging buffer): 2 lets the loader
@@ -211,7 +214,7 @@ class Variant:
         return {"causal_split": self.causal_split, "loads": self.loads, "dq": self.dq,
                 "dq_loads": self.dq_loads,
                 "varlen": self.varlen, "bnhd": self.bnhd, "paged": self.paged,
-                "pingpong": self.pingpong,
+                "pingpong": self.pingpong, "three_consumers": self.three_consumers,
                 "loader": self.loader_regs > 0, "l2_order": self.l2_order,
                 "head_order": self.head_order,
                 "release_barrier": self.release_barrier, "early_rescale": self.early_rescale,

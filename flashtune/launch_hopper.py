@@ -14,6 +14,7 @@ import triton
 
 from . import alloc
 from .codegen import Variant, load
+from .families.hopper_fwd import consumers
 from .launcher import Launcher
 from .launch import check_mask_variant, generic_plan, mask_args, mask_params
 from .masks import NONE, Masks
@@ -32,9 +33,8 @@ def consumer_regs(variant: Variant) -> int:
     (65536 - 128*24) / 256 = 244 -> 240. Without a loader partition (loader_regs 0) the consumers
     are all the threads and keep the even share, no less than the cap ptxas allocates under (two
     4-warp consumers: 256; a smaller setmaxnreg there makes ptxas spill to fit it)."""
-    consumers = 2 if variant.pingpong else 1
     share = REGS_PER_SM - 128 * variant.loader_regs
-    share //= 32 * variant.num_warps * consumers
+    share //= 32 * variant.num_warps * consumers(variant)
     return min(256, share) // 8 * 8 if not variant.loader_regs else min(MAX_REGS, share // 8 * 8)
 
 
@@ -178,7 +178,7 @@ class HopperFwdPlan:
         # element mask, after sm_scale
         self.mask_args = mask_args(masks, causal, "q", b, h)
         self.layouts = tile_layouts(q.dtype, d, variant.block_m, variant.block_n)
-        rows = variant.block_m * (2 if variant.pingpong else 1)
+        rows = variant.block_m * consumers(variant)
         n_tiles = triton.cdiv(nq, rows) * b * h
         programs = min(n_tiles, _sm_count(q.device)) if variant.persistent else n_tiles
         self.grid = (programs,)

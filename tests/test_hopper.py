@@ -171,6 +171,44 @@ def test_head_order_is_structural_searched_for_causal_problems_and_not_with_l2_o
         assert not any(x.head_order and x.l2_order for x in space.feasible)
 
 
+def test_three_consumers_is_structural_and_searched_at_d64_dense_only():
+    """three_consumers (session 30): a third 64-row consumer warpgroup, the ping-pong turns going
+    round three; its code only in its renders, its tiles' rows in the shared memory model, and
+    offered by the search for D=64 problems without masks, with 64-key steps and a loader of at
+    least 32 registers (24 spills with head_order, sm_90 compile)."""
+    import dataclasses
+    from flashtune.families.hopper_fwd import consumers, smem_bytes
+    from flashtune.search_space import Space
+    from flashtune.targets import get as get_target
+    v = Variant.parse("hopper_fwd-m64-n64-w4-s3-causal_split=false-pingpong=true"
+                      "-three_consumers=true-persistent=true-lr32-qb2")
+    off = dataclasses.replace(v, three_consumers=False)
+    assert Variant.parse(v.name) == v and "three_consumers" not in off.name
+    assert consumers(v) == 3 and consumers(off) == 2
+    assert smem_bytes(v, 64) - smem_bytes(off, 64) == 2 * 64 * 2 * 64  # one more consumer's Q
+    on_src, off_src = render(v), render(off)
+    assert "turns.index((WHICH + 1) % 3)" in on_src and "def _tile_start" in on_src
+    assert "turns.index((WHICH + 1) % 3)" not in off_src and "def _tile_start" not in off_src
+    assert on_src.count("(_consumer, (") == 3 and off_src.count("(_consumer, (") == 2
+    for bad, why in (("pingpong=false", "needs pingpong"), ("w8", "num_warps 4"),
+                     ("lr0", "loader partition"), ("window=true", "dense render")):
+        name = v.name.replace("pingpong=true", bad) if bad == "pingpong=false" else (
+            v.name.replace("-w4-", "-w8-") if bad == "w8" else
+            v.name.replace("-lr32-qb2", "") if bad == "lr0" else v.name + "-" + bad)
+        with pytest.raises(ValueError, match=why):
+            Variant.parse(name)
+    with pytest.raises(ValueError, match="three_consumers"):  # another family's field
+        Variant.parse("fwd-m64-n64-w4-s2-three_consumers=true")
+    h100 = get_target("H100")
+    for d, causal in ((64, True), (64, False), (128, True)):
+        space = Space.build("hopper_fwd", h100, dataclasses.replace(
+            _problem(d=d, causal=causal, nq=2048), family="hopper_fwd"))
+        trio = [x for x in space.feasible if x.three_consumers]
+        assert bool(trio) == (d == 64)
+        assert all(x.pingpong and x.block_m == 64 and x.num_warps == 4 and x.block_n <= 64
+                   and x.loader_regs >= 32 for x in trio)
+
+
 def test_a_search_measures_an_l2_order_table_winner_with_head_order_too(tmp_path):
     """search.table_winners: a shipped table's l2_order winner for the bucket is followed by its
     head_order twin (Family.winner_twins), so a re-search tries the new field on the point that
@@ -286,6 +324,9 @@ def test_consumer_registers_fill_what_the_loader_leaves():
     # no loader partition: the even share of all the threads, no setmaxnreg below it
     assert consumer_regs(Variant.parse("hopper_fwd-m64-n128-w4-s3-pingpong=true")) == 256
     assert consumer_regs(Variant.parse("hopper_fwd-m128-n128-w8-s2-pingpong=true")) == 128
+    # three consumers: (65536 - 128 x 32) / 384 = 160 each (FA3's 3-warpgroup split)
+    assert consumer_regs(Variant.parse("hopper_fwd-m64-n64-w4-s3-pingpong=true-three_consumers=true"
+                                       "-lr32")) == 160
 
 
 @pytest.mark.parametrize("arch,problem,why", [
@@ -430,6 +471,20 @@ def test_two_q_buffers_compile_for_sm90_without_spills():
         assert len(rows) == len(names), r.stdout[-2000:] + r.stderr[-2000:]
         for x in rows:
             assert x["fits"] and x["spill_bytes"] == 0, x
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("causal", [False, True])
+def test_three_consumers_compile_for_sm90_without_spills(causal):
+    """Three 64-row consumers at 160 registers each, 64-key steps, the loader at 32 (with
+    head_order's tile arithmetic; 24 spills 20 B there), bf16 and fp16, GQA tails."""
+    from test_compile_sm90 import kernels_check
+    r = kernels_check("--gpu", "H100", "--dtype", "bf16,fp16", "--head-dim", "64", "--format",
+                      "json", "--tails", "--causal" if causal else "--no-causal", *THREE[64])
+    rows = json.loads(r.stdout) if r.stdout.startswith("[") else []
+    assert len(rows) == 2 * len(THREE[64]), r.stdout[-2000:] + r.stderr[-2000:]
+    for x in rows:
+        assert x["fits"] and x["spill_bytes"] == 0, x
 
 
 @pytest.mark.slow
@@ -582,6 +637,19 @@ HEAD_ORDER = {64: ["hopper_fwd-m128-n64-w4-s4-causal_split=false-pingpong=true-p
                     "-head_order=true-early_k_release=true"],
               256: ["hopper_fwd-m64-n64-w4-s2-pingpong=true-lr40-head_order=true"
                     "-early_k_release=true"]}
+
+
+# three consumers (session 30): the persistent head-order seed and a non-persistent one; causal
+# tiles end at the last row, so odd lengths leave the first tile part empty (whole consumers
+# before row 0, which store nothing: a TMA store there is an illegal instruction)
+THREE = {64: ["hopper_fwd-m64-n64-w4-s3-causal_split=false-pingpong=true-three_consumers=true"
+              "-persistent=true-lr32-qb2-head_order=true-early_k_release=true-async_o_store=true",
+              "hopper_fwd-m64-n64-w4-s3-pingpong=true-three_consumers=true-lr32"]}
+
+
+@forced_grid(THREE, SHAPES + MANY_TILES)
+def test_three_consumers_match_reference(d, name, dtype, causal, shape):
+    _check_forced(d, name, dtype, causal, shape)
 
 
 @forced_grid(HEAD_ORDER, MANY_TILES)

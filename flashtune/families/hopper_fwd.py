@@ -20,7 +20,7 @@ FAMILY = Family(
     doc="Hopper forward in Gluon: TMA ring + mbarriers, async wgmma, loader warp, ping-pong",
     template="attn_hopper_fwd.py.tmpl",
     kernels=("attn_fwd_hopper",),
-    fields=("pingpong", "persistent", "loader_regs", "q_buffers", "l2_order", "head_order",
+    fields=("pingpong", "three_consumers", "persistent", "loader_regs", "q_buffers", "l2_order", "head_order",
             "causal_split",
             "release_barrier", "early_rescale", "early_k_release", "async_o_store", "window",
             "softcap", "block_sparse", "bnhd"),
@@ -64,11 +64,27 @@ def winner_twins(variant) -> list:
         dataclasses.replace(variant, l2_order=False, head_order=True)]
 
 
+def consumers(variant) -> int:
+    """Consumer partitions of a program, each with its own block_m rows of every tile."""
+    return 3 if variant.three_consumers else 2 if variant.pingpong else 1
+
+
 def check(variant) -> str:
     """Why `variant` is not a hopper_fwd variant beyond its fields' values ("" when it is): one
-    causal tile order per kernel (the template's _tile_coords), so one kernel has one name."""
+    causal tile order per kernel (the template's _tile_coords), so one kernel has one name; three
+    consumers are ping-pong's turns going round three 4-warp, 64-row consumers beside a loader
+    warp, in the dense render (their registers: 160 each next to the loader's warpgroup)."""
     if variant.l2_order and variant.head_order:
         return "l2_order and head_order are two causal tile orders: take one"
+    if variant.three_consumers:
+        if not variant.pingpong:
+            return "three_consumers takes turns as ping-pong does: it needs pingpong"
+        if variant.num_warps != 4 or variant.block_m != 64:
+            return "three_consumers are one warpgroup of 64 rows each (num_warps 4, block_m 64)"
+        if not variant.loader_regs:
+            return "three_consumers needs a loader partition (loader_regs > 0)"
+        if variant.masks:
+            return "three_consumers has a dense render only (no window, softcap or block mask)"
     return ""
 
 # Defaults: the fastest spill-free candidates measured on the H100 (bench/hopper_check.py, bf16,
@@ -146,6 +162,13 @@ def seeds(head_dim: int, dtype: str, *, arch=None) -> list:
                            pingpong=True, persistent=True, loader_regs=40, q_buffers=2,
                            causal_split=False, head_order=True, early_k_release=True,
                            async_o_store=True))
+        # the same with a third consumer (FA3's 192-row tile at D=64), its loader at 32 (session
+        # 30, forced beside cuDNN on the H100: causal 2k 402 TFLOP/s against the shipped record's
+        # 372 and cuDNN's 397; non-causal 16k 463 against 488; causal 512 153 against 235)
+        out.append(Variant("hopper_fwd", block_m=64, block_n=64, num_warps=4, num_stages=3,
+                           pingpong=True, three_consumers=True, persistent=True, loader_regs=32,
+                           q_buffers=2, causal_split=False, head_order=True, early_k_release=True,
+                           async_o_store=True))
     return out
 
 
@@ -168,10 +191,10 @@ def fit_block_mask(variant, block_mask) -> tuple:
     triton 3.9, 2026-11-23: the no-loader m64-n128 ping-pong and m128-n128-w8 block_sparse
     renders spill 24 / 32 B with it, none without; every 64-key step is spill-free)."""
     bq, bk = block_mask.block_size
-    consumers = 2 if variant.pingpong else 1
-    rows = variant.block_m * consumers
+    rows = variant.block_m * consumers(variant)
     if rows > bq:
-        who = f"two ping-pong consumers of {variant.block_m}" if consumers == 2 else "one consumer"
+        who = (f"two ping-pong consumers of {variant.block_m}" if consumers(variant) == 2
+               else "one consumer")
         return {}, (f"a tile's {rows} query rows ({who}) span more than one of the block mask's "
                     f"{bq}-row query blocks")
     if bk < 32:
@@ -213,8 +236,7 @@ def prefer_for_dense(p) -> bool:
 
 def smem_bytes(variant, head_dim: int, elem: int = 2) -> int:
     """Q tiles (q_buffers per consumer) + the K/V ring (+ 1 KB for barriers and alignment)."""
-    consumers = 2 if variant.pingpong else 1
-    return elem * head_dim * (consumers * variant.q_buffers * variant.block_m
+    return elem * head_dim * (consumers(variant) * variant.q_buffers * variant.block_m
                               + 2 * variant.num_stages * variant.block_n) + 1024
 
 
@@ -226,7 +248,7 @@ def resources(variant, problem, target) -> tuple:
     (launch_hopper.consumer_regs, 240 at most)."""
     from ..feasibility import Resources, dtype_bytes
     e = dtype_bytes(problem.dtype)
-    threads = 32 * variant.num_warps * (2 if variant.pingpong else 1)
+    threads = 32 * variant.num_warps * consumers(variant)
     per = 32 * variant.num_warps
     s = variant.block_m * variant.block_n
     words = s + s * e // 4 + variant.block_m * problem.head_dim
@@ -258,6 +280,6 @@ def compile_check(variant, head_dim: int, dtype: str, causal: bool, tails: bool,
                   Q_BUFS=variant.q_buffers, num_warps=variant.num_warps)
     consts.update(example_masks(variant, causal))
     if variant.block_sparse:
-        consts["BS_Q"] = max(consts["BS_Q"], variant.block_m * (2 if variant.pingpong else 1))
+        consts["BS_Q"] = max(consts["BS_Q"], variant.block_m * consumers(variant))
     return {"fwd": compile_for(load(variant).attn_fwd_hopper, consts, dtype, variant.num_warps,
                                1, capability=cap, usage=usage, types=types)}
