@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+from datetime import datetime
 
 from search_scaling import trials_of
 
@@ -46,7 +47,8 @@ def failed_lines(trials) -> list:
     it repeats, and "measured": False with it, so that flag alone listed the duplicates of good
     variants (with "?" for a reason) and none of the failures, which count as measured."""
     out = []
-    for t in sorted(trials, key=lambda t: t.datetime_start or 0):
+    # a trial never started has no start time: first (datetime.min, not 0: they do not compare)
+    for t in sorted(trials, key=lambda t: t.datetime_start or datetime.min):
         r = t.user_attrs.get("result") or {}
         if r.get("stage") and not r.get("duplicate"):
             out.append(f"{t.user_attrs.get('variant', '')[:70]:70} {r['stage']:10} "
