@@ -106,3 +106,53 @@ def test_a_decode_replay_that_is_not_its_eager_step_is_an_error():
         single.copy_(eager[0][0])
     one.outputs = single
     assert _replay_differs(one, eager[:1]) is None
+
+
+def test_a_peer_whose_exception_is_kept_elsewhere_keeps_nothing_of_the_cell():
+    # Inductor keeps a failed compile's exception, and so every frame on the stack when it
+    # raised: _prepare's and time_cell's, whose locals held the cell's inputs and the other
+    # peers' timed steps (session 30: 16 GiB of caches and 32 GiB of graph pools outlived the
+    # GQA B=64 32k decode cell; the next cell's inputs ran out of memory). CPU run, a fake
+    # compiler that keeps what it raised.
+    import gc
+    import weakref
+
+    from flashtune.bench import runner
+    from flashtune.bench.grid import Case
+    from flashtune.bench.peers import Inputs, Peer
+
+    kept = []
+
+    class Held:  # stands for a peer's CUDA graph: only the peer's timed step refers to it
+        pass
+
+    class Good(Peer):
+        name = "good"
+
+        def prepare(self, case, inp):
+            held = Held()
+            step = lambda q, k, v: torch.softmax(q @ k.transpose(-1, -2), -1) @ v  # noqa: E731
+            step.held = held
+            Good.ref = weakref.ref(held)
+            return step
+
+    class Failing(Peer):
+        name = "failing"
+
+        def prepare(self, case, inp):
+            try:
+                raise RuntimeError("compile failed")
+            except RuntimeError as e:
+                kept.append(e)  # as Inductor keeps it
+                raise
+
+    case = Case("dense", "fwd", 1, 2, 2, 16, 16, 8, False, dtype="float32")
+    inp = Inputs(tuple(torch.randn(1, 2, 16, 8) for _ in range(3)))
+    q_ref = weakref.ref(inp.tensors[0])
+    rows = runner.time_cell(case, [Good(), Failing()], inp, "cpu", 1.0, False, rounds=1)
+    assert "ms" in rows[0] and "compile failed" in rows[1]["error"]
+    del inp
+    gc.collect()
+    assert kept and kept[0].__traceback__ is not None  # still held, as a compiler would
+    assert q_ref() is None, "the cell's inputs outlived it"
+    assert Good.ref() is None, "a peer's timed step outlived the cell"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import gc
 import platform
+import traceback
 
 import torch
 
@@ -159,6 +160,13 @@ def _prepare(case: Case, peer: Peer, inp: Inputs, device: str, graph: bool,
             return row, call, out
     except Exception as e:  # noqa: BLE001 -- a peer that fails is a cell, not a crash
         _failed(row, e, case)
+        # what raised may keep its exception (Inductor keeps a failed compile's), and with it
+        # every frame on the stack then: this one and the callers' (time_cell's). Their locals
+        # must not hold the cell's caches and graphs (session 30: Flex's failed compile at GQA
+        # B=64 32k kept 16 GiB of caches and 32 GiB of graph pools past the cell, and the next
+        # cell's inputs ran out of memory)
+        traceback.clear_frames(e.__traceback__)
+        inp = more = fn = call = out = eager = calls = timed = None  # noqa: F841
         return row, None, None
     finally:
         if device == "cuda":
@@ -210,9 +218,12 @@ def time_cell(case: Case, peers: list[Peer], inp: Inputs, device: str, budget_ms
                 row["error"] = wrong
                 row["wrong_ms"] = row.pop("ms")
                 row.pop("throughput")
+    rows = [row for row, _, _ in prepared]
+    # a peer's exception kept elsewhere may hold this frame (_prepare): nothing of the cell in it
+    inp = more = prepared = timed = got = ref = out = res = _ = None  # noqa: F841
     if device == "cuda":
         torch.cuda.empty_cache()
-    return [row for row, _, _ in prepared]
+    return rows
 
 
 def _summary(case: Case, rows: list[dict]) -> str:
