@@ -29,6 +29,8 @@ CASES = (("fwd-d256-causal-512", "fwd", 256, True, 512),
          # session 25: the two cells left under 0.9x cuDNN (both N=512, 268 MB moved)
          ("fwd-d256-512", "fwd", 256, False, 512),
          ("fwd-d64-causal-512", "fwd", 64, True, 512),
+         # session 30: the forward's one cell under 0.9x cuDNN (0.89-0.90x)
+         ("fwd-d64-causal-1k", "fwd", 64, True, 1024),
          ("fwd-d128-512", "fwd", 128, False, 512),
          ("fwd-d128-causal-1k", "fwd", 128, True, 1024),
          # session 18: the forward's worst bucket after early_k_release (0.76x cuDNN)
