@@ -639,11 +639,13 @@ HEAD_ORDER = {64: ["hopper_fwd-m128-n64-w4-s4-causal_split=false-pingpong=true-p
                     "-early_k_release=true"]}
 
 
-# three consumers (session 30): the persistent head-order seed and a non-persistent one; causal
-# tiles end at the last row, so odd lengths leave the first tile part empty (whole consumers
-# before row 0, which store nothing: a TMA store there is an illegal instruction)
+# three consumers (session 30): the persistent seeds (head_order, l2_order) and a non-persistent
+# one; causal tiles end at the last row, so odd lengths leave the first tile part empty (whole
+# consumers before row 0, which store nothing: a TMA store there is an illegal instruction)
 THREE = {64: ["hopper_fwd-m64-n64-w4-s3-causal_split=false-pingpong=true-three_consumers=true"
               "-persistent=true-lr32-qb2-head_order=true-early_k_release=true-async_o_store=true",
+              "hopper_fwd-m64-n64-w4-s3-causal_split=false-pingpong=true-three_consumers=true"
+              "-persistent=true-lr32-qb2-l2_order=true-early_k_release=true-async_o_store=true",
               "hopper_fwd-m64-n64-w4-s3-pingpong=true-three_consumers=true-lr32"]}
 
 

@@ -164,11 +164,14 @@ def seeds(head_dim: int, dtype: str, *, arch=None) -> list:
                            async_o_store=True))
         # the same with a third consumer (FA3's 192-row tile at D=64), its loader at 32 (session
         # 30, forced beside cuDNN on the H100: causal 2k 402 TFLOP/s against the shipped record's
-        # 372 and cuDNN's 397; non-causal 16k 463 against 488; causal 512 153 against 235)
-        out.append(Variant("hopper_fwd", block_m=64, block_n=64, num_warps=4, num_stages=3,
-                           pingpong=True, three_consumers=True, persistent=True, loader_regs=32,
-                           q_buffers=2, causal_split=False, head_order=True, early_k_release=True,
-                           async_o_store=True))
+        # 372 and cuDNN's 397; non-causal 16k 463 against 488; causal 512 153 against 235), and
+        # with l2_order in head_order's place (causal 1k: 310-314 against the record's 300-305
+        # and cuDNN's 334, same run; non-causal buckets drop both orders: one seed there)
+        trio = Variant("hopper_fwd", block_m=64, block_n=64, num_warps=4, num_stages=3,
+                       pingpong=True, three_consumers=True, persistent=True, loader_regs=32,
+                       q_buffers=2, causal_split=False, head_order=True, early_k_release=True,
+                       async_o_store=True)
+        out += [trio, dataclasses.replace(trio, head_order=False, l2_order=True)]
     return out
 
 
