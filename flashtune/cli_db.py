@@ -205,7 +205,8 @@ def export(gpu, output, db_url):
 @click.option("--keep-faster", is_flag=True,
               help="leave a bucket's record in the DB where it is at least as fast as the "
                    "file's (merging a partial re-search into a table: a bucket measured in a "
-                   "slow moment does not replace a better record)")
+                   "slow moment does not replace a better record); where the file's run also "
+                   "timed the DB record's variant (a runner-up), that run's numbers decide")
 @_db_option
 def import_(files, mark_imported, keep_faster, db_url):
     """Upsert table files into the DB.
@@ -222,19 +223,20 @@ def import_(files, mark_imported, keep_faster, db_url):
         db_ = _open(db_url)
         kept = []
         if keep_faster:
+            from .tuned_db.record import keeps
             old = {(r.gpu, r.bucket): r for r in db_.records()}
-            faster = [r for r in recs if (r.gpu, r.bucket) in old
-                      and old[(r.gpu, r.bucket)].throughput >= r.throughput]
-            kept = [(old[(r.gpu, r.bucket)], r) for r in faster]
-            recs = [r for r in recs if r not in faster]
+            decided = [(r, *keeps(old[(r.gpu, r.bucket)], r)) if (r.gpu, r.bucket) in old
+                       else (r, False, "") for r in recs]
+            kept = [(old[(r.gpu, r.bucket)], r, why) for r, keep, why in decided if keep]
+            recs = [r for r, keep, _ in decided if not keep]
         n = db_.put_many(recs)
     except TunedDBError as e:
         _fail(e)
     from .search_study import bucket_label
-    for o, r in kept:
+    for o, r, why in kept:
         if (o.variant, o.median_ms) != (r.variant, r.median_ms):  # the same timing is no news
             click.echo(f"kept {bucket_label(o.bucket)}: {o.variant.name} {o.throughput:.1f} "
-                       f"{o.unit} (the file's {r.variant.name}: {r.throughput:.1f})")
+                       f"{o.unit} (the file's {r.variant.name}: {r.throughput:.1f}; {why})")
     click.echo(f"imported {n} record(s) into {db_.display_url}"
                + (f"; kept {len(kept)} faster record(s)" if keep_faster else ""))
 

@@ -166,6 +166,29 @@ def test_import_keep_faster_merges_only_the_faster_records(tmp_path):
     assert TunedDB(dst).get("H100", make_record(sq=1024).bucket).median_ms == 1.5
 
 
+def test_import_keep_faster_trusts_the_files_run_where_it_timed_both(tmp_path):
+    # a re-search times the table's record beside its own pick: those two numbers come from
+    # one run, a record's own median from another session (the H100 kept a 311.0 TFLOP/s
+    # record over a pick that had timed it 3% slower in the same run, session 30)
+    import dataclasses
+    dst = f"sqlite:///{tmp_path / 'b.db'}"
+    old = "fwd-m128-n64-w4-s3"  # make_record's variant: the DB's records, from a fast session
+    TunedDB(dst).put_many([make_record(sq=1024, ms=1.0), make_record(sq=2048, ms=1.0)])
+
+    def picked(sq, ms, old_ms):  # the file's pick, and the DB's variant timed in its run
+        r = make_record(sq=sq, ms=ms, variant="fwd-m64-n64-w4-s2")
+        return dataclasses.replace(r, runner_ups=((old, old_ms),) + r.runner_ups)
+    new = write_table(tmp_path / "new.json", "H100", [
+        picked(1024, 1.05, 1.10),   # slower than the DB's 1.0, faster in its own run: replaces
+        picked(2048, 0.95, 0.93)])  # faster than 1.0, slower than the old variant's 0.93: kept
+    res = _cli("db", "import", str(new), "--keep-faster", "--db", dst)
+    assert res.exit_code == 0, res.output
+    assert "imported 1 record(s)" in res.output and "kept 1 faster record(s)" in res.output
+    assert "same run: 0.93 ms against 0.95 ms" in res.output
+    got = {r.bucket.seqlen_q: (r.variant.name, r.median_ms) for r in TunedDB(dst).records()}
+    assert got == {1024: ("fwd-m64-n64-w4-s2", 1.05), 2048: (old, 1.0)}
+
+
 def test_show_table_and_json(tmp_path):
     url = f"sqlite:///{tmp_path / 'a.db'}"
     TunedDB(url).put_many(_recs())

@@ -88,3 +88,22 @@ def test_each_backward_variant_the_table_ships_matches_the_reference(table):
                 q, k, v = qkv(1, 4, 2, 193, 250, d, dtype, "cuda")
                 with flashtune.force(name):
                     assert_grads_match(q, k, v, causal=causal)
+
+
+def test_each_forward_variant_the_table_ships_matches_the_reference(table):
+    """Every distinct dense hopper_fwd variant of this GPU's table (three consumers included:
+    session 30's D=64 causal 1k-4k records), forced on odd lengths with GQA, many tiles per
+    program (a persistent grid's later rounds), causal and not, bf16 and fp16: the output
+    against the float64 reference (the search's gate checked each on its own bucket's shape
+    only). One shape, as the backward's: 1000 rows (no tile divides them), GQA 4, 512 tiles of
+    128 rows for 132 programs."""
+    from _check import qkv
+    names = sorted({(r.bucket.head_dim, r.variant.name) for r in table.records
+                    if r.bucket.family == "hopper_fwd" and not r.variant.masks})
+    assert names, "the table has hopper_fwd records"
+    for d, name in names:
+        for dtype in (torch.bfloat16, torch.float16):
+            for causal in (False, True):
+                q, k, v = qkv(4, 16, 4, 1000, 1000, d, dtype, "cuda")
+                with flashtune.force(name):
+                    assert_matches_reference(q, k, v, causal=causal)

@@ -89,6 +89,14 @@ class Record:
         rec.check()
         return rec
 
+    def ms_of(self, name: str) -> float | None:
+        """The median this record's run measured for variant `name`: its own or a runner-up's
+        (a search re-times its top few interleaved for the final pick); None if that run did
+        not time it."""
+        if name == self.variant.name:
+            return self.median_ms
+        return next((ms for n, ms in self.runner_ups if n == name), None)
+
     def check(self) -> "Record":
         """Raise ValueError if the record cannot be stored or served; return it otherwise."""
         if not self.gpu or not isinstance(self.gpu, str):
@@ -106,3 +114,16 @@ class Record:
 
 _REQUIRED = frozenset({"gpu", "bucket", "variant", "median_ms", "throughput", "unit", "max_err",
                        "runner_ups", "provenance"})
+
+
+def keeps(old: Record, new: Record) -> tuple[bool, str]:
+    """Whether a merge (`db import --keep-faster`) leaves `old` in place of `new`, and on what
+    evidence. Where new's run also timed old's variant (a re-search measures the table's record
+    first), that run's two medians decide; else the records' own medians, each from its own
+    run. A GPU's clock and temperature move the same kernel several percent between sessions:
+    the cross-run rule kept an H100 record (D=64 causal 1k, 311.0 TFLOP/s in its session) over
+    a re-search's pick that had timed it 3% slower in the same run (session 30)."""
+    same = new.ms_of(old.variant.name) if old.variant != new.variant else None
+    if same is not None:
+        return same <= new.median_ms, f"same run: {same:.4g} ms against {new.median_ms:.4g} ms"
+    return old.throughput >= new.throughput, "each record's own run"
