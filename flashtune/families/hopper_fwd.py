@@ -20,8 +20,8 @@ FAMILY = Family(
     doc="Hopper forward in Gluon: TMA ring + mbarriers, async wgmma, loader warp, ping-pong",
     template="attn_hopper_fwd.py.tmpl",
     kernels=("attn_fwd_hopper",),
-    fields=("pingpong", "three_consumers", "persistent", "loader_regs", "q_buffers", "l2_order", "head_order",
-            "causal_split",
+    fields=("pingpong", "three_consumers", "persistent", "loader_regs", "q_buffers", "l2_order",
+            "head_order", "causal_split",
             "release_barrier", "early_rescale", "early_k_release", "async_o_store", "window",
             "softcap", "block_sparse", "bnhd"),
     defaults="flashtune.families.hopper_fwd:default",
@@ -166,7 +166,7 @@ def seeds(head_dim: int, dtype: str, *, arch=None) -> list:
         # 30, forced beside cuDNN on the H100: causal 2k 402 TFLOP/s against the shipped record's
         # 372 and cuDNN's 397; non-causal 16k 463 against 488; causal 512 153 against 235), and
         # with l2_order in head_order's place (causal 1k: 310-314 against the record's 300-305
-        # and cuDNN's 334, same run; non-causal buckets drop both orders: one seed there)
+        # and cuDNN's 334, same run; a non-causal bucket times both, whose orders it never runs)
         trio = Variant("hopper_fwd", block_m=64, block_n=64, num_warps=4, num_stages=3,
                        pingpong=True, three_consumers=True, persistent=True, loader_regs=32,
                        q_buffers=2, causal_split=False, head_order=True, early_k_release=True,
