@@ -36,11 +36,11 @@ import time
 
 import torch
 import triton
-import triton.language as tl
 
 import flashtune
 import flashtune.defaults
 from flashtune import kvcache
+from flashtune.bench.read_ceiling import PER_SM, reader, split
 from flashtune.launch_splitkv import SplitKVPlan, default_variant
 
 
@@ -126,36 +126,15 @@ def sdpa_peer(backend_name, q, kc, vc):
         return run, "repeat_interleave"
 
 
-@triton.jit
-def _stream_read(X, Y, OUT, n, per_prog, BLOCK: tl.constexpr):
-    # every element of X and Y read once, as a decode step reads K and V: the read ceiling
-    pid = tl.program_id(0)
-    acc = tl.zeros([BLOCK], dtype=tl.float32)
-    for off in range(pid * per_prog, pid * per_prog + per_prog, BLOCK):
-        idx = off + tl.arange(0, BLOCK)
-        ok = idx < n
-        acc += (tl.load(X + idx, mask=ok, other=0.0).to(tl.float32)
-                + tl.load(Y + idx, mask=ok, other=0.0).to(tl.float32))
-    tl.store(OUT + pid, tl.sum(acc, 0))
-
-
 def read_ceiling(kcs, vcs, nl: int, sms: int) -> tuple:
     """(ms per layer, programs) of the fastest plain streaming read of the same caches (K and V
     of each layer, one kernel per layer, timed as the decode steps are): what the device reads
     bytes of this size at, launch and ramp included. Best over 1..8 programs per SM."""
-    block = 2048
     best = None
-    for per_sm in (1, 2, 4, 8):
-        progs = sms * per_sm
-        n = kcs[0].numel()
-        per_prog = triton.cdiv(triton.cdiv(n, progs), block) * block
-        progs = triton.cdiv(n, per_prog)
-        outs = [torch.empty(progs, dtype=torch.float32, device=DEVICE) for _ in range(nl)]
-
-        def make(i, progs=progs, per_prog=per_prog):
-            return lambda: _stream_read[(progs,)](kcs[i], vcs[i], outs[i], n, per_prog,
-                                                  BLOCK=block, num_warps=8, num_stages=3)
-        ms = bench_ms(layered(make, nl)) / nl
+    for per_sm in PER_SM:
+        reads = [reader(kcs[i], vcs[i], sms * per_sm) for i in range(nl)]
+        ms = bench_ms(layered(lambda i: reads[i], nl)) / nl
+        progs = split(kcs[0].numel(), sms * per_sm)[0]
         if best is None or ms < best[0]:
             best = (ms, progs)
     return best

@@ -94,7 +94,8 @@ def render(doc: dict, out: Path, plots: bool = True) -> list[Path]:
 @click.option("--peer", "peers", multiple=True, default=(), callback=_names(None),
               help="implementations to time (repeat or comma-separate; default: all): "
                    "flashtune, flashtune-defaults, flashtune-paged256 (decoding), sdpa-flash, "
-                   "sdpa-cudnn, sdpa-efficient, flex, sdpa-math (memory table only)")
+                   "sdpa-cudnn, sdpa-efficient, flex, sdpa-math (memory table only), "
+                   "plain-read (decoding: the caches streamed once, the cell's read ceiling)")
 @click.option("--mode", "modes", multiple=True, default=(),
               callback=_names(("fwd", "bwd", "fwd+bwd")),
               help="passes of the dense, varlen and mask grids: fwd, bwd, fwd+bwd (default: all)")

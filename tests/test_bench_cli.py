@@ -47,6 +47,10 @@ def test_bench_quick_runs_on_the_cpu_and_writes_the_report(tmp_path):
     # the paged cache gives the contiguous cache's result
     paged = _rows(doc, section="decode", peer="flashtune-paged256")
     assert paged and all(r["max_abs_diff"] < 2e-2 and r["throughput"] > 0 for r in paged)
+    # the read ceiling: every decode case timed, nothing to compare (it computes no attention)
+    reads = _rows(doc, section="decode", peer="plain-read")
+    assert reads and all(r["throughput"] > 0 and "max_abs_diff" not in r and "error" not in r
+                         for r in reads)
     # peers that need CUDA are reported with the reason, on every case
     for peer in ("sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "flex"):
         rows = _rows(doc, peer=peer)

@@ -72,38 +72,31 @@ def test_a_call_runs_the_tables_variant_and_matches_the_reference(table):
                              out=flashtune.attention(q, k, v, causal=b.causal)[:1, :2])
 
 
-def test_each_backward_variant_the_table_ships_matches_the_reference(table):
-    """Every distinct dense variant of this GPU's table that serves backward calls (hopper_bwd,
-    dq="gluon" included: session 23's records), forced on odd lengths with GQA, causal and not,
-    bf16 and fp16: the gradients against the float64 reference (the search's gate checked each
-    on its own bucket's shape only)."""
+def _each_shipped_variant(table, family: str, shape: tuple, check) -> None:
+    """Every distinct dense `family` variant of this GPU's table forced on `shape` (B, H, Hk,
+    Nq, Nk), bf16 and fp16, causal and not: check(q, k, v, causal=...) against the float64
+    reference (the search's gate checked each on its own bucket's shape only)."""
     from _check import qkv
-    from test_backward import assert_grads_match
     names = sorted({(r.bucket.head_dim, r.variant.name) for r in table.records
-                    if r.bucket.family == "hopper_bwd" and not r.variant.masks})
-    assert names, "the table has hopper_bwd records"
+                    if r.bucket.family == family and not r.variant.masks})
+    assert names, f"the table has {family} records"
     for d, name in names:
         for dtype in (torch.bfloat16, torch.float16):
             for causal in (False, True):
-                q, k, v = qkv(1, 4, 2, 193, 250, d, dtype, "cuda")
+                q, k, v = qkv(*shape, d, dtype, "cuda")
                 with flashtune.force(name):
-                    assert_grads_match(q, k, v, causal=causal)
+                    check(q, k, v, causal=causal)
+
+
+def test_each_backward_variant_the_table_ships_matches_the_reference(table):
+    """The variants serving backward calls (hopper_bwd, dq="gluon" included: session 23's
+    records) on odd lengths with GQA: the gradients."""
+    from test_backward import assert_grads_match
+    _each_shipped_variant(table, "hopper_bwd", (1, 4, 2, 193, 250), assert_grads_match)
 
 
 def test_each_forward_variant_the_table_ships_matches_the_reference(table):
-    """Every distinct dense hopper_fwd variant of this GPU's table (three consumers included:
-    session 30's D=64 causal 1k-4k records), forced on odd lengths with GQA, many tiles per
-    program (a persistent grid's later rounds), causal and not, bf16 and fp16: the output
-    against the float64 reference (the search's gate checked each on its own bucket's shape
-    only). One shape, as the backward's: 1000 rows (no tile divides them), GQA 4, 512 tiles of
-    128 rows for 132 programs."""
-    from _check import qkv
-    names = sorted({(r.bucket.head_dim, r.variant.name) for r in table.records
-                    if r.bucket.family == "hopper_fwd" and not r.variant.masks})
-    assert names, "the table has hopper_fwd records"
-    for d, name in names:
-        for dtype in (torch.bfloat16, torch.float16):
-            for causal in (False, True):
-                q, k, v = qkv(4, 16, 4, 1000, 1000, d, dtype, "cuda")
-                with flashtune.force(name):
-                    assert_matches_reference(q, k, v, causal=causal)
+    """The hopper_fwd variants (three consumers included: session 30's D=64 causal 1k-4k
+    records): the output, on 1000 rows (no tile divides them) with GQA 4 and 512 tiles of 128
+    rows, so a persistent grid's 132 programs loop over several each."""
+    _each_shipped_variant(table, "hopper_fwd", (4, 16, 4, 1000, 1000), assert_matches_reference)

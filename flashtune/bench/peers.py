@@ -161,6 +161,47 @@ class Paged(Flashtune):
         return run
 
 
+class PlainRead(Peer):
+    """Not attention: the decode cell's K and V caches streamed once by a plain Triton kernel,
+    timed like the peers (flashtune/bench/read_ceiling.py). Its GB/s is what the device reads
+    those bytes at, launch and ramp included: a decode step's ceiling for that cell."""
+    name = "plain-read"
+    doc = ("not attention: the same K/V caches streamed once by a plain read kernel (the "
+           "cell's read ceiling; fastest of 1, 2, 4, 8 programs per SM)")
+    sections = ("decode",)
+
+    def why_not(self, case, device):
+        from ..env import triton_interprets
+        if device != "cuda" and not triton_interprets():
+            return "Triton kernels need CUDA here (or TRITON_INTERPRET=1 before Python starts)"
+        return None
+
+    def prepare(self, case, inp):
+        from .. import timing
+        from .read_ceiling import PER_SM, reader
+        kc, vc = inp.tensors[1], inp.tensors[2]
+        if kc.device.type != "cuda":  # the interpreter (a smoke run): one program, no timing
+            return self._step(1)
+        sms = torch.cuda.get_device_properties(kc.device).multi_processor_count
+        best = None
+        for per_sm in PER_SM:  # a few timed runs each, L2 flushed: the fastest grid
+            read = reader(kc, vc, sms * per_sm)
+            read()
+            ms = min(timing.samples(read, 5, 256 << 20))
+            if best is None or ms < best[0]:
+                best = (ms, sms * per_sm)
+        return self._step(best[1])
+
+    @staticmethod
+    def _step(programs: int):
+        from .read_ceiling import reader
+
+        def read(q, kc, vc):  # each layer's caches: the step calls it on every layer's inputs
+            return reader(kc, vc, programs)()
+        read.note = f"{programs} programs"
+        return read
+
+
 class Forced(Flashtune):
     """flashtune pinned to given variants, one per head dim (force(): a sweep's winner, a dQ
     scheme). A bwd variant pins the backward only; the forward stays dispatched."""
@@ -364,7 +405,7 @@ class Flex(Peer):
 
 def default_peers(flex_dynamic: bool = False) -> list[Peer]:
     return [Flashtune(True), Flashtune(False), Paged(), Sdpa("flash"), Sdpa("cudnn"),
-            Sdpa("efficient"), Flex(flex_dynamic), Sdpa("math")]
+            Sdpa("efficient"), Flex(flex_dynamic), Sdpa("math"), PlainRead()]
 
 
 def by_names(names, flex_dynamic: bool = False) -> list[Peer]:
