@@ -40,7 +40,7 @@ import triton
 import flashtune
 import flashtune.defaults
 from flashtune import kvcache
-from flashtune.bench.read_ceiling import PER_SM, reader, split
+from flashtune.bench.read_ceiling import fastest, reader, split
 from flashtune.launch_splitkv import SplitKVPlan, default_variant
 
 
@@ -130,14 +130,10 @@ def read_ceiling(kcs, vcs, nl: int, sms: int) -> tuple:
     """(ms per layer, programs) of the fastest plain streaming read of the same caches (K and V
     of each layer, one kernel per layer, timed as the decode steps are): what the device reads
     bytes of this size at, launch and ramp included. Best over 1..8 programs per SM."""
-    best = None
-    for per_sm in PER_SM:
-        reads = [reader(kcs[i], vcs[i], sms * per_sm) for i in range(nl)]
-        ms = bench_ms(layered(lambda i: reads[i], nl)) / nl
-        progs = split(kcs[0].numel(), sms * per_sm)[0]
-        if best is None or ms < best[0]:
-            best = (ms, progs)
-    return best
+    def time_of(programs):
+        return bench_ms(layered(lambda i: reader(kcs[i], vcs[i], programs), nl)) / nl
+    ms, programs = fastest(sms, time_of)
+    return ms, split(kcs[0].numel(), programs)[0]
 
 
 def main(argv=None):

@@ -25,3 +25,9 @@ def test_mismatched_or_strided_inputs_are_refused():
         reader(x, torch.randn(4, 9, dtype=torch.float16), 2)
     with pytest.raises(ValueError, match="contiguous"):
         reader(x.t(), x, 2)
+
+
+def test_the_fastest_grid_is_the_ceiling():
+    from flashtune.bench.read_ceiling import PER_SM, fastest
+    times = {2 * p: 1.0 + abs(p - 4) for p in PER_SM}  # 4 programs per SM reads fastest
+    assert fastest(2, times.__getitem__) == (1.0, 8)

@@ -170,14 +170,14 @@ class PlainRead(Peer):
            "cell's read ceiling; fastest of 1, 2, 4, 8 programs per SM)")
     sections = ("decode",)
 
+    def __init__(self):
+        self._programs: dict = {}  # case -> the grid chosen on its first layer's caches
+
     def why_not(self, case, device):
         from ..env import triton_interprets
         if device != "cuda" and not triton_interprets():
             return "Triton kernels need CUDA here (or TRITON_INTERPRET=1 before Python starts)"
         return None
-
-    def __init__(self):
-        self._programs: dict = {}  # case -> the grid chosen on its first layer's caches
 
     def prepare(self, case, inp):
         kc, vc = inp.tensors[1], inp.tensors[2]
@@ -189,19 +189,16 @@ class PlainRead(Peer):
 
     @staticmethod
     def _fastest(kc, vc) -> int:
-        """The program count among PER_SM x SMs that reads kc and vc fastest (a few timed runs
-        each, L2 flushed)."""
+        """The program count that reads kc and vc fastest (a few timed runs each, L2 flushed)."""
         from .. import timing
-        from .read_ceiling import PER_SM, reader
+        from .read_ceiling import fastest, reader
+
+        def time_of(programs):
+            read = reader(kc, vc, programs)
+            read()  # compiled outside the timing
+            return min(timing.samples(read, 5, 256 << 20))
         sms = torch.cuda.get_device_properties(kc.device).multi_processor_count
-        best = None
-        for per_sm in PER_SM:
-            read = reader(kc, vc, sms * per_sm)
-            read()
-            ms = min(timing.samples(read, 5, 256 << 20))
-            if best is None or ms < best[0]:
-                best = (ms, sms * per_sm)
-        return best[1]
+        return fastest(sms, time_of)[1]
 
     @staticmethod
     def _step(programs: int):

@@ -30,6 +30,12 @@ def split(n: int, programs: int, block: int = BLOCK) -> tuple[int, int]:
     return triton.cdiv(n, per_prog), per_prog
 
 
+def fastest(sms: int, time_of) -> tuple[float, int]:
+    """(ms, programs) of the fastest grid among PER_SM programs per SM; time_of(programs) times
+    a read with that many (the caller's timer: the bench's samples, a script's graph replays)."""
+    return min((time_of(sms * per_sm), sms * per_sm) for per_sm in PER_SM)
+
+
 def reader(x, y, programs: int):
     """A callable that streams x and y (same number of elements, contiguous) once with
     `programs` programs, returning their per-program sums (float32)."""
