@@ -532,6 +532,10 @@ PY
               # paged B=1 2k against contiguous, interleaved (bench/decode_probe.py)
               timeout ${DPROBE_TIMEOUT:-300} python3 bench/decode_probe.py --out "$OUT/decode_probe.jsonl" \
                 ${DPROBE_ARGS:-} 2>&1 | tee "$OUT/decode_probe.log" | tail -60 ;;
+    hostbwd)  # issue 10: a backward's GPU time against the host time to issue it, and cProfile of
+              # the issue (bench/host_bwd.py; HOSTBWD_ARGS, default the bench's D=128 causal 512 cell)
+              timeout ${HOSTBWD_TIMEOUT:-150} python3 bench/host_bwd.py ${HOSTBWD_ARGS:-} 2>&1 \
+                | tee "$OUT/host_bwd.log" | tail -${HOSTBWD_TAIL:-40} ;;
     parity)   # the backward beside Flex on PARITY_SEQLENS (default 512), PARITY_RUNS times, as
               # dispatched -- from the shipped table, then from $PARITY_DB (a research step's /tmp/rs.db) when set
               for i in $(seq ${PARITY_RUNS:-3}); do

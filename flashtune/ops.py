@@ -304,6 +304,9 @@ def eager_autograd(fwd, bwd, setup_context, backward):
         def forward(ctx, *inputs):
             out = fwd(*inputs)
             ctx.bwd = bwd
+            # no zeros made for the outputs nobody differentiates (LSE): an allocation and a
+            # fill kernel's launch per backward (the backward handles a missing grad itself)
+            ctx.set_materialize_grads(False)
             setup_context(ctx, inputs, out)
             return out
 

@@ -1,0 +1,103 @@
+"""Where a backward's host time goes (issue 10: the bench's D=128 causal 512 backward cell spread
+over 25% between samples, host-bound): the GPU time of one backward (torch.profiler, kernels
+summed) beside the host time to issue one (the GPU kept busy by a queued sleep, so no issue waits
+on it), then cProfile's top functions over those issues. The backward is called as the bench
+calls it: torch.autograd.grad on a retained graph.
+
+    python3 bench/host_bwd.py [--d 128 --n 512 --b 32 --causal] [--top 30]
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+import flashtune  # noqa: E402
+
+
+def issue_us(fn, calls: int) -> float:
+    """Host microseconds per call of fn, the GPU busy behind a sleep long enough for all."""
+    torch.cuda.synchronize()
+    torch.cuda._sleep(int(2e9))  # ~1 s of GPU cycles queued ahead
+    t = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    dt = time.perf_counter() - t
+    torch.cuda.synchronize()
+    return dt / calls * 1e6
+
+
+def gpu_us(fn) -> dict:
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(10):
+            fn()
+        torch.cuda.synchronize()
+    per: dict = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            per[e.name[:60]] = per.get(e.name[:60], 0.0) + e.device_time / 10
+    return per
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--d", type=int, default=128)
+    ap.add_argument("--n", type=int, default=512)
+    ap.add_argument("--b", type=int, default=32)
+    ap.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--calls", type=int, default=200)
+    ap.add_argument("--top", type=int, default=30)
+    a = ap.parse_args(argv)
+    h = 2048 // a.d
+    xs = [torch.randn(a.b, h, a.n, a.d, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+          for _ in range(3)]
+    out = flashtune.attention(*xs, causal=a.causal)
+    do = torch.randn_like(out)
+
+    def bwd():
+        return torch.autograd.grad(out, xs, do, retain_graph=True)
+
+    def fwd():
+        with torch.no_grad():
+            return flashtune.attention(*xs, causal=a.causal)
+    print(f"D={a.d} N={a.n} B={a.b} H={h} causal={a.causal}, {torch.cuda.get_device_name()}, "
+          f"torch {torch.__version__}")
+    for name, fn in (("backward", bwd), ("forward", fwd)):
+        per = gpu_us(fn)
+        print(f"{name}: GPU {sum(per.values()):.1f} us per call: "
+              + ", ".join(f"{k} {v:.1f}" for k, v in sorted(per.items(), key=lambda x: -x[1])))
+        runs = [issue_us(fn, a.calls) for _ in range(3)]
+        print(f"{name}: host {statistics.median(runs):.1f} us per call to issue "
+              f"(runs {', '.join(f'{r:.1f}' for r in runs)})")
+    torch.cuda.synchronize()
+    torch.cuda._sleep(int(2e9))
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(a.calls):
+        bwd()
+    prof.disable()
+    torch.cuda.synchronize()
+    s = io.StringIO()
+    pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(a.top)
+    print(f"backward, cProfile over {a.calls} calls (tottime):")
+    print(s.getvalue()[-6000:])
+    s = io.StringIO()
+    pstats.Stats(prof, stream=s).sort_stats("cumulative").print_stats(a.top)
+    print("backward, cumulative:")
+    print(s.getvalue()[-6000:])
+
+
+if __name__ == "__main__":
+    main()
