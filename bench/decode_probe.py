@@ -233,8 +233,8 @@ def pdl(write, reps: int) -> None:
             bt = torch.stack([i * (nk // page) + torch.randperm(nk // page, device="cuda")
                               for i in range(b)]).to(torch.int32)
         base = kvcache._variant(q, kcs[0], vcs[0], bool(page), False, nk)
-        plans = {v.name: SplitKVPlan(q, kcs[0], False, None, v, dependent=dep)
-                 for v, dep in ((base, False), (dc.replace(base, dependent_launch=True), True))}
+        plans = {v.name: SplitKVPlan(q, kcs[0], False, None, v)
+                 for v in (base, dc.replace(base, dependent_launch=True))}
         outs = [[p.run(q, kcs[i], vcs[i], seqlens, bt, nk)[0] for i in range(LAYERS)]
                 for p in plans.values()]
         diff = max(float((a - c).abs().max()) for a, c in zip(*outs))

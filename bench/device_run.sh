@@ -532,6 +532,20 @@ PY
               # paged B=1 2k against contiguous, interleaved (bench/decode_probe.py)
               timeout ${DPROBE_TIMEOUT:-300} python3 bench/decode_probe.py --out "$OUT/decode_probe.jsonl" \
                 ${DPROBE_ARGS:-} 2>&1 | tee "$OUT/decode_probe.log" | tail -60 ;;
+    decodecell) # one decode cell (bench/decode_cell.py, DCELL_ARGS) per peer, each in its own process,
+              # flashtune's with and without PDL; DCELL_SANITIZE=peer: that one under compute-sanitizer
+              for p in ${DCELL_PEERS:-plain-read flashtune flashtune-paged256}; do
+                for pdl in 1 0; do
+                  [ $pdl = 0 ] && [ "${p#flashtune}" = "$p" ] && continue
+                  echo "--- $p FLASHTUNE_PDL=$pdl"
+                  FLASHTUNE_PDL=$pdl timeout 120 python3 bench/decode_cell.py ${DCELL_ARGS:-} --peers $p 2>&1 \
+                    | grep -v Warning | tail -4
+                done
+              done 2>&1 | tee "$OUT/decodecell.log"
+              if [ -n "${DCELL_SANITIZE:-}" ]; then
+                timeout 240 compute-sanitizer --print-limit 4 python3 bench/decode_cell.py ${DCELL_ARGS:-} \
+                  --peers $DCELL_SANITIZE --layers 2 2>&1 | tee "$OUT/decodecell_sanitizer.log" | tail -40
+              fi ;;
     hostbwd)  # issue 10: a backward's GPU time against the host time to issue it, and cProfile of
               # the issue (bench/host_bwd.py; HOSTBWD_ARGS, default the bench's D=128 causal 512 cell)
               timeout ${HOSTBWD_TIMEOUT:-150} python3 bench/host_bwd.py ${HOSTBWD_ARGS:-} 2>&1 \

@@ -68,8 +68,10 @@ class Variant:
     # structural, splitkv only: the partial kernel is itself a programmatic dependent launch --
     # it starts under the previous kernel's tail and waits (griddepcontrol.wait) before its first
     # load -- and the combine lets the kernel after it do the same (sm_90+, a Triton with
-    # launch_pdl). Not searched: SplitKVPlan takes this render wherever PDL works (a search
-    # times one call alone, with no kernel before it to overlap)
+    # launch_pdl; elsewhere an ordinary launch). Opt-in (a forced variant), not searched: a search
+    # times one call alone, with no kernel before it to overlap. H100, 16-layer graph replays
+    # (session 31): +20% MQA B=1 2k keys, +5% GQA B=1 2k, +3% MQA B=1 32k, -2% GQA B=1 32k,
+    # -8% GQA B=8 2k (the early programs hold SMs while they wait)
     dependent_launch: bool = False
     # hopper_fwd only (Gluon, sm_90): two consumer partitions with a Q tile each taking turns on
     # the tensor cores (structural); a persistent grid of one program per SM looping over tiles

@@ -44,6 +44,11 @@ def slow_launch() -> bool:
     return os.environ.get("FLASHTUNE_SLOW_LAUNCH", "") not in ("", "0")
 
 
+def no_pdl() -> bool:
+    """FLASHTUNE_PDL=0: no kernel is launched as a programmatic dependent (launch.pdl_ok)."""
+    return os.environ.get("FLASHTUNE_PDL", "") == "0"
+
+
 def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 

@@ -67,8 +67,10 @@ def _pdl_capable(device_index: int) -> bool:
 
 def pdl_ok(device: torch.device) -> bool:
     """Whether a kernel may be launched as a programmatic dependent of the one before it
-    (`launch_pdl`): sm_90+, a Triton that knows the option, not the interpreter."""
-    if device.type != "cuda":
+    (`launch_pdl`): sm_90+, a Triton that knows the option, not the interpreter, not turned
+    off (FLASHTUNE_PDL=0)."""
+    from .env import no_pdl
+    if device.type != "cuda" or no_pdl():
         return False
     return _pdl_capable(device.index if device.index is not None else torch.cuda.current_device())
 

@@ -3,7 +3,6 @@
 the launch-time num_splits rule; which variant runs is decided by the caller (kvcache.py)."""
 from __future__ import annotations
 
-import dataclasses
 import math
 from functools import lru_cache
 
@@ -108,19 +107,15 @@ class SplitKVPlan:
     split count follows each call's longest sequence (run's max_seqlen)."""
 
     def __init__(self, q, k_cache, causal: bool, scale: float | None, variant: Variant,
-                 masks=None, dependent: bool | None = None):
+                 masks=None):
         from .launch import check_mask_variant, mask_args, mask_params
         from .masks import NONE
         masks = masks or NONE
         check_mask_variant(variant, masks)
-        # dependent_launch follows the device (not searched: Variant.dependent_launch), unless
-        # the caller asks (bench/decode_probe.py compares the two). Forced on the H100 in
-        # 16-layer graph replays (session 31): +20% MQA B=1 2k keys, +5% GQA B=1 2k, +3% MQA B=1
-        # 32k, +0.7% MQA 128k, -2% GQA B=1 32k, equal at B=64
+        # the combine starts while the partial kernel's last programs finish (its launch latency
+        # was a visible part of a batch-1 decode step); variant.dependent_launch: the partial
+        # kernel too (opt-in: Variant.dependent_launch says where it paid)
         self.pdl = pdl_ok(q.device)
-        want = self.pdl if dependent is None else dependent
-        if want != variant.dependent_launch:
-            variant = dataclasses.replace(variant, dependent_launch=want)
         b, nq, h, d = q.shape
         hk = k_cache.shape[2]
         group = h // hk
@@ -139,8 +134,6 @@ class SplitKVPlan:
         self.sms = sm_count(q.device)
         self.shape = (b, nq, h, d)
         self.scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-        # the combine starts while the partial kernel's last programs finish (its launch latency
-        # was a visible part of a batch-1 decode step): self.pdl, above
         self.kwargs = dict(
             HEAD_DIM=d, BLOCK_D=block_d(d), BLOCK_M=self.block_m, BLOCK_N=variant.block_n,
             IS_CAUSAL=causal, GROUP=group, PAGE=k_cache.shape[1] if self.paged else 0,

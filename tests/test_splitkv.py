@@ -279,7 +279,7 @@ def test_renders():
     assert "paged" not in Variant.parse(SMALL).to_dict()
 
 
-def test_dependent_launch_waits_before_its_first_load_and_follows_the_device(device):
+def test_dependent_launch_waits_before_its_first_load(device):
     # the dependent render waits (griddepcontrol.wait) before the partial kernel reads anything
     # the kernel before it may write (q, the cache, seqlens, the block table), and its combine
     # lets the next kernel launch; the interpreter's render has neither; the other renders'
@@ -301,18 +301,13 @@ def test_dependent_launch_waits_before_its_first_load_and_follows_the_device(dev
             return [ln for ln in src.splitlines()
                     if ln.strip() and not any(t in ln for t in ("gdc_", "#", "if USE_PDL:"))]
         assert code(gpu) == code(base)
-    # a plan takes the render the device can launch (the interpreter: the plain one; an H100:
-    # the dependent one), unless asked
-    from flashtune.launch import pdl_ok
+    # a forced dependent variant runs where PDL does not (the interpreter: an ordinary launch)
     q, kc, vc = make(1, 1, 4, 2, 16, 32, torch.float16, device)
-    v = Variant.parse(SMALL)
-    plan = SplitKVPlan(q, kc, False, None, v)
-    assert plan.variant.dependent_launch == pdl_ok(q.device)
+    dep = dataclasses.replace(Variant.parse(SMALL + "-sp3"), dependent_launch=True)
+    assert dep.name == SMALL + "-sp3-dependent_launch=true"
+    plan = SplitKVPlan(q, kc, False, None, dep)
     out, lse = plan.run(q, kc, vc, None, None, 32)
     check(q, kc, vc, [32], out, lse=lse)
-    assert SplitKVPlan(q, kc, False, None, v, dependent=True).variant.dependent_launch
-    assert not SplitKVPlan(q, kc, False, None, dataclasses.replace(v, dependent_launch=True),
-                           dependent=False).variant.dependent_launch
 
 
 # -- bad input: a clear error naming the argument, before anything is written or launched -------
