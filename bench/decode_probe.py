@@ -13,8 +13,6 @@ CUDA graph replays, each layer its own cache, L2 flushed between replays):
   api    paged against contiguous through the public API, as flashtune bench's paged peer calls
          it, at --batches (1,64): every layer's paged output against the contiguous one (and
          layer 0 against float64), then both timed, interleaved (session 29).
-  pdl    the dispatched variant against its dependent_launch twin (session 31) on B=1 shapes,
-         contiguous and paged, with the plain-read ceiling.
 
     python3 bench/decode_probe.py --out probe.jsonl [--parts mqa,paged,api] [--reps 5]
 """
@@ -210,55 +208,10 @@ def api(write, reps: int, batches) -> None:
             torch.cuda.empty_cache()
 
 
-PDL_SHAPES = [  # (Hq, Hk, B, Nk, page): issue 9's missed cells and neighbours
-    (8, 1, 1, 32768, None), (8, 1, 1, 131072, None), (32, 8, 1, 32768, None),
-    (32, 8, 1, 2048, None), (32, 8, 1, 2048, 256), (8, 1, 1, 2048, None), (8, 1, 1, 2048, 256),
-    (32, 8, 64, 2048, None)]
-
-
-def pdl(write, reps: int) -> None:
-    """dependent_launch: each shape's dispatched splitkv variant against its dependent_launch
-    twin (the partial kernel launched under the previous kernel's tail), both in 16-layer graph
-    replays, interleaved over `reps` repetitions; every layer's output checked between the two;
-    the plain-read ceiling of the same caches beside them."""
-    import dataclasses as dc
-    for hq, hk, b, nk, page in PDL_SHAPES:
-        q, kcs, vcs = caches(b, hq, hk, nk, LAYERS)
-        kv_bytes = 2 * b * nk * hk * D * 2
-        seqlens = torch.full((b,), nk, dtype=torch.int32, device="cuda")
-        bt = None
-        if page:
-            kcs = [k.view(-1, page, hk, D) for k in kcs]
-            vcs = [v.view(-1, page, hk, D) for v in vcs]
-            bt = torch.stack([i * (nk // page) + torch.randperm(nk // page, device="cuda")
-                              for i in range(b)]).to(torch.int32)
-        base = kvcache._variant(q, kcs[0], vcs[0], bool(page), False, nk)
-        plans = {v.name: SplitKVPlan(q, kcs[0], False, None, v)
-                 for v in (base, dc.replace(base, dependent_launch=True))}
-        outs = [[p.run(q, kcs[i], vcs[i], seqlens, bt, nk)[0] for i in range(LAYERS)]
-                for p in plans.values()]
-        diff = max(float((a - c).abs().max()) for a, c in zip(*outs))
-        times: dict = {n: [] for n in plans}
-        for _ in range(reps):
-            for n, p in plans.items():
-                times[n].append(graph_ms([p], q, kcs, vcs, seqlens, bt, nk))
-        row = {"part": "pdl", "Hq": hq, "Hk": hk, "B": b, "Nk": nk, "page": page,
-               "splits": plans[base.name].num_splits(nk), "max_diff": diff}
-        if not page:
-            ceil_ms, _ = db.read_ceiling(kcs, vcs, LAYERS, torch.cuda.get_device_properties(0)
-                                         .multi_processor_count)
-            row["read_ceiling_gbps"] = kv_bytes / ceil_ms / 1e6
-        for n, ts in times.items():
-            ms = statistics.median(ts)
-            write({**row, "impl": n, "ms_all": ts, "ms": ms, "gbps": kv_bytes / ms / 1e6})
-        q = kcs = vcs = outs = plans = None
-        torch.cuda.empty_cache()
-
-
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True)
-    ap.add_argument("--parts", default="mqa,paged", help="mqa, paged, api, pdl (comma-separated)")
+    ap.add_argument("--parts", default="mqa,paged", help="mqa, paged, api (comma-separated)")
     ap.add_argument("--batches", default="1,64", help="api: batch sizes")
     ap.add_argument("--reps", type=int, default=5)
     a = ap.parse_args(argv)
@@ -271,13 +224,11 @@ def main(argv=None) -> None:
     def write(row):
         out.write(json.dumps(row) + "\n")
         out.flush()
-        keys = ("part", "Hq", "B", "Nk", "page", "impl", "gbps", "read_ceiling_gbps", "max_diff", "vs_contiguous", "splits", "kernel_us",
+        keys = ("part", "Hq", "B", "Nk", "impl", "gbps", "vs_contiguous", "splits", "kernel_us",
                 "paged_over_contiguous", "paged_vs_contiguous_max_diff", "error")
         print({k: (round(row[k], 3) if isinstance(row[k], float) else row[k])
                for k in keys if k in row}, flush=True)
     parts = a.parts.split(",")
-    if "pdl" in parts:
-        pdl(write, a.reps)
     if "api" in parts:
         api(write, a.reps, [int(x) for x in a.batches.split(",")])
     if "paged" in parts:

@@ -65,14 +65,6 @@ class Variant:
     # structural, splitkv only: the KV cache is paged ((num_pages, page_size, Hk, D) addressed
     # through a block table) instead of one (B, Ncache, Hk, D) tensor
     paged: bool = False
-    # structural, splitkv only: the partial kernel is itself a programmatic dependent launch --
-    # it starts under the previous kernel's tail and waits (griddepcontrol.wait) before its first
-    # load -- and the combine lets the kernel after it do the same (sm_90+, a Triton with
-    # launch_pdl; elsewhere an ordinary launch). Opt-in (a forced variant), not searched: a search
-    # times one call alone, with no kernel before it to overlap. H100, 16-layer graph replays
-    # (session 31): +20% MQA B=1 2k keys, +5% GQA B=1 2k, +3% MQA B=1 32k, -2% GQA B=1 32k,
-    # -8% GQA B=8 2k (the early programs hold SMs while they wait)
-    dependent_launch: bool = False
     # hopper_fwd only (Gluon, sm_90): two consumer partitions with a Q tile each taking turns on
     # the tensor cores (structural); a persistent grid of one program per SM looping over tiles
     # (launch); the loader warp's registers (setmaxnreg; 0 = no loader partition: the consumers
@@ -222,7 +214,6 @@ class Variant:
         return {"causal_split": self.causal_split, "loads": self.loads, "dq": self.dq,
                 "dq_loads": self.dq_loads,
                 "varlen": self.varlen, "bnhd": self.bnhd, "paged": self.paged,
-                "dependent_launch": self.dependent_launch,
                 "pingpong": self.pingpong, "three_consumers": self.three_consumers,
                 "loader": self.loader_regs > 0, "l2_order": self.l2_order,
                 "head_order": self.head_order,

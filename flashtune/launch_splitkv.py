@@ -3,6 +3,7 @@
 the launch-time num_splits rule; which variant runs is decided by the caller (kvcache.py)."""
 from __future__ import annotations
 
+import dataclasses
 import math
 from functools import lru_cache
 
@@ -112,10 +113,6 @@ class SplitKVPlan:
         from .masks import NONE
         masks = masks or NONE
         check_mask_variant(variant, masks)
-        # the combine starts while the partial kernel's last programs finish (its launch latency
-        # was a visible part of a batch-1 decode step); variant.dependent_launch: the partial
-        # kernel too (opt-in: Variant.dependent_launch says where it paid)
-        self.pdl = pdl_ok(q.device)
         b, nq, h, d = q.shape
         hk = k_cache.shape[2]
         group = h // hk
@@ -134,6 +131,9 @@ class SplitKVPlan:
         self.sms = sm_count(q.device)
         self.shape = (b, nq, h, d)
         self.scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+        # the combine starts while the partial kernel's last programs finish (its launch latency
+        # was a visible part of a batch-1 decode step)
+        self.pdl = pdl_ok(q.device)
         self.kwargs = dict(
             HEAD_DIM=d, BLOCK_D=block_d(d), BLOCK_M=self.block_m, BLOCK_N=variant.block_n,
             IS_CAUSAL=causal, GROUP=group, PAGE=k_cache.shape[1] if self.paged else 0,
@@ -152,11 +152,7 @@ class SplitKVPlan:
             if len(self._launchers) > 64:
                 self._launchers.clear()
             if key[0] == "partial":
-                # dependent_launch: the partial kernel launches under the previous kernel's
-                # tail too (it waits before its first load)
-                early = self.kwargs["USE_PDL"] and self.variant.dependent_launch
-                got = Launcher(self.partial, UNIFORM=key[1], **self.kwargs,
-                               **({"launch_pdl": True} if early else {}))
+                got = Launcher(self.partial, UNIFORM=key[1], **self.kwargs)
             else:
                 block_s, chunk_d = combine_tile(key[1], self.kwargs["BLOCK_D"])
                 got = Launcher(self.combine, HEAD_DIM=self.shape[3], BLOCK_S=block_s,

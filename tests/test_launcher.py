@@ -314,3 +314,18 @@ def test_gpu_tensors_on_the_second_gpu_with_the_first_current():
     r = reference(qr, k.detach().double(), v.detach().double(), causal=True)
     ref_dq, = torch.autograd.grad(r.square().sum(), (qr,))
     assert (dq.double() - ref_dq).abs().max() < 5e-2 * ref_dq.abs().max()
+
+
+def test_pdl_can_be_turned_off(monkeypatch):
+    # FLASHTUNE_PDL=0: no programmatic dependent launch even where the GPU and Triton offer it
+    # (a debugging escape hatch beside FLASHTUNE_SLOW_LAUNCH)
+    from flashtune import launch
+    monkeypatch.setattr(launch, "_pdl_capable", lambda index: True)
+    cuda = torch.device("cuda", 0)
+    monkeypatch.delenv("FLASHTUNE_PDL", raising=False)
+    assert launch.pdl_ok(cuda)
+    monkeypatch.setenv("FLASHTUNE_PDL", "0")
+    assert not launch.pdl_ok(cuda)
+    monkeypatch.setenv("FLASHTUNE_PDL", "1")
+    assert launch.pdl_ok(cuda)
+    assert not launch.pdl_ok(torch.device("cpu"))

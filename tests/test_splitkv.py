@@ -279,37 +279,6 @@ def test_renders():
     assert "paged" not in Variant.parse(SMALL).to_dict()
 
 
-def test_dependent_launch_waits_before_its_first_load(device):
-    # the dependent render waits (griddepcontrol.wait) before the partial kernel reads anything
-    # the kernel before it may write (q, the cache, seqlens, the block table), and its combine
-    # lets the next kernel launch; the interpreter's render has neither; the other renders'
-    # text is unchanged (their tuned records stay fresh)
-    from flashtune.launch_splitkv import SplitKVPlan
-    for extra in ("", "-paged=true", "-loads=descriptor"):
-        v = Variant.parse(SMALL + extra)
-        dep = dataclasses.replace(v, dependent_launch=True)
-        gpu = render(dep)
-        partial = gpu[gpu.index("def attn_splitkv_partial"):gpu.index("def attn_splitkv_combine")]
-        assert 0 < partial.index("gdc_wait()") < min(
-            i for i in (partial.find("tl.load("), partial.find("_first_page(")) if i > 0)
-        combine = gpu[gpu.index("def attn_splitkv_combine"):]
-        assert combine.index("gdc_wait()") < combine.index("gdc_launch_dependents()")
-        assert "gdc_" not in render(dep, interpret=True)
-        base = render(v)
-        assert "gdc_wait()" not in base[:base.index("def attn_splitkv_combine")]
-        def code(src):
-            return [ln for ln in src.splitlines()
-                    if ln.strip() and not any(t in ln for t in ("gdc_", "#", "if USE_PDL:"))]
-        assert code(gpu) == code(base)
-    # a forced dependent variant runs where PDL does not (the interpreter: an ordinary launch)
-    q, kc, vc = make(1, 1, 4, 2, 16, 32, torch.float16, device)
-    dep = dataclasses.replace(Variant.parse(SMALL + "-sp3"), dependent_launch=True)
-    assert dep.name == SMALL + "-sp3-dependent_launch=true"
-    plan = SplitKVPlan(q, kc, False, None, dep)
-    out, lse = plan.run(q, kc, vc, None, None, 32)
-    check(q, kc, vc, [32], out, lse=lse)
-
-
 # -- bad input: a clear error naming the argument, before anything is written or launched -------
 def _bad_cases(device):
     f16 = torch.float16
