@@ -82,6 +82,9 @@ def render(doc: dict, out: Path, plots: bool = True) -> list[Path]:
               type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="render the report (tables, plots) from saved bench.json files instead of "
                    "measuring: no GPU needed (repeat to merge runs of one device)")
+@click.option("--whole-cases", is_flag=True,
+              help="with --from: a later file's case replaces all the earlier files' rows of it, "
+                   "the peers it did not time included (no ratio compares two runs)")
 @click.option("--resume", "resume_json", default=None,
               type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="an earlier bench.json of this device (e.g. a run cut by a time limit): its "
@@ -122,7 +125,7 @@ def render(doc: dict, out: Path, plots: bool = True) -> list[Path]:
 @click.option("--progress", type=click.Choice(["auto", "bar", "lines", "none"]), default="auto",
               show_default=True, help="a bar with ETA on a terminal, a line per case otherwise")
 @click.pass_context
-def bench(ctx, quick, out_dir, from_json, resume_json, sections, peers, modes, head_dims, seqlens,
+def bench(ctx, quick, out_dir, from_json, whole_cases, resume_json, sections, peers, modes, head_dims, seqlens,
           device, budget_ms, graph, decode_layers, flex_dynamic, plots, progress):
     """Benchmark flashtune beside SDPA and FlexAttention.
 
@@ -140,7 +143,7 @@ def bench(ctx, quick, out_dir, from_json, resume_json, sections, peers, modes, h
     if from_json:
         from .bench.report import merge, read_json
         try:
-            doc = merge([read_json(p) for p in from_json])
+            doc = merge([read_json(p) for p in from_json], whole_cases)
         except ValueError as e:
             raise click.ClickException(str(e)) from None
         written = render(doc, out_dir, plots)

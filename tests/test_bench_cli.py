@@ -217,6 +217,20 @@ def test_from_renders_and_merges_saved_runs(tmp_path):
     assert (out / "dense.png").exists() == HAS_MPL
     if HAS_MPL:
         assert "![dense](dense.png)" in md
+    # --whole-cases: a case re-run by a later file keeps only that file's peers (a peer the
+    # later run did not time no longer stands beside it), other cases keep every row
+    c = tmp_path / "c.json"
+    report.write_json(_doc(rows=[_row(1024, "flashtune", 250.0)]), c)
+    for whole, rows in ((False, 4), (True, 3)):
+        res = CliRunner().invoke(main, ["bench", "--from", str(a), "--from", str(b), "--from",
+                                        str(c), "--out", str(out), "--no-plots"]
+                                 + (["--whole-cases"] if whole else []))
+        assert res.exit_code == 0, res.output
+        got = json.loads((out / "bench.json").read_text())["rows"]
+        assert len(got) == rows
+        assert {r["peer"] for r in got if r["seqlen_q"] == 1024} == (
+            {"flashtune"} if whole else {"flashtune", "sdpa-flash"})
+        assert {r["throughput"] for r in got if r["seqlen_q"] == 4096} == {300.0, 150.0}
     other = tmp_path / "c.json"
     report.write_json(_doc(device="H200"), other)
     res = CliRunner().invoke(main, ["bench", "--from", str(a), "--from", str(other)])

@@ -286,10 +286,12 @@ def read_json(path) -> dict:
     return doc
 
 
-def merge(docs: list[dict]) -> dict:
+def merge(docs: list[dict], whole_cases: bool = False) -> dict:
     """Several runs of one device (e.g. one section each, to fit a time limit) as one document:
     rows in order, a later run's cell replacing an earlier one of the same case and peer; the
-    first run's environment and ceilings, every run's command."""
+    first run's environment and ceilings, every run's command. whole_cases: a later run's case
+    replaces every row the earlier runs hold of it, the peers it did not time included, so no
+    ratio of the report compares two runs."""
     devices = {d["env"].get("device") for d in docs}
     if len(devices) > 1:
         raise ValueError("results of different devices cannot share tables: "
@@ -302,6 +304,10 @@ def merge(docs: list[dict]) -> dict:
         out["masks"].update(d.get("masks", {}))
         if d["env"].get("command") and d["env"]["command"] not in commands:
             commands.append(d["env"]["command"])
+        if whole_cases:
+            fresh = {case_key(r) for r in d["rows"]}
+            for key in [k for k in cells if k[0] in fresh]:
+                del cells[key]
         for r in d["rows"]:
             cells[(case_key(r), r["peer"])] = r
     out["rows"] = list(cells.values())
