@@ -17,6 +17,24 @@ from .measure import Backend, Outcome
 _RESOURCE_ERRORS = ("OutOfResources", "CompilationError", "PTXASError")
 
 
+# A family whose call is a few microseconds (splitkv: a decoding step) times a step of several
+# calls as a server replays it (ops.step_inputs / ops.step / ops.layers), per call; the others
+# time one call of ops.run on ops.inputs.
+def _step_inputs(ops, problem, seed: int):
+    make = getattr(ops, "step_inputs", None) or ops.inputs
+    return make(problem, seed)
+
+
+def _step(ops, variant, problem, tin):
+    run = getattr(ops, "step", None) or ops.run
+    return lambda: run(variant, problem, tin)
+
+
+def _calls(ops, problem) -> int:
+    layers = getattr(ops, "layers", None)
+    return layers(problem) if layers else 1
+
+
 def _err(e: BaseException) -> str:
     return f"{type(e).__name__}: {str(e).strip()}"
 
@@ -121,11 +139,13 @@ class GpuBackend(Backend):
             if not report.ok:
                 return Outcome.fail("gate", str(report), max_err=report.max_err)
             t1 = time.perf_counter()
-            tin = self._cached(("time-in", problem.key), lambda: ops.inputs(problem, self.seed + 1))
-            fn = lambda: ops.run(variant, problem, tin)  # noqa: E731
+            tin = self._cached(("time-in", problem.key), lambda: _step_inputs(ops, problem,
+                                                                             self.seed + 1))
+            fn = _step(ops, variant, problem, tin)
             if getattr(ops, "graphed", False):
                 fn = timing.graphed(fn)
             ms, spread = timing.bench(fn, budget_ms=self.bench_ms, flush_bytes=self.flush_bytes)
+            ms /= _calls(ops, problem)
             t2 = time.perf_counter()
         except Exception as e:  # noqa: BLE001
             return self._launch_failure(e)
@@ -148,7 +168,7 @@ class GpuBackend(Backend):
         gp = ops.gate_problem(problem)
         gin = self._cached(("gate-in", gp.key), lambda: ops.inputs(gp, self.seed))
         self._cached(("gate-ref", gp.key), lambda: ops.reference(gp, gin))
-        self._cached(("time-in", problem.key), lambda: ops.inputs(problem, self.seed + 1))
+        self._cached(("time-in", problem.key), lambda: _step_inputs(ops, problem, self.seed + 1))
         torch.cuda.synchronize()
 
     def _launch_failure(self, e: BaseException) -> Outcome:
@@ -163,10 +183,11 @@ class GpuBackend(Backend):
         from . import timing
 
         ops = self._ops(problem.family)
-        tin = self._cached(("time-in", problem.key), lambda: ops.inputs(problem, self.seed + 1))
+        tin = self._cached(("time-in", problem.key), lambda: _step_inputs(ops, problem,
+                                                                         self.seed + 1))
         fns, idx = [], []
         for i, v in enumerate(variants):
-            fn = (lambda v=v: ops.run(v, problem, tin))
+            fn = _step(ops, v, problem, tin)
             try:
                 fn()
             except Exception as e:  # noqa: BLE001
@@ -178,8 +199,9 @@ class GpuBackend(Backend):
             idx.append(i)
         res = timing.interleaved(fns, rounds, self.retime_reps, self.flush_bytes, self.seed)
         out = [None] * len(variants)
+        calls = _calls(ops, problem)
         for i, r in zip(idx, res):
-            out[i] = r
+            out[i] = None if r is None else (r[0] / calls, *r[1:])
         return out
 
     def environment(self) -> dict:

@@ -23,6 +23,15 @@ class SplitKVOps:
     # a decoding step takes microseconds: timed as CUDA-graph replays (timing.graphed), as
     # serving runs it; timed call by call, Python's launch latency decided the pick
     graphed = True
+    # ... and as a step of up to LAYERS layers, each reading its own cache, per layer (as
+    # `flashtune bench --section decode` times every peer, and as a model's step runs). One call
+    # alone, after the L2 flush, timed its launch and the flush's write-back more than its reads:
+    # on the H100 the search read GQA B=1 32k keys at 1,028 GB/s where the bench's 16-layer step
+    # reads the same variant at 2,626, and its pick for MQA B=8 32k ran 2.4% under the built-in
+    # default in the bench (docs/benchmarks.md, session 31). STEP_BYTES caps the step's caches
+    # (fewer layers where they would pass it; one layer where one passes it)
+    LAYERS = 16
+    STEP_BYTES = 8 << 30
 
     def __init__(self, device: str = "cuda"):
         self.device = device  # "cpu" runs the same path in Triton's interpreter (tests)
@@ -60,6 +69,32 @@ class SplitKVOps:
                    for s in (qs, ks, ks))
         seqlens = torch.full((p.batch,), p.seqlen_k, dtype=torch.int32, device=self.device)
         return q, k, v, seqlens
+
+    def layers(self, p: Problem) -> int:
+        """Layers of the timed step (the interpreter: one; its timings mean nothing)."""
+        if self.device != "cuda":
+            return 1
+        from .feasibility import dtype_bytes
+        _, ks = self.shapes(p)
+        one = 2 * ks[0] * ks[1] * ks[2] * ks[3] * dtype_bytes(p.dtype)
+        return max(1, min(self.LAYERS, self.STEP_BYTES // one))
+
+    def step_inputs(self, p: Problem, seed: int = 0):
+        """q, seqlens and each layer's caches: (q, (k per layer), (v per layer), seqlens)."""
+        q, k, v, seqlens = self.inputs(p, seed)
+        g = torch.Generator(device=self.device).manual_seed(seed + 7919)
+        more = [torch.randn(k.shape, dtype=k.dtype, device=self.device, generator=g)
+                for _ in range(2 * (self.layers(p) - 1))]
+        return q, (k, *more[0::2]), (v, *more[1::2]), seqlens
+
+    def step(self, variant, p: Problem, inputs):
+        """Every layer's decode step in turn (one plan: the layers share their shapes); the last
+        layer's output."""
+        q, ks, vs, seqlens = inputs
+        plan = kept_plan(self, variant, p, (q, ks[0]), keep=256)
+        for k, v in zip(ks, vs):
+            out = plan.run(q, k, v, seqlens, None, p.seqlen_k)[0]
+        return out
 
     def run(self, variant, p: Problem, inputs):
         q, k, v, seqlens = inputs

@@ -371,6 +371,81 @@ def test_measure_runs_keep_their_plan(device):
     assert ops.check(again, gp, ref).ok
     assert not ops.check(out * 1.1, gp, ref).ok
 
+
+def test_the_search_times_a_step_of_layers_each_with_its_own_cache(device, monkeypatch):
+    """A decode bucket is timed as a server replays a step (and as `flashtune bench` times every
+    peer): several layers, each reading its own cache, the time per layer -- one call alone
+    timed its launch and the L2 flush more than its reads (session 31)."""
+    from flashtune.codegen import Variant
+    from flashtune.measure_splitkv import SplitKVOps
+    from flashtune.problem import Problem
+    gpu = SplitKVOps(device="cuda")  # its layer count is arithmetic: nothing runs here
+    mqa_b1_2k = Problem("splitkv", "bfloat16", 128, False, 8, 1, 8, 1, 2048)
+    gqa_b8_32k = Problem("splitkv", "bfloat16", 128, False, 4, 8, 32, 1, 32768)
+    gqa_b64_128k = Problem("splitkv", "bfloat16", 128, False, 4, 64, 32, 1, 131072)
+    assert gpu.layers(mqa_b1_2k) == 16          # 1 MiB a layer
+    assert gpu.layers(gqa_b8_32k) == 8          # 1 GiB a layer, 8 GiB a step at most
+    assert gpu.layers(gqa_b64_128k) == 1        # 32 GiB a layer
+    ops = SplitKVOps(device=device)
+    p = Problem("splitkv", "float16", 32, False, 2, 2, 4, 1, 70)
+    assert ops.layers(p) == (16 if device == "cuda" else 1)
+    monkeypatch.setattr(ops, "layers", lambda p: 3)
+    q, ks, vs, seqlens = ops.step_inputs(p, seed=1)
+    assert len(ks) == len(vs) == 3 and all(k.shape == ks[0].shape for k in ks + vs)
+    assert not any(torch.equal(a, b) for i, a in enumerate(ks + vs) for b in (ks + vs)[i + 1:])
+    v = Variant.parse("splitkv-m16-n32-w4-s1-sp2")
+    out = ops.step(v, p, (q, ks, vs, seqlens))
+    ref = ops.reference(p, (q, ks[2], vs[2], seqlens))  # the last layer's
+    assert ops.check(out, p, ref).ok
+    assert not ops.check(out, p, ops.reference(p, (q, ks[0], vs[0], seqlens))).ok
+
+
+def test_the_gpu_backend_times_the_step_and_reports_it_per_layer(monkeypatch):
+    """measure() and retime() time ops.step on ops.step_inputs where a family has them, and
+    divide by ops.layers; the gate still runs one call on the gate's inputs."""
+    from types import SimpleNamespace
+
+    from flashtune import measure_gpu, timing
+    from flashtune.codegen import Variant
+    from flashtune.problem import Problem
+    seen = []
+
+    class Ops:
+        graphed = False
+        gate_problem = staticmethod(lambda p: p)
+        inputs = staticmethod(lambda p, seed: ("one", seed))
+        reference = staticmethod(lambda p, i: None)
+        check = staticmethod(lambda out, p, ref: SimpleNamespace(ok=True, max_err=0.0))
+        layers = staticmethod(lambda p: 4)
+        step_inputs = staticmethod(lambda p, seed: ("step", seed))
+
+        @staticmethod
+        def run(variant, p, inputs):
+            seen.append(("run", inputs[0]))
+
+        @staticmethod
+        def step(variant, p, inputs):
+            seen.append(("step", inputs[0]))
+
+    def bench(fn, **kw):
+        fn()
+        return 8.0, 0.01
+
+    def interleaved(fns, rounds, reps, flush, seed):
+        for f in fns:
+            f()
+        return [(12.0, 0.02) for _ in fns]
+    monkeypatch.setattr(measure_gpu.GpuBackend, "_ops", lambda self, family: Ops)
+    monkeypatch.setattr(timing, "bench", bench)
+    monkeypatch.setattr(timing, "interleaved", interleaved)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    b = measure_gpu.GpuBackend(smem_limit=1 << 20)
+    p = Problem("splitkv", "float16", 32, False, 2, 2, 4, 1, 70)
+    got = b.measure(Variant.parse("splitkv-m16-n32-w4-s1"), p)
+    assert got.ok and got.ms == 2.0, got
+    assert seen == [("run", "one"), ("step", "step")]
+    assert b.retime([Variant.parse("splitkv-m16-n32-w4-s1")], p, 1) == [(3.0, 0.02)]
+
 # -- splitkv serving dense forwards (families compete in the dispatcher) -------------------------
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("nq,h,hk", [(1, 8, 2), (3, 4, 4), (2, 6, 1)])
