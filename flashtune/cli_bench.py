@@ -125,8 +125,9 @@ def render(doc: dict, out: Path, plots: bool = True) -> list[Path]:
 @click.option("--progress", type=click.Choice(["auto", "bar", "lines", "none"]), default="auto",
               show_default=True, help="a bar with ETA on a terminal, a line per case otherwise")
 @click.pass_context
-def bench(ctx, quick, out_dir, from_json, whole_cases, resume_json, sections, peers, modes, head_dims, seqlens,
-          device, budget_ms, graph, decode_layers, flex_dynamic, plots, progress):
+def bench(ctx, quick, out_dir, from_json, whole_cases, resume_json, sections, peers, modes,
+          head_dims, seqlens, device, budget_ms, graph, decode_layers, flex_dynamic, plots,
+          progress):
     """Benchmark flashtune beside SDPA and FlexAttention.
 
     Times flashtune (as dispatched, and with its built-in defaults) beside SDPA's flash, cuDNN
@@ -140,6 +141,8 @@ def bench(ctx, quick, out_dir, from_json, whole_cases, resume_json, sections, pe
       flashtune bench --quick                   # smoke run
       flashtune bench --from bench_out/bench.json --out docs/bench   # re-render, no GPU
     """
+    if whole_cases and not from_json:
+        raise click.UsageError("--whole-cases merges saved runs: give them with --from")
     if from_json:
         from .bench.report import merge, read_json
         try:
