@@ -375,7 +375,7 @@ def test_measure_runs_keep_their_plan(device):
 def test_the_search_times_a_step_of_layers_each_with_its_own_cache(device, monkeypatch):
     """A decode bucket is timed as a server replays a step (and as `flashtune bench` times every
     peer): several layers, each reading its own cache, the time per layer -- one call alone
-    timed its launch and the L2 flush more than its reads (session 31)."""
+    timed its launch and the L2 flush's write-back beside its reads (session 31)."""
     from flashtune.codegen import Variant
     from flashtune.measure_splitkv import SplitKVOps
     from flashtune.problem import Problem
