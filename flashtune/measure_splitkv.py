@@ -29,8 +29,8 @@ class SplitKVOps:
     # on the H100 the search read MQA B=1 32k keys at 1,034 GB/s where the bench's 16-layer step
     # reads the same kernel at 1,317 (GQA B=1 32k: 2,174 against 2,646), and its pick for MQA
     # B=8 32k ran 2.4% under the built-in default in the bench (docs/benchmarks.md, session
-    # 31). STEP_BYTES caps the step's caches
-    # (fewer layers where they would pass it; one layer where one passes it)
+    # 31). STEP_BYTES caps the step's caches (fewer layers where they would pass it; one layer
+    # where one passes it)
     LAYERS = 16
     STEP_BYTES = 8 << 30
 
