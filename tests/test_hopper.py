@@ -205,8 +205,12 @@ def test_three_consumers_is_structural_and_searched_at_d64_dense_only():
             _problem(d=d, causal=causal, nq=2048), family="hopper_fwd"))
         trio = [x for x in space.feasible if x.three_consumers]
         assert bool(trio) == (d == 64)
-        assert all(x.pingpong and x.block_m == 64 and x.num_warps == 4 and x.block_n <= 64
-                   and x.loader_regs >= 32 for x in trio)
+        assert all(x.pingpong and x.block_m == 64 and x.num_warps == 4 and x.loader_regs >= 32
+                   for x in trio)
+        # 128-key steps: the non-causal render with async_o_store only (the causal ones spill)
+        wide = [x for x in trio if x.block_n > 64]
+        assert bool(wide) == (d == 64 and not causal)
+        assert all(x.block_n == 128 and x.async_o_store for x in wide)
 
 
 def test_a_search_measures_an_l2_order_table_winner_with_head_order_too(tmp_path):
@@ -239,15 +243,30 @@ def test_a_search_measures_an_l2_order_table_winner_with_head_order_too(tmp_path
     # one with head_order, none; a non-causal bucket's space has no head_order: no twin there
     plain = dataclasses.replace(won, l2_order=False)
     fam = get("hopper_fwd")
-    assert fam.twins_of(plain) == [dataclasses.replace(plain, head_order=True)]
-    assert fam.twins_of(dataclasses.replace(plain, head_order=True)) == []
+    trio = dataclasses.replace(plain, three_consumers=True, persistent=True, q_buffers=2,
+                               async_o_store=True, loader_regs=32)
+    assert fam.twins_of(plain) == [dataclasses.replace(plain, head_order=True), trio]
+    assert fam.twins_of(dataclasses.replace(plain, head_order=True)) == [
+        dataclasses.replace(trio, head_order=True)]
+    assert fam.twins_of(dataclasses.replace(trio, head_order=True)) == []
     nc = dataclasses.replace(_problem(causal=False, nq=1024), family="hopper_fwd")
     write_table(table_path("H100", tmp_path), "H100",
                 [Record(table_path("H100").stem, Bucket.of(nc), plain, 1.0, 100.0, "TFLOP/s",
                         1e-3, prov, ())])
     pb = types.SimpleNamespace(space=Space.build("hopper_fwd", get_target("H100"), nc),
                                bucket=Bucket.of(nc), problem=nc)
-    assert table_winners(pb, 3, tmp_path) == [plain]
+    assert table_winners(pb, 3, tmp_path) == [plain]  # D=128: no head_order, no third consumer
+    # D=64 non-causal: the third consumer's twin, 128-key steps included (FA3's 192x128 tile)
+    nc64 = dataclasses.replace(_problem(d=64, causal=False, nq=1024), family="hopper_fwd")
+    wide = Variant.parse("hopper_fwd-m64-n128-w4-s2-pingpong=true-persistent=true-lr56-qb2"
+                         "-early_k_release=true")
+    write_table(table_path("H100", tmp_path), "H100",
+                [Record(table_path("H100").stem, Bucket.of(nc64), wide, 1.0, 100.0, "TFLOP/s",
+                        1e-3, prov, ())])
+    pb = types.SimpleNamespace(space=Space.build("hopper_fwd", get_target("H100"), nc64),
+                               bucket=Bucket.of(nc64), problem=nc64)
+    assert table_winners(pb, 3, tmp_path) == [wide, dataclasses.replace(
+        wide, three_consumers=True, async_o_store=True, loader_regs=32)]
 
 
 def test_head_order_tile_coords_cover_every_tile_once():
@@ -651,6 +670,19 @@ THREE = {64: ["hopper_fwd-m64-n64-w4-s3-causal_split=false-pingpong=true-three_c
 
 @forced_grid(THREE, SHAPES + MANY_TILES)
 def test_three_consumers_match_reference(d, name, dtype, causal, shape):
+    _check_forced(d, name, dtype, causal, shape)
+
+
+# FA3's 192x128 tile: three consumers on 128-key steps, which the space admits non-causal only
+# (the causal renders spill), timed there as a winner's twin (session 32)
+THREE_N128 = {64: ["hopper_fwd-m64-n128-w4-s2-pingpong=true-three_consumers=true-persistent=true"
+                   "-lr32-qb2-early_k_release=true-async_o_store=true",
+                   "hopper_fwd-m64-n128-w4-s3-pingpong=true-three_consumers=true-persistent=true"
+                   "-lr32-qb2-async_o_store=true"]}
+
+
+@forced_grid(THREE_N128, SHAPES + MANY_TILES)
+def test_three_consumers_on_128_key_steps_match_reference(d, name, dtype, causal, shape):
     _check_forced(d, name, dtype, causal, shape)
 
 

@@ -58,10 +58,19 @@ def winner_twins(variant) -> list:
     forced on the H100), or beside one with no order of its own (session 25: on 128-row tiles
     head_order moved cuDNN's DRAM bytes where every head's longest tile first moved 25% more;
     the D=64 causal 1k record, m128 with neither order, stayed at 0.88x cuDNN). A non-causal
-    bucket's space holds no head_order, so there the search drops the twin."""
+    bucket's space holds no head_order, so there the search drops the twin. A 64-row, 4-warp
+    ping-pong winner with a loader is also measured with a third consumer (persistent, two Q
+    buffers, async_o_store, the loader at 32 registers: FA3's 192-row D=64 tile), which the
+    space keeps at D=64 only, 128-key steps non-causal only (session 32: the D=64 records predate
+    that space)."""
     import dataclasses
-    return [] if variant.head_order else [
+    out = [] if variant.head_order else [
         dataclasses.replace(variant, l2_order=False, head_order=True)]
+    if (variant.pingpong and not variant.three_consumers and variant.block_m == 64
+            and variant.num_warps == 4 and variant.loader_regs):
+        out.append(dataclasses.replace(variant, three_consumers=True, persistent=True,
+                                       q_buffers=2, async_o_store=True, loader_regs=32))
+    return out
 
 
 def consumers(variant) -> int:
