@@ -105,8 +105,8 @@ def test_serialized_wgmmas_fail_the_check():
 def test_a_shipped_tables_records_compile_clean():
     """--table compiles the records of the GPU's shipped table at their buckets' head dim,
     dtype and causality (narrowed here to hopper_fwd at D=64, non-causal): every distinct one,
-    each spill-free and without serialized wgmmas (session 21 checked the whole H100 and H200
-    tables so)."""
+    each without serialized wgmmas and spill-free but where noted below (session 21 checked the
+    whole H100 and H200 tables so)."""
     from pathlib import Path
     doc = json.loads((Path(__file__).parents[1] / "tuned_db" / "tables"
                       / "nvidia-h100-80gb-hbm3.json").read_text())
@@ -116,9 +116,18 @@ def test_a_shipped_tables_records_compile_clean():
     r = kernels_check("--gpu", "H100", "--table", "--family", "hopper_fwd", "--head-dim", "64",
                       "--no-causal", "--format", "json")
     rows = json.loads(r.stdout) if r.stdout.startswith("[") else None
-    assert r.returncode == 0 and rows, r.stdout[-3000:] + r.stderr[-3000:]
+    assert rows, r.stdout[-3000:] + r.stderr[-3000:]
     assert len(rows) == len(want) >= 2
     assert all(x["head_dim"] == 64 and not x["causal"] and x["variant"].startswith("hopper_fwd")
-               and x["fits"] and x["spill_bytes"] == 0 and x["wgmma"] == [] for x in rows), rows
+               and x["smem"] <= 232448 and x["wgmma"] == [] for x in rows), rows
+    # spill-free, but for the three-consumer 128-key one-loop records (session 32: measured
+    # fastest on the H100 with triton 3.6, 1.09-1.16x cuDNN, where they spill 20 B -- three
+    # registers of the key tail's mask, stored once a tile and reloaded on masked steps only, in
+    # the SASS; triton 3.9 spills 184 B). The exit status says whether any record spilled.
+    wide = [x for x in rows if "three_consumers=true" in x["variant"] and "-n128-" in x["variant"]
+            and "causal_split=false" in x["variant"]]
+    assert all(x["spill_bytes"] == 0 for x in rows if x not in wide), rows
+    assert all(x["spill_bytes"] <= 256 for x in wide), wide
+    assert r.returncode == (1 if any(x["spill_bytes"] for x in rows) else 0), r.stderr[-2000:]
     bad = kernels_check("--table", "fwd-m64-n64-w4-s2")
     assert bad.returncode == 2 and "VARIANTS or --table" in bad.stderr, bad.stderr

@@ -207,9 +207,9 @@ def test_three_consumers_is_structural_and_searched_at_d64_dense_only():
         assert bool(trio) == (d == 64)
         assert all(x.pingpong and x.block_m == 64 and x.num_warps == 4 and x.loader_regs >= 32
                    for x in trio)
-        # 128-key steps: the non-causal render with async_o_store only (the causal ones spill)
+        # 128-key steps with async_o_store only (without it the non-causal render spills too)
         wide = [x for x in trio if x.block_n > 64]
-        assert bool(wide) == (d == 64 and not causal)
+        assert bool(wide) == (d == 64)
         assert all(x.block_n == 128 and x.async_o_store for x in wide)
 
 
@@ -267,6 +267,10 @@ def test_a_search_measures_an_l2_order_table_winner_with_head_order_too(tmp_path
                                bucket=Bucket.of(nc64), problem=nc64)
     assert table_winners(pb, 3, tmp_path) == [wide, dataclasses.replace(
         wide, three_consumers=True, async_o_store=True, loader_regs=32)]
+    # a one-loop 128-key winner's twin takes causal_split (its causal render spills 228-352 B)
+    one_loop = dataclasses.replace(wide, causal_split=False)
+    assert fam.twins_of(one_loop)[-1] == dataclasses.replace(
+        wide, three_consumers=True, async_o_store=True, loader_regs=32)
 
 
 def test_head_order_tile_coords_cover_every_tile_once():
@@ -673,12 +677,14 @@ def test_three_consumers_match_reference(d, name, dtype, causal, shape):
     _check_forced(d, name, dtype, causal, shape)
 
 
-# FA3's 192x128 tile: three consumers on 128-key steps, which the space admits non-causal only
-# (the causal renders spill), timed there as a winner's twin (session 32)
+# FA3's 192x128 tile: three consumers on 128-key steps (session 32: the first two, bf16, and 28 of
+# their fp16 cases passed on the H100; the l2_order one has not run on a GPU yet)
 THREE_N128 = {64: ["hopper_fwd-m64-n128-w4-s2-pingpong=true-three_consumers=true-persistent=true"
                    "-lr32-qb2-early_k_release=true-async_o_store=true",
                    "hopper_fwd-m64-n128-w4-s3-pingpong=true-three_consumers=true-persistent=true"
-                   "-lr32-qb2-async_o_store=true"]}
+                   "-lr32-qb2-async_o_store=true",
+                   "hopper_fwd-m64-n128-w4-s2-pingpong=true-three_consumers=true-persistent=true"
+                   "-lr32-qb2-l2_order=true-early_k_release=true-async_o_store=true"]}
 
 
 @forced_grid(THREE_N128, SHAPES + MANY_TILES)
