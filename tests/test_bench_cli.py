@@ -231,6 +231,7 @@ def test_from_renders_and_merges_saved_runs(tmp_path):
         assert {r["peer"] for r in got if r["seqlen_q"] == 1024} == (
             {"flashtune"} if whole else {"flashtune", "sdpa-flash"})
         assert {r["throughput"] for r in got if r["seqlen_q"] == 4096} == {300.0, 150.0}
+        assert got[0]["seqlen_q"] == 1024  # the re-run case keeps its place, above 4096's
     res = CliRunner().invoke(main, ["bench", "--whole-cases"])
     assert res.exit_code != 0 and "--from" in res.output
     other = tmp_path / "c.json"

@@ -291,13 +291,15 @@ def merge(docs: list[dict], whole_cases: bool = False) -> dict:
     rows in order, a later run's cell replacing an earlier one of the same case and peer; the
     first run's environment and ceilings, every run's command. whole_cases: a later run's case
     replaces every row the earlier runs hold of it, the peers it did not time included, so no
-    ratio of the report compares two runs."""
+    ratio of the report compares two runs. A case keeps the place it first had (a re-run
+    D=64 row stays above D=128's)."""
     devices = {d["env"].get("device") for d in docs}
     if len(devices) > 1:
         raise ValueError("results of different devices cannot share tables: "
                          f"{sorted(map(str, devices))}")
     out = {**docs[0], "env": dict(docs[0]["env"]), "peers": {}, "masks": {}}
     cells: OrderedDict = OrderedDict()
+    place: dict = {}  # case -> where it first appeared
     commands = []
     for d in docs:
         out["peers"].update(d.get("peers", {}))
@@ -309,8 +311,9 @@ def merge(docs: list[dict], whole_cases: bool = False) -> dict:
             for key in [k for k in cells if k[0] in fresh]:
                 del cells[key]
         for r in d["rows"]:
+            place.setdefault(case_key(r), len(place))
             cells[(case_key(r), r["peer"])] = r
-    out["rows"] = list(cells.values())
+    out["rows"] = sorted(cells.values(), key=lambda r: place[case_key(r)])
     if commands:
         out["env"]["command"] = "; ".join(commands)
     return out
