@@ -678,13 +678,17 @@ def test_three_consumers_match_reference(d, name, dtype, causal, shape):
 
 
 # FA3's 192x128 tile: three consumers on 128-key steps (session 32: the first two, bf16, and 28 of
-# their fp16 cases passed on the H100; the l2_order one has not run on a GPU yet)
+# their fp16 cases passed on the H100; the l2_order one and the table's one-loop records have
+# not run here yet)
 THREE_N128 = {64: ["hopper_fwd-m64-n128-w4-s2-pingpong=true-three_consumers=true-persistent=true"
                    "-lr32-qb2-early_k_release=true-async_o_store=true",
                    "hopper_fwd-m64-n128-w4-s3-pingpong=true-three_consumers=true-persistent=true"
                    "-lr32-qb2-async_o_store=true",
                    "hopper_fwd-m64-n128-w4-s2-pingpong=true-three_consumers=true-persistent=true"
-                   "-lr32-qb2-l2_order=true-early_k_release=true-async_o_store=true"]}
+                   "-lr32-qb2-l2_order=true-early_k_release=true-async_o_store=true",
+                   # the H100 table's D=64 non-causal records: the one-loop render
+                   "hopper_fwd-m64-n128-w4-s2-causal_split=false-pingpong=true-three_consumers=true"
+                   "-persistent=true-lr32-qb2-early_k_release=true-async_o_store=true"]}
 
 
 @forced_grid(THREE_N128, SHAPES + MANY_TILES)
