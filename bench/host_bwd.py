@@ -1,8 +1,9 @@
 """Where a backward's host time goes (issue 10: the bench's D=128 causal 512 backward cell spread
 over 25% between samples, host-bound): the GPU time of one backward (torch.profiler, kernels
 summed) beside the host time to issue one (the GPU kept busy by a queued sleep, so no issue waits
-on it), then cProfile's top functions over those issues. The backward is called as the bench
-calls it: torch.autograd.grad on a retained graph.
+on it), the backward's host time layer by layer (phases), then cProfile's top functions over
+those issues. The backward is called as the bench calls it: torch.autograd.grad on a retained
+graph.
 
     python3 bench/host_bwd.py [--d 128 --n 512 --b 32 --causal] [--top 30]
 """
@@ -51,6 +52,44 @@ def gpu_us(fn) -> dict:
     return per
 
 
+def phases(xs, do, causal: bool, bwd, calls: int) -> None:
+    """The backward's host time peeled layer by layer, each without profiler overhead: the
+    autograd call as the bench makes it, flashtune.ops.run_backward without autograd, the cached
+    plan's run alone, that run with every Launcher launch stubbed (what is left: allocations,
+    descriptors, Python), and the allocations alone. Differences between lines are the layers'
+    costs (autograd engine; checks and plan lookup; launches incl. TMA descriptor encoding)."""
+    from flashtune import launcher, ops
+    q, k, v = (x.detach() for x in xs)
+    o, lse = ops.run_forward(q, k, v, causal, None)
+    ops.run_backward(do, q, k, v, o, lse, causal, None)
+    plan = next(iter(ops._bwd_plans.values())) if len(ops._bwd_plans) == 1 else None
+
+    def direct():
+        return ops.run_backward(do, q, k, v, o, lse, causal, None)
+
+    def allocs():
+        return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
+                torch.empty(q.shape[:3], dtype=torch.float32, device=q.device),
+                torch.empty(q.shape[:3], dtype=torch.float32, device=q.device))
+    steps = [("autograd.grad, as the bench", bwd), ("ops.run_backward, no autograd", direct)]
+    if plan is not None:
+        steps.append((f"{type(plan).__name__}.run alone", lambda: plan.run(do, q, k, v, o, lse)))
+    steps.append(("5 allocations (dq, dk, dv, delta, lse2)", allocs))
+    for name, fn in steps:
+        runs = [issue_us(fn, calls) for _ in range(3)]
+        print(f"phase {name}: {statistics.median(runs):.1f} us "
+              f"(runs {', '.join(f'{r:.1f}' for r in runs)})")
+    if plan is not None:  # the launches stubbed: the Python, allocations and descriptors left
+        real = launcher.Launcher.__call__
+        launcher.Launcher.__call__ = lambda self, grid, *args: None
+        try:
+            runs = [issue_us(lambda: plan.run(do, q, k, v, o, lse), calls) for _ in range(3)]
+        finally:
+            launcher.Launcher.__call__ = real
+        print(f"phase {type(plan).__name__}.run, launches stubbed: "
+              f"{statistics.median(runs):.1f} us (runs {', '.join(f'{r:.1f}' for r in runs)})")
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--d", type=int, default=128)
@@ -81,6 +120,7 @@ def main(argv=None) -> None:
         runs = [issue_us(fn, a.calls) for _ in range(3)]
         print(f"{name}: host {statistics.median(runs):.1f} us per call to issue "
               f"(runs {', '.join(f'{r:.1f}' for r in runs)})")
+    phases(xs, do, a.causal, bwd, a.calls)
     torch.cuda.synchronize()
     torch.cuda._sleep(int(2e9))
     prof = cProfile.Profile()
