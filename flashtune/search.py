@@ -195,10 +195,20 @@ def _with_masks(pb: PlannedBucket, variant: Variant) -> Variant:
 
 def _first_points(pb: PlannedBucket) -> list[Variant]:
     """Measured first (good points for TPE to start from): the family's seeds, its built-in
-    default first (bwd: both dQ schemes' defaults, so both are in the study from the start)."""
+    default first (bwd: both dQ schemes' defaults, so both are in the study from the start), each
+    as a point of the bucket's space. Seeds are per head dim: a field the bucket does not search
+    (a causal tile order in a non-causal bucket) goes back to its default, where the seed was
+    dropped whole before (session 32: the D=64 non-causal searches never started from the
+    three-consumer seeds, which carry a tile order; three consumers won every such bucket from
+    1k on once measured there)."""
     from .families import get
-    return [_with_masks(pb, v) for v in get(pb.bucket.family).seed_variants(
-        pb.problem.head_dim, pb.problem.dtype, arch=pb.space.target.arch)]
+    out = []
+    for v in get(pb.bucket.family).seed_variants(pb.problem.head_dim, pb.problem.dtype,
+                                                 arch=pb.space.target.arch):
+        point = pb.space.project(_with_masks(pb, v))
+        if point is not None and point not in out:
+            out.append(point)
+    return out
 
 
 def neighbour_winners(storage, planned: list, pb: PlannedBucket, k: int) -> list[Variant]:
@@ -454,9 +464,8 @@ def open_bucket(cfg: SearchConfig, storage, pb: PlannedBucket, liveness=None) ->
     bs = BucketStudy(study, pb.space, pb.problem, prune=cfg.prune, liveness=liveness)
     bs.reap_abandoned()
     if cfg.enqueue_default and not study.trials:
-        for v in _first_points(pb):
-            if pb.space.contains(v):
-                bs.enqueue(v)
+        for v in _first_points(pb):  # points of pb.space
+            bs.enqueue(v)
     return bs
 
 

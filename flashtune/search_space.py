@@ -240,6 +240,20 @@ class Space:
         return (all(values[p.name] in p.values for p in self.params if self._active(p, values))
                 and self.variant(values) == variant)
 
+    def project(self, variant: Variant) -> Variant | None:
+        """`variant` as a point of this space: the params this problem leaves inactive (a causal
+        tile order in a non-causal bucket) at their defaults. None where an active param's value
+        is not one of its values, or where it differs from the space's point in a field the
+        space does not vary (pinned, or no param): not ours to change."""
+        values = self._walk(lambda p: getattr(variant, p.name))
+        if not all(values[p.name] in p.values for p in self.params if self._active(p, values)):
+            return None
+        try:
+            point = self.variant(values)
+            return point if point == dataclasses.replace(variant, **values) else None
+        except ValueError:  # a combination the Variant itself refuses
+            return None
+
     def optuna_params(self, variant: Variant) -> dict:
         """The trial params that propose `variant` (for enqueue_trial)."""
         values = self._walk(lambda p: getattr(variant, p.name))

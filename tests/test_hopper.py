@@ -213,6 +213,40 @@ def test_three_consumers_is_structural_and_searched_at_d64_dense_only():
         assert all(x.block_n == 128 and x.async_o_store for x in wide)
 
 
+def test_a_non_causal_search_starts_from_the_seeds_without_their_tile_order():
+    """Seeds are per head dim; a non-causal bucket has no tile order to search, so a seed that
+    carries one (the three-consumer seeds) is measured without it, not dropped (session 32:
+    three consumers won every D=64 non-causal bucket from 1k on once measured there)."""
+    import dataclasses
+    import types
+    from flashtune.problem import Bucket
+    from flashtune.search import _first_points
+    from flashtune.search_space import Space
+    from flashtune.targets import get as get_target
+    seeds = FAM.seed_variants(64, "bfloat16", arch="sm_90")
+    for causal in (False, True):
+        p = dataclasses.replace(_problem(d=64, causal=causal, nq=2048), family="hopper_fwd")
+        space = Space.build("hopper_fwd", get_target("H100"), p)
+        pb = types.SimpleNamespace(space=space, bucket=Bucket.of(p), problem=p)
+        got = _first_points(pb)
+        assert all(space.contains(v) for v in got) and len(set(got)) == len(got)
+        if causal:
+            assert got == seeds
+        else:
+            assert not any(v.head_order or v.l2_order for v in got)
+            trio = [v for v in got if v.three_consumers]
+            # the head_order and l2_order seeds are one point without their order
+            assert len(trio) == 1 and trio[0] == dataclasses.replace(
+                next(v for v in seeds if v.three_consumers), head_order=False)
+            assert len(got) == len(seeds) - 1
+    # not projected: an active param's value the space lacks, a field the space does not vary
+    nc = dataclasses.replace(_problem(d=64, causal=False, nq=2048), family="hopper_fwd")
+    space = Space.build("hopper_fwd", get_target("H100"), nc)
+    assert space.project(dataclasses.replace(seeds[0], loader_regs=48)) is None  # not in its list
+    assert space.project(dataclasses.replace(seeds[0], release_barrier=False)) is None
+    assert space.project(seeds[0]) == seeds[0]
+
+
 def test_a_search_measures_an_l2_order_table_winner_with_head_order_too(tmp_path):
     """search.table_winners: a shipped table's l2_order winner for the bucket is followed by its
     head_order twin (Family.winner_twins), so a re-search tries the new field on the point that

@@ -177,7 +177,8 @@ def seeds(head_dim: int, dtype: str, *, arch=None) -> list:
         # 30, forced beside cuDNN on the H100: causal 2k 402 TFLOP/s against the shipped record's
         # 372 and cuDNN's 397; non-causal 16k 463 against 488; causal 512 153 against 235), and
         # with l2_order in head_order's place (causal 1k: 310-314 against the record's 300-305
-        # and cuDNN's 334, same run; a non-causal bucket times both, whose orders it never runs)
+        # and cuDNN's 334, same run; a non-causal bucket times them as one point without the order:
+        # search._first_points)
         trio = Variant("hopper_fwd", block_m=64, block_n=64, num_warps=4, num_stages=3,
                        pingpong=True, three_consumers=True, persistent=True, loader_regs=32,
                        q_buffers=2, causal_split=False, head_order=True, early_k_release=True,
