@@ -236,9 +236,7 @@ class Space:
         """Whether `variant` is one of variants() (before constraints), without listing them
         (bwd's space has ~55k): each active param's value is one of its values, the inactive
         ones and the pinned fields their defaults."""
-        values = self._walk(lambda p: getattr(variant, p.name))
-        return (all(values[p.name] in p.values for p in self.params if self._active(p, values))
-                and self.variant(values) == variant)
+        return self.project(variant) == variant
 
     def project(self, variant: Variant) -> Variant | None:
         """`variant` as a point of this space: the params this problem leaves inactive (a causal
