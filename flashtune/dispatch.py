@@ -174,10 +174,18 @@ def _compete(problem: Problem, varlen: bool = False) -> "Explanation":
         # the generic fwd's dense record by the heuristic, 0.6x the Hopper one)
         if (ex.record is not None and rex.record is not None and _comparable(ex, rex)
                 and _runs_as_timed(problem, ex) and _runs_as_timed(rp, rex)):
-            mine = get(problem.family).estimate_ms(problem, ex.record)
-            theirs = rival.estimate_ms(rp, rex.record)
-            why = (f"{rival.name} {rex.variant.name} ~{theirs:.3g} ms vs {problem.family} "
-                   f"{ex.variant.name} ~{mine:.3g} ms (tuned records)")
+            # one search timed both on the problem's own bucket: that run's pair decides
+            same = (same_run(ex.record, rex.record) if ex.record.bucket == ex.bucket
+                    and rex.record.bucket == rex.bucket else None)
+            if same is not None:
+                mine, theirs, date = same
+                why = (f"{rival.name} {rex.variant.name} {theirs:.3g} ms vs {problem.family} "
+                       f"{ex.variant.name} {mine:.3g} ms (timed in one run, {date[:10]})")
+            else:
+                mine = get(problem.family).estimate_ms(problem, ex.record)
+                theirs = rival.estimate_ms(rp, rex.record)
+                why = (f"{rival.name} {rex.variant.name} ~{theirs:.3g} ms vs {problem.family} "
+                       f"{ex.variant.name} ~{mine:.3g} ms (tuned records)")
             better = theirs < mine
         else:
             better = rival.prefers(problem)
@@ -187,6 +195,24 @@ def _compete(problem: Problem, varlen: bool = False) -> "Explanation":
             ex = dataclasses.replace(winner, problem=problem,
                                      notes=winner.notes + (f"competed: {why}",))
     return ex
+
+
+def same_run(mine: Record, theirs: Record) -> tuple | None:
+    """(my variant's ms, their variant's ms, the run's date) from the newest search that timed
+    both records' variants side by side (a search's final re-timing takes the other families'
+    records of its bucket as runner-ups: search.rival_variants); None where no run did. Two
+    records' own medians come from different runs, often sessions and machines apart."""
+    pairs = []
+    t = mine.ms_of(theirs.variant.name)
+    if t is not None:
+        pairs.append((mine.provenance.date, mine.median_ms, t))
+    t = theirs.ms_of(mine.variant.name)
+    if t is not None:
+        pairs.append((theirs.provenance.date, t, theirs.median_ms))
+    if not pairs:
+        return None
+    date, a, b = max(pairs)
+    return a, b, date
 
 
 def _runs_as_timed(problem: Problem, ex: "Explanation") -> bool:

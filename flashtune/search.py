@@ -252,24 +252,13 @@ def table_winners(pb: PlannedBucket, k: int, tables_dir=None) -> list[Variant]:
     if k <= 0:
         return []
     from .families import get
-    from .tuned_db.io import read_header, read_table, shipped_tables
-    target = pb.space.target
-    paths = sorted(shipped_tables(tables_dir), key=lambda p: p.stem != target.slug)
     own, near = [], []
-    for path in paths:
-        try:
-            if read_header(path).arch != target.arch:
-                continue
-            records = read_table(path, strict=False).records
-        except Exception as e:  # noqa: BLE001 -- a broken table costs seeds, never the search
-            log.warning("search: seeds from %s skipped: %s", path, e)
-            continue
-        for r in records:
-            if r.bucket == pb.bucket:
-                own += [(name, i == 0) for i, name in
-                        enumerate(([r.variant.name] + [n for n, _ in r.runner_ups])[:k])]
-            elif pb.bucket.same_kernel_class(r.bucket):
-                near.append((pb.bucket.log_distance(r.bucket), r.variant.name))
+    for r in _table_records(pb.space.target, tables_dir):
+        if r.bucket == pb.bucket:
+            own += [(name, i == 0) for i, name in
+                    enumerate(([r.variant.name] + [n for n, _ in r.runner_ups])[:k])]
+        elif pb.bucket.same_kernel_class(r.bucket):
+            near.append((pb.bucket.log_distance(r.bucket), r.variant.name))
     names = own + [(name, True) for _, name in sorted(near, key=lambda x: x[0])[:k]]
     out = []
     for name, won in names:
@@ -281,6 +270,53 @@ def table_winners(pb: PlannedBucket, k: int, tables_dir=None) -> list[Variant]:
             if pb.space.contains(w) and w not in out:
                 out.append(w)
     return out
+
+
+def _table_records(target, tables_dir=None):
+    """The records of every shipped table of `target`'s architecture, its own GPU's table first
+    (a broken table is skipped: it costs seeds, never the search)."""
+    from .tuned_db.io import read_header, read_table, shipped_tables
+    for path in sorted(shipped_tables(tables_dir), key=lambda p: p.stem != target.slug):
+        try:
+            if read_header(path).arch != target.arch:
+                continue
+            records = read_table(path, strict=False).records
+        except Exception as e:  # noqa: BLE001
+            log.warning("search: table %s skipped: %s", path, e)
+            continue
+        yield from records
+
+
+def rival_variants(pb: PlannedBucket, tables_dir=None) -> list[Variant]:
+    """The variants the shipped tables of pb's architecture (its own GPU's first) hold, one per
+    family, for pb's problem in the other families that serve its calls (the generic fwd beside
+    hopper_fwd, hopper_bwd beside bwd) and that the search measures on the same inputs. The
+    dispatcher picks between their records and this bucket's (dispatch._compete), so the final
+    re-timing times them beside its candidates, never to win here: their times go in as
+    runner-ups, same-run evidence for that pick (session 32: D=64 causal 8k ran the generic fwd
+    on a 3% lead between records of two sessions)."""
+    from .families import all_families, get
+    from .problem import Bucket
+    fam = get(pb.bucket.family)
+    call = fam.serves[0] if fam.serves else fam.name  # the calls it serves: "fwd", "bwd"
+    ops = fam.ops
+    found: dict = {}
+    for other in all_families():
+        if other.name == fam.name or not (other.name == call or call in other.serves):
+            continue
+        if not (isinstance(other.ops, type(ops)) or isinstance(ops, type(other.ops))):
+            continue  # other inputs (splitkv's decode caches): not timed on these
+        try:
+            bucket = Bucket.of(dataclasses.replace(pb.problem, family=other.name))
+        except ValueError:
+            continue
+        found[other.name] = bucket
+    out: dict = {}
+    for r in _table_records(pb.space.target, tables_dir):
+        fam_name = r.bucket.family
+        if fam_name in found and fam_name not in out and r.bucket == found[fam_name]:
+            out[fam_name] = r.variant
+    return list(out.values())
 
 
 class _Interrupted(Exception):
@@ -736,6 +772,10 @@ def _finish(bs: BucketStudy, pipeline, info, pb, label, name, cfg, status, t_b, 
             by_key[default.key] = (default, passed)
         if pipeline is not None:
             cands.append(default)
+    # the other families' records for this problem, timed beside the candidates (not eligible:
+    # their times become runner-ups, the dispatcher's same-run evidence between families)
+    rivals = rival_variants(pb, cfg.tables_dir) if (pipeline is not None and cands) else []
+    cands += [v for v in rivals if v.key not in by_key]
     timed = pipeline.retime(cands, pb.problem, cfg.retime_rounds) if (pipeline and cands) else []
     rows = []
     for i, v in enumerate(cands):
@@ -759,6 +799,8 @@ def _finish(bs: BucketStudy, pipeline, info, pb, label, name, cfg, status, t_b, 
     v, ms, _ = win
     runner_ups = tuple((r[0].name, float(r[1])) for r in sorted(eligible, key=lambda r: r[1] or 1e30)
                        if r[0] != v and r[1] is not None)
+    runner_ups += tuple((r[0].name, float(r[1])) for r in rows
+                        if r[0].family != v.family and r[1] is not None)
     rec = _record(pb, v, ms, tf(ms), by_key[v.key][1].get("max_err", 0.0), runner_ups,
                   info, bs)
     study_attrs = {"winner": v.name, "winner_ms": ms}

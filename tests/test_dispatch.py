@@ -475,3 +475,42 @@ def test_a_gqa_call_lets_records_of_its_shape_without_gqa_compete(tables, monkey
     ex = flashtune.explain(gqa)
     assert ex.variant.name == "bwd-m64-n64-w4-s2-dq=atomic" and not any("competed" in n
                                                                for n in ex.notes), str(ex)
+
+
+def test_families_compete_on_one_runs_times_where_a_search_timed_both(tables, monkeypatch):
+    """A search re-times the other families' records of its bucket beside its pick
+    (search.rival_variants) and keeps their times as runner-ups: the dispatcher then decides
+    on that run's pair, not on two records' medians from different runs (session 32: D=64
+    causal 8k ran the generic fwd on a 3% lead between records of two sessions)."""
+    import dataclasses
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # as on a GPU machine (no kernel runs here)
+    p = Problem("fwd", "bfloat16", 64, True, 1, 2, 32, 8192, 8192)
+    hop_name = "hopper_fwd-m64-n128-w4-s3-pingpong=true-lr24"
+    generic = make_record(gpu=H200, sq=8192, bh=32, d=64, dtype="bfloat16", family="fwd",
+                          variant="fwd-m64-n64-w4-s3", ms=1.24)
+    hopper = make_record(gpu=H200, sq=8192, bh=32, d=64, dtype="bfloat16", family="hopper_fwd",
+                         variant=hop_name, ms=1.28)
+    # medians of two runs: the generic record's is lower
+    ship(tables, H200, dataclasses.replace(generic, runner_ups=()),
+         dataclasses.replace(hopper, runner_ups=()))
+    dispatch.clear_cache()
+    ex = flashtune.explain(p)
+    assert ex.variant.family == "fwd" and any("tuned records" in n for n in ex.notes), str(ex)
+    # the hopper search's run timed the generic record's variant too, slower than its pick
+    ship(tables, H200, dataclasses.replace(generic, runner_ups=()),
+         dataclasses.replace(hopper, runner_ups=(("fwd-m64-n64-w4-s3", 1.31),)))
+    dispatch.clear_cache()
+    ex = flashtune.explain(p)
+    assert ex.variant.name == hop_name, str(ex)
+    assert any("timed in one run" in n and "1.31 ms" in n for n in ex.notes), str(ex)
+    # two runs that timed both: the newer one's pair decides
+    newer = dataclasses.replace(generic.provenance, date="2026-11-28T00:00:00+00:00")
+    ship(tables, H200, dataclasses.replace(generic, provenance=newer,
+                                           runner_ups=((hop_name, 1.30),)),
+         dataclasses.replace(hopper, runner_ups=(("fwd-m64-n64-w4-s3", 1.31),)))
+    dispatch.clear_cache()
+    ex = flashtune.explain(p)
+    assert ex.variant.family == "fwd" and any("timed in one run, 2026-11-28" in n
+                                              for n in ex.notes), str(ex)
+    assert dispatch.same_run(dataclasses.replace(generic, runner_ups=()),
+                             dataclasses.replace(hopper, runner_ups=())) is None

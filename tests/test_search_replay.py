@@ -373,3 +373,46 @@ def test_a_trial_killed_before_its_owner_was_written_is_reaped_after_the_grace(m
     assert bs.reap_abandoned() == 1
     assert study.trials[0].state == TrialState.FAIL
     assert "abandoned" in study.trials[0].user_attrs["result"]["reason"]
+
+
+def test_the_final_retiming_times_the_other_families_records_as_runner_ups(tmp_path):
+    """A fwd bucket's final re-timing also times the hopper_fwd record the shipped tables hold
+    for its problem (search.rival_variants: the dispatcher picks between the two families), and
+    keeps its time among the record's runner-ups, never as the winner: same-run evidence for
+    dispatch.same_run. A rival whose time the run did not get adds nothing."""
+    import dataclasses
+    import json
+    from flashtune.problem import Bucket
+    from flashtune.search import rival_variants
+    from flashtune.tuned_db.io import table_path, write_table
+    from flashtune.tuned_db.record import Provenance, Record
+    rec = _recording(tmp_path)
+    pb = plan_of(SearchConfig(**BASE), H100)[0]
+    hb = Bucket.of(dataclasses.replace(pb.problem, family="hopper_fwd"))
+    hop = Variant.parse("hopper_fwd-m64-n128-w4-s3-pingpong=true-lr24")
+    prov = Provenance("NVIDIA H100 80GB HBM3", "9.0", 132, "580", "13.0", "2.11", "3.6.0",
+                      "0.1.0", "0" * 16, "2026-11-26T00:00:00+00:00", "search")
+    tables = tmp_path / "tables"
+    tables.mkdir()
+    write_table(table_path("H100", tables), "H100",
+                [Record(table_path("H100").stem, hb, hop, 0.5, 100.0, "TFLOP/s", 1e-3, prov, ())])
+    assert rival_variants(pb, str(tables)) == [hop]
+    cfg = _cfg(tmp_path, rec, trials=5, tables_dir=str(tables))
+    db = MemDB()
+    run_search(cfg, db=db, progress=NoProgress())
+    (first,) = db.records()
+    assert first.variant.family == "fwd" and hop.name not in dict(first.runner_ups)
+    # the recording times the rival on the fwd bucket's problem (as a timing worker would)
+    with open(rec, "a") as f:
+        f.write(json.dumps({"kind": "trial", "bucket": dataclasses.asdict(pb.bucket),
+                            "variant": hop.name, "ms": 0.0123, "max_err": 1e-3}) + "\n")
+    from flashtune import replay
+    replay._cache.clear()
+    cfg = _cfg(tmp_path / "again", rec, trials=5, tables_dir=str(tables))
+    (tmp_path / "again").mkdir()
+    db = MemDB()
+    run_search(cfg, db=db, progress=NoProgress())
+    (r,) = db.records()
+    assert r.variant.family == "fwd"  # faster, but not this family's to win
+    assert dict(r.runner_ups)[hop.name] == pytest.approx(0.0123)
+    assert r.ms_of(hop.name) == pytest.approx(0.0123)
