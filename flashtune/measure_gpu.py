@@ -187,13 +187,13 @@ class GpuBackend(Backend):
                                                                          self.seed + 1))
         fns, idx = [], []
         for i, v in enumerate(variants):
-            # another family's variant (search.rival_variants: its ops take the same inputs)
-            fn = _step(ops if v.family == problem.family else self._ops(v.family), v,
-                       problem, tin)
             try:
+                # another family's variant (search.rival_variants: its ops take the same inputs)
+                fn = _step(ops if v.family == problem.family else self._ops(v.family), v,
+                           problem, tin)
                 fn()
             except (ValueError, TypeError, KeyError) if v.family != problem.family else ():
-                continue  # a rival this problem's launch cannot take (refused before launch)
+                continue  # a rival this worker cannot run (refused before any launch)
             except Exception as e:  # noqa: BLE001
                 if type(e).__name__ not in _RESOURCE_ERRORS:
                     object.__setattr__(self, "poisoned", True)
