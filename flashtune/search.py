@@ -304,7 +304,12 @@ def rival_variants(pb: PlannedBucket, tables_dir=None) -> list[Variant]:
     for other in all_families():
         if other.name == fam.name or not (other.name == call or call in other.serves):
             continue
-        if not (isinstance(other.ops, type(ops)) or isinstance(ops, type(other.ops))):
+        try:
+            theirs = other.ops
+        except Exception as e:  # noqa: BLE001 -- a rival costs evidence, never the search
+            log.warning("search: %s not timed beside %s: %s", other.name, fam.name, e)
+            continue
+        if not (isinstance(theirs, type(ops)) or isinstance(ops, type(theirs))):
             continue  # other inputs (splitkv's decode caches): not timed on these
         try:
             bucket = Bucket.of(dataclasses.replace(pb.problem, family=other.name))
