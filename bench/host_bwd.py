@@ -90,6 +90,56 @@ def phases(xs, do, causal: bool, bwd, calls: int) -> None:
               f"{statistics.median(runs):.1f} us (runs {', '.join(f'{r:.1f}' for r in runs)})")
 
 
+def peers(xs, do, causal: bool, calls: int) -> None:
+    """The same backward by SDPA's cuDNN and flash backends, and the autograd engine alone (a
+    Python Function whose backward returns its gradient, as flashtune's runs on the engine's
+    CUDA thread): GPU time, host time to issue, and the bench's time (L2 flush, events around
+    one call: flashtune.timing.bench) beside it with the host given about 1 ms head start (a GPU
+    sleep after the flush), which leaves the GPU time. Which peer the host bounds, and by how
+    much the engine alone costs, on this machine."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from flashtune import timing
+
+    class Ident(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx, g):
+            return g
+
+    def sdpa(backend):
+        def make():
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(*xs, is_causal=causal)
+        return make
+
+    makes = [("flashtune", lambda: flashtune.attention(*xs, causal=causal)),
+             ("sdpa-cudnn", sdpa(SDPBackend.CUDNN_ATTENTION)),
+             ("sdpa-flash", sdpa(SDPBackend.FLASH_ATTENTION)),
+             ("engine alone (identity Function)", lambda: Ident.apply(xs[0]))]
+    for name, make in makes:
+        try:
+            out = make()
+        except RuntimeError as e:  # a backend this build lacks
+            print(f"peer {name}: not run ({str(e).splitlines()[0][:100]})")
+            continue
+        grads = do if out.shape == do.shape else torch.randn_like(out)
+        inputs = xs if name != "engine alone (identity Function)" else xs[:1]
+
+        def bwd(out=out, grads=grads, inputs=inputs):
+            return torch.autograd.grad(out, inputs, grads, retain_graph=True)
+        gpu = sum(gpu_us(bwd).values())
+        host = statistics.median(issue_us(bwd, calls) for _ in range(3))
+        timed = timing.bench(bwd)[0] * 1e3
+        ahead = statistics.median(timing.samples(
+            bwd, 30, 256 << 20, after_flush=lambda: torch.cuda._sleep(int(2e6)))) * 1e3
+        print(f"peer {name}: GPU {gpu:.1f} us, host {host:.1f} us to issue, bench {timed:.1f} "
+              f"us, bench with a ~1 ms host head start {ahead:.1f} us")
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--d", type=int, default=128)
@@ -121,6 +171,7 @@ def main(argv=None) -> None:
         print(f"{name}: host {statistics.median(runs):.1f} us per call to issue "
               f"(runs {', '.join(f'{r:.1f}' for r in runs)})")
     phases(xs, do, a.causal, bwd, a.calls)
+    peers(xs, do, a.causal, a.calls)
     torch.cuda.synchronize()
     torch.cuda._sleep(int(2e9))
     prof = cProfile.Profile()

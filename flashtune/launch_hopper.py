@@ -15,7 +15,7 @@ import triton
 from . import alloc
 from .codegen import Variant, load
 from .families.hopper_fwd import consumers
-from .launcher import Launcher
+from .launcher import Launcher, gluon_desc
 from .launch import check_mask_variant, generic_plan, mask_args, mask_params
 from .masks import NONE, Masks
 from .relayout import rows_copy
@@ -200,14 +200,13 @@ class HopperFwdPlan:
         if not addressable(q, k, v, o, view=self.view):  # this call's bases only: no memo
             return generic_plan(q, k, v, self.consts["IS_CAUSAL"], self.scale,
                                  self.masks).run(q, k, v)
-        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
         b, h, nq, d = q.shape
         lse = torch.empty((b, h, nq), dtype=torch.float32, device=q.device)
         bm, bn = self.variant.block_m, self.variant.block_n
 
         def desc(t, rows):
             shape, strides = self.view(t)
-            return TensorDescriptor(t, shape, strides, [1, rows, d], self.layouts[rows])
+            return gluon_desc(t, shape, strides, [1, rows, d], self.layouts[rows])
         self.kernel(self.grid, desc(q, bm), desc(k, bn), desc(v, bn), desc(o, bm), lse,
                     self.scale, *self.mask_args, h, nq, k.shape[2], self.n_tiles)
         return o, lse

@@ -16,7 +16,7 @@ import triton
 
 from . import alloc
 from .codegen import Variant, load
-from .launcher import Launcher
+from .launcher import Launcher, gluon_desc
 from .launch import check_mask_variant, mask_args, mask_params
 from .launch_hopper import (_device_blocker, _rows_view, _view3, addressable, kv_rows_copy,
                             packed_view3, tile_layouts)
@@ -159,7 +159,6 @@ class HopperBwdPlan:
                     q, k, self.causal, self.scale,
                     _generic_variant(q.shape[3], q.dtype, self.masks), self.masks)
             return self.fallback.run(dout, q, k, v, o, lse)
-        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
         delta, lse2 = preprocess(self.pre, dout, q, k, v, o, lse, self.scale)
         separate = self.dq_plan is not None or self.dq_kernel is not None
         # the kernel adds dQ into a float32 buffer (dq="none"); separate, gluon: it writes none
@@ -176,8 +175,8 @@ class HopperBwdPlan:
             got = made.get(key)
             if got is None:
                 shape, strides = _view3(t)
-                got = made[key] = TensorDescriptor(t, shape, strides, [1, rows, d],
-                                                   self.layouts[rows])
+                got = made[key] = gluon_desc(t, shape, strides, [1, rows, d],
+                                             self.layouts[rows])
             return got
         self.kernel(self.grid, desc(q, bm), desc(k, bn), desc(v, bn), desc(dout, bm),
                     desc(dk, bn), desc(dv, bn), dq_acc, lse2, delta, self.scale,
@@ -336,7 +335,6 @@ class HopperBwdVarlenPlan:
                     q, k, *self.seq, self.causal, self.scale,
                     varlen_twin(_generic_variant(q.shape[2], q.dtype)))
             return self.fallback.run(dout, q, k, v, o, lse, seq_args)
-        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
         cu_q, cu_k = seq_args
         # like the inputs (alloc keeps a dense layout; 16-byte strides and bases as theirs)
         dk, dv, dq = alloc.empty_like(k), alloc.empty_like(v), alloc.empty_like(q)
@@ -350,7 +348,7 @@ class HopperBwdVarlenPlan:
 
         def desc(t, rows):
             shape, strides = packed_view3(t)
-            return TensorDescriptor(t, shape, strides, [1, rows, d], self.layouts[rows])
+            return gluon_desc(t, shape, strides, [1, rows, d], self.layouts[rows])
         self.kernel(self.grid, desc(q, bm), desc(k, bn), desc(v, bn), desc(dout, bm),
                     desc(dk, bn), desc(dv, bn), dq_acc, lse2, delta, self.scale, dk, dv, cu_q,
                     cu_k, dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), *self.sizes)

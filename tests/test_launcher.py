@@ -329,3 +329,64 @@ def test_pdl_can_be_turned_off(monkeypatch):
     monkeypatch.setenv("FLASHTUNE_PDL", "1")
     assert launch.pdl_ok(cuda)
     assert not launch.pdl_ok(torch.device("cpu"))
+
+
+def _gluon_desc_parts():
+    gluon = pytest.importorskip("triton.experimental.gluon.nvidia.hopper")
+    from triton.experimental.gluon.language._layouts import NVMMASharedLayout
+    layout = NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=3)
+    return gluon.TensorDescriptor, layout
+
+
+def test_descriptor_copies_are_gluons_own_descriptor_and_hold_no_tensor():
+    """Descriptors: a copy of the kept template with the call's tensor equals the descriptor
+    Gluon builds (every field); the template keeps no tensor alive; another block shape or
+    dtype is another template."""
+    import dataclasses
+    import gc
+    import weakref
+    TD, layout = _gluon_desc_parts()
+    descs = L.Descriptors(TD)
+    args = ([2, 64, 64], [4096, 64, 1], [1, 64, 64], layout)
+    first = torch.randn(2, 64, 64, dtype=torch.float16)
+    gone = weakref.ref(first)
+    descs(first, *args)
+    del first
+    gc.collect()
+    assert gone() is None, "the template holds the first call's tensor"
+    t = torch.randn(2, 64, 64, dtype=torch.float16)
+    d, own = descs(t, *args), TD(t, *args)
+    assert type(d) is TD and d.base is t
+    for f in dataclasses.fields(TD):
+        assert f.name == "base" or getattr(d, f.name) == getattr(own, f.name), f.name
+    assert len(descs.templates) == 1
+    descs(t, [2, 64, 64], [4096, 64, 1], [1, 32, 64], layout)
+    descs(t.float(), *args[:3], type(layout)(swizzle_byte_width=128, element_bitwidth=32, rank=3))
+    assert len(descs.templates) == 3
+
+
+def test_launcher_knows_descriptor_copies_and_checks_their_base(fake_cuda):
+    """A Descriptors copy of the template the first launch saw stays direct; its base's
+    alignment is still checked, and a copy of another template, or a plain descriptor that
+    differs, takes Triton's path (a plain one equal to the captured key stays direct)."""
+    TD, layout = _gluon_desc_parts()
+    descs = L.Descriptors(TD)
+    args = ([2, 64, 64], [4096, 64, 1], [1, 64, 64], layout)
+    log = []
+    lau = L.Launcher(_fake_jit(log))
+
+    def tensor():
+        return torch.randn(2, 64, 64, dtype=torch.float16)
+    lau((1,), descs(tensor(), *args), 7)
+    lau((1,), descs(tensor(), *args), 7)
+    assert _paths(log) == ["triton", "direct"]
+    template = next(iter(descs.templates.values()))
+    misaligned = torch.randn(2 * 64 * 64 + 8, dtype=torch.float16)[1:1 + 2 * 64 * 64]
+    assert misaligned.data_ptr() % 16
+    copy = descs(tensor(), *args)
+    copy.base = misaligned.view(2, 64, 64)  # as a template copy would carry it
+    assert copy.ft_sig is template.ft_sig
+    lau((1,), copy, 7)
+    lau((1,), descs(tensor(), [2, 64, 64], [4096, 64, 1], [1, 32, 64], layout), 7)
+    lau((1,), TD(tensor(), *args), 7)
+    assert _paths(log) == ["triton", "direct", "triton", "triton", "direct"]
