@@ -16,6 +16,7 @@ import triton
 
 from . import alloc
 from .codegen import Variant, load
+from .launch_graphs import LaunchGraphs
 from .launcher import Launcher, gluon_desc
 from .launch import check_mask_variant, mask_args, mask_params
 from .launch_hopper import (_device_blocker, _rows_view, _view3, addressable, kv_rows_copy,
@@ -76,7 +77,7 @@ class HopperBwdPlan:
     launch_bwd.backward."""
     __slots__ = ("variant", "kernel", "grid", "scale", "causal", "consts", "layouts", "why",
                  "generic", "masks", "mask_args", "fallback", "pre", "dq_plan", "dq_kernel",
-                 "dq_grid", "dq_mask_args", "rows")
+                 "dq_grid", "dq_mask_args", "rows", "graphs")
     descriptor = False
 
     def __init__(self, q, k, v, causal: bool, scale: float | None, variant: Variant,
@@ -105,6 +106,7 @@ class HopperBwdPlan:
         self.dq_plan = None  # dq="separate": the generic bwd's plan that runs dQ
         self.dq_kernel = None  # dq="gluon": the template's dQ kernel, one program a query block
         self.rows = None  # (B, N, H, D) memory: the varlen render on equal lengths (RowsBwd)
+        self.graphs = LaunchGraphs()  # a repeated call's launches as one CUDA graph
         self.why = _cannot_launch(variant, q)
         if not self.why and not all(_view3(t) for t in (q, k, v)):
             copy_kv = kv_rows_copy(q, q, k, v)  # O and dO come in q's layout (else copied)
@@ -159,13 +161,35 @@ class HopperBwdPlan:
                     q, k, self.causal, self.scale,
                     _generic_variant(q.shape[3], q.dtype, self.masks), self.masks)
             return self.fallback.run(dout, q, k, v, o, lse)
-        delta, lse2 = preprocess(self.pre, dout, q, k, v, o, lse, self.scale)
         separate = self.dq_plan is not None or self.dq_kernel is not None
+        # every buffer before any launch: the launches depend on the call only through these
+        # addresses, which makes them a graph's key (launch_graphs)
+        delta, lse2 = preprocess_buffers(q)
         # the kernel adds dQ into a float32 buffer (dq="none"); separate, gluon: it writes none
-        dq_acc = delta if separate else torch.zeros(q.shape, dtype=torch.float32,
+        dq_acc = delta if separate else torch.empty(q.shape, dtype=torch.float32,
                                                      device=q.device)
-        bm, bn, d = self.variant.block_m, self.variant.block_n, q.shape[3]
+        dq = alloc.empty_like(q)  # q's layout, as the generic bwd (dq_acc is contiguous)
+        # TMA stores dQ in q's layout; one it cannot address goes through a contiguous copy
+        out = dq if self.dq_kernel is None or addressable(dq) else torch.empty(
+            q.shape, dtype=q.dtype, device=q.device)
 
+        def launches():
+            self._launch(dout, q, k, v, o, lse, dk, dv, dq, out, delta, lse2, dq_acc)
+        if self.dq_plan is not None or not q.is_cuda:  # the generic dQ kernel's plan
+            launches()  # allocates; meta tensors: the search's compile-ahead
+        else:
+            self.graphs.run((dout.data_ptr(), *dout.stride(), o.data_ptr(), *o.stride(),
+                             q.data_ptr(), k.data_ptr(), v.data_ptr(), lse.data_ptr(),
+                             dk.data_ptr(), dv.data_ptr(), dq.data_ptr(), out.data_ptr(),
+                             delta.data_ptr(), lse2.data_ptr(), dq_acc.data_ptr()), launches)
+        return dq, dk, dv
+
+    def _launch(self, dout, q, k, v, o, lse, dk, dv, dq, out, delta, lse2, dq_acc):
+        """The call's kernels into its buffers (allocated by run: nothing allocates here)."""
+        preprocess(self.pre, dout, q, k, v, o, lse, self.scale, delta, lse2)
+        if dq_acc is not delta:
+            dq_acc.zero_()
+        bm, bn, d = self.variant.block_m, self.variant.block_n, q.shape[3]
         made: dict = {}
 
         def desc(t, rows):
@@ -181,21 +205,17 @@ class HopperBwdPlan:
         self.kernel(self.grid, desc(q, bm), desc(k, bn), desc(v, bn), desc(dout, bm),
                     desc(dk, bn), desc(dv, bn), dq_acc, lse2, delta, self.scale,
                     *self.mask_args, q.shape[1], q.shape[2], k.shape[2])
-        dq = alloc.empty_like(q)  # q's layout, as the generic bwd (dq_acc is contiguous)
         if self.dq_kernel is not None:
-            # TMA stores dQ in q's layout; one it cannot address goes through a contiguous copy
-            out = dq if addressable(dq) else torch.empty(q.shape, dtype=q.dtype, device=q.device)
             bm2, bn2 = dq_tiles(self.variant)[:2]
             self.dq_kernel(self.dq_grid, desc(q, bm2), desc(k, bn2), desc(v, bn2),
                            desc(dout, bm2), desc(out, bm2), lse2, delta, self.scale,
                            *self.dq_mask_args, q.shape[1], q.shape[2], k.shape[2])
             if out is not dq:
                 dq.copy_(out)
-        elif separate:
+        elif self.dq_plan is not None:
             self.dq_plan.run_dq(dout, q, k, v, dq, lse2, delta)
         else:
             dq.copy_(dq_acc)
-        return dq, dk, dv
 
 
 def _packed(t: torch.Tensor) -> torch.Tensor:
@@ -252,17 +272,19 @@ def preprocess_launch(q, k, causal: bool, generic: Variant) -> tuple:
                      num_stages=stages), (triton.cdiv(nq, consts["PRE_M"]) * b * h,))
 
 
-def preprocess(pre: tuple, dout, q, k, v, o, lse, scale: float):
-    """Delta = rowsum(dO * O) and LSE2 = LSE * log2(e) (+inf where LSE = -inf), float32
-    (B, H, Nq) contiguous, by the launch preprocess_launch describes."""
+def preprocess_buffers(q) -> tuple:
+    """(Delta, LSE2): float32 (B, H, Nq), contiguous, for preprocess to fill."""
+    delta = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+    return delta, alloc.empty_like(delta)
+
+
+def preprocess(pre: tuple, dout, q, k, v, o, lse, scale: float, delta, lse2) -> None:
+    """Delta = rowsum(dO * O) and LSE2 = LSE * log2(e) (+inf where LSE = -inf) into the
+    buffers of preprocess_buffers, by the launch preprocess_launch describes."""
     from .launch import strides3
     kernel, grid = pre
-    b, h, nq, _ = q.shape
-    delta = torch.empty((b, h, nq), dtype=torch.float32, device=q.device)
-    lse2 = alloc.empty_like(delta)
     kernel(grid, o, dout, lse, delta, lse2, delta, q, k, v, scale, *strides3(o, dout, q, k, v),
-           h, nq, k.shape[2])
-    return delta, lse2
+           q.shape[1], q.shape[2], k.shape[2])
 
 
 def backward(dout, q, k, v, o, lse, causal: bool, scale: float | None, variant: Variant,
