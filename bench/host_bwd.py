@@ -55,9 +55,10 @@ def gpu_us(fn) -> dict:
 def phases(xs, do, causal: bool, bwd, calls: int) -> None:
     """The backward's host time peeled layer by layer, each without profiler overhead: the
     autograd call as the bench makes it, flashtune.ops.run_backward without autograd, the cached
-    plan's run alone, that run with every Launcher launch stubbed (what is left: allocations,
-    descriptors, Python), and the allocations alone. Differences between lines are the layers'
-    costs (autograd engine; checks and plan lookup; launches incl. TMA descriptor encoding)."""
+    plan's run alone (a CUDA graph's replay where the plan has launch_graphs: the calls repeat
+    their buffers), that run with every Launcher launch stubbed and no graph (what is left:
+    allocations, descriptors, Python), and the allocations alone. Differences between lines
+    are the layers' costs (autograd engine; checks and plan lookup; launches)."""
     from flashtune import launcher, ops
     q, k, v = (x.detach() for x in xs)
     o, lse = ops.run_forward(q, k, v, causal, None)
@@ -80,12 +81,18 @@ def phases(xs, do, causal: bool, bwd, calls: int) -> None:
         print(f"phase {name}: {statistics.median(runs):.1f} us "
               f"(runs {', '.join(f'{r:.1f}' for r in runs)})")
     if plan is not None:  # the launches stubbed: the Python, allocations and descriptors left
-        real = launcher.Launcher.__call__
+        from flashtune.launch_graphs import LaunchGraphs
+        real, graphs = launcher.Launcher.__call__, getattr(plan, "graphs", None)
         launcher.Launcher.__call__ = lambda self, grid, *args: None
+        if graphs is not None:  # no replay of the real graph, no capture of the stubs
+            plan.graphs = LaunchGraphs()
+            plan.graphs.ok = False
         try:
             runs = [issue_us(lambda: plan.run(do, q, k, v, o, lse), calls) for _ in range(3)]
         finally:
             launcher.Launcher.__call__ = real
+            if graphs is not None:
+                plan.graphs = graphs
         print(f"phase {type(plan).__name__}.run, launches stubbed: "
               f"{statistics.median(runs):.1f} us (runs {', '.join(f'{r:.1f}' for r in runs)})")
 
