@@ -520,6 +520,10 @@ PY
               python3 bench/trial_phases.py --failed /tmp/rs.journal 2>&1 | tail -8
               mkdir -p "$OUT/tables"
               flashtune db export --gpu "$name" --db sqlite:////tmp/rs.db -o "$OUT/tables/research.json" 2>&1 | tail -1 ;;
+    forcerecords) # the research step's hopper_fwd records forced on odd lengths with GQA against the
+              # float64 reference, and their other families' runner-ups (bench/force_records.py)
+              timeout ${FORCE_TIMEOUT:-150} python3 bench/force_records.py "$OUT/tables/research.json" \
+                2>&1 | tee "$OUT/force_records.log" | tail -40 ;;
     gqa)      # GQA (Llama 16/4, D=128, causal): dispatched now and before session 28's rule, beside SDPA
               # cuDNN / flash and Flex (bench/gqa_bench.py)
               timeout ${GQA_TIMEOUT:-300} python3 bench/gqa_bench.py --out "$OUT/gqa.jsonl" ${GQA_ARGS:-} \

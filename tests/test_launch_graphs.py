@@ -106,22 +106,26 @@ def test_gpu_graph_replays_give_the_plain_launches_gradients(dq, monkeypatch):
     plain = HB.HopperBwdPlan(q, k, v, True, None, var)
     assert not plain.graphs.ok
     want = [torch.empty_like(t) for t in (q, k, v)]
-    for step in range(6):
-        if step == 4:  # new contents at the same addresses
+
+    def step():  # every temporary dies at return: the next step's buffers reuse the addresses
+        for w, r in zip(want, plain.run(do, q, k, v, o, lse)):
+            w.copy_(r)
+        got = plan.run(do, q, k, v, o, lse)
+        for a, b in zip(got, want):
+            assert torch.equal(a, b) or dq == "none"  # atomics: the order may differ
+            torch.testing.assert_close(a.float(), b.float(), atol=2e-2, rtol=0)
+        return [t.clone() for t in got]
+    for i in range(6):
+        if i == 4:  # new contents at the same addresses
             for t, new in zip((q, k, v), inputs()):
                 t.copy_(new)
             o2, lse2 = flashtune_forward(q, k, v)
             o.copy_(o2)
             lse.copy_(lse2)
             do.normal_(generator=g)
-            del o2, lse2
-        for w, r in zip(want, plain.run(do, q, k, v, o, lse)):
-            w.copy_(r)  # plain's buffers freed again: plan's come at the same addresses
-        got = plan.run(do, q, k, v, o, lse)
-        for a, b in zip(got, want):
-            assert torch.equal(a, b) or dq == "none", step  # atomics: order may differ
-            torch.testing.assert_close(a.float(), b.float(), atol=2e-2, rtol=0)
-        if step < 5:
+            del o2, lse2, t, new
+        got = step()
+        if i < 5:
             del got
     assert plan.graphs.graphs, f"no graph was captured (capture worked: {plan.graphs.ok}, " \
         f"keys seen once: {len(plan.graphs.seen)})"
