@@ -16,13 +16,15 @@ A key holds every address a launch reads or writes, so a replay touches exactly 
 call's own launches would (the tensors are the call's, alive through the call). Nothing is
 allocated inside a capture. The plain launches run instead when the stream is being captured
 already (the caller's own CUDA graph, torch.compile's cudagraphs), when a capture fails (then
-never again for this plan), and with FLASHTUNE_SLOW_LAUNCH=1.
+never again for this plan), when another GPU is current than the buffers', and with
+FLASHTUNE_SLOW_LAUNCH=1.
 """
 from __future__ import annotations
 
 import torch
 
 from .env import slow_launch
+from .launcher import _current_device
 
 # addresses seen once per plan, and graphs per plan: a training step's layers each bring their
 # own buffers (one key per layer), a rotating set of buffers would otherwise grow them forever
@@ -39,9 +41,14 @@ class LaunchGraphs:
         self.graphs: dict = {}
         self.ok = not slow_launch()
 
-    def run(self, key: tuple, launch) -> None:
+    def run(self, key: tuple, launch, device: int) -> None:
         """launch() -- the plan's kernel launches on the current stream, for buffers at the
-        addresses `key` holds -- or its graph's replay."""
+        addresses `key` holds on GPU `device` -- or its graph's replay. Another GPU current
+        than the buffers' takes the plain launches (the launcher makes theirs current for each
+        launch, on that GPU's stream: a capture on this one's would record nothing)."""
+        if device != _current_device():
+            launch()
+            return
         graph = self.graphs.get(key)
         if graph is not None:
             graph.replay()

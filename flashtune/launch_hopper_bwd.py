@@ -181,7 +181,8 @@ class HopperBwdPlan:
             self.graphs.run((dout.data_ptr(), *dout.stride(), o.data_ptr(), *o.stride(),
                              q.data_ptr(), k.data_ptr(), v.data_ptr(), lse.data_ptr(),
                              dk.data_ptr(), dv.data_ptr(), dq.data_ptr(), out.data_ptr(),
-                             delta.data_ptr(), lse2.data_ptr(), dq_acc.data_ptr()), launches)
+                             delta.data_ptr(), lse2.data_ptr(), dq_acc.data_ptr()), launches,
+                            q.get_device())
         return dq, dk, dv
 
     def _launch(self, dout, q, k, v, o, lse, dk, dv, dq, out, delta, lse2, dq_acc):

@@ -30,6 +30,7 @@ def fake(monkeypatch):
         return _Graph(log)
     monkeypatch.setattr(LG.LaunchGraphs, "_capture", staticmethod(capture))
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: state["capturing"])
+    monkeypatch.setattr(LG, "_current_device", lambda: state.get("current", 0))
     monkeypatch.delenv("FLASHTUNE_SLOW_LAUNCH", raising=False)
     return log, state
 
@@ -39,7 +40,7 @@ def test_second_call_captures_and_later_ones_replay(fake):
     g = LG.LaunchGraphs()
     launch = lambda: log.append("launch")  # noqa: E731
     for key in ((1, 2), (1, 2), (1, 2), (3, 4), (1, 2), (3, 4), (3, 4)):
-        g.run(key, launch)
+        g.run(key, launch, 0)
     assert log == ["launch", "capture", "replay", "replay", "launch", "replay", "capture",
                    "replay", "replay"]
 
@@ -50,20 +51,37 @@ def test_plain_launches_under_capture_after_failure_and_when_turned_off(fake, mo
     g = LG.LaunchGraphs()
     state["capturing"] = True  # the caller's own graph records the launches themselves
     for _ in range(3):
-        g.run((1,), launch)
+        g.run((1,), launch, 0)
     assert log == ["launch"] * 3
     state["capturing"], state["fail"] = False, True
     log.clear()
     for _ in range(3):
-        g.run((2,), launch)
+        g.run((2,), launch, 0)
     assert log == ["launch"] * 3 and not g.ok  # failed once: plain from then on
     monkeypatch.setenv("FLASHTUNE_SLOW_LAUNCH", "1")
     state["fail"] = False
     log.clear()
     g = LG.LaunchGraphs()
     for _ in range(3):
-        g.run((5,), launch)
+        g.run((5,), launch, 0)
     assert log == ["launch"] * 3
+
+
+def test_buffers_on_another_gpu_than_the_current_take_plain_launches(fake):
+    """The launcher runs such launches on their GPU's stream, which a capture on the current
+    GPU's side stream would not record: an empty graph replayed would compute nothing."""
+    log, state = fake
+    g = LG.LaunchGraphs()
+    launch = lambda: log.append("launch")  # noqa: E731
+    state["current"] = 0
+    for _ in range(3):
+        g.run((7,), launch, 1)
+    assert log == ["launch"] * 3 and not g.graphs
+    g.run((7,), launch, 0)
+    g.run((7,), launch, 0)
+    state["current"] = 1  # the graph of GPU 0's buffers is not replayed with GPU 1 current
+    g.run((7,), launch, 0)
+    assert log == ["launch"] * 3 + ["launch", "capture", "replay", "launch"]
 
 
 def test_keys_seen_and_graphs_stay_bounded(fake, monkeypatch):
@@ -72,8 +90,8 @@ def test_keys_seen_and_graphs_stay_bounded(fake, monkeypatch):
     monkeypatch.setattr(LG, "_GRAPHS_MAX", 2)
     g = LG.LaunchGraphs()
     for i in range(10):
-        g.run((i,), lambda: None)
-        g.run((i,), lambda: None)
+        g.run((i,), lambda: None, 0)
+        g.run((i,), lambda: None, 0)
     assert len(g.seen) <= 4 and len(g.graphs) <= 2
 
 
