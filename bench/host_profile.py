@@ -78,16 +78,19 @@ def bare_launch(n_args: int):
     return lambda: kern[(1,)](x, *vals, C=1)
 
 
+class Ident(torch.autograd.Function):
+    """A Function that launches nothing (bench/host_bwd.py too): the autograd engine's cost."""
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
 def engine_us(iters: int, reps: int) -> float:
     """torch.autograd.grad through a Function that launches nothing: the engine's own cost."""
-    class Ident(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x):
-            return x.view_as(x)
-
-        @staticmethod
-        def backward(ctx, g):
-            return g
     x = torch.randn(16, device="cuda", requires_grad=True)
     g = torch.randn(16, device="cuda")
     return per_call_us(lambda: torch.autograd.grad(Ident.apply(x), (x,), g), iters, reps)
