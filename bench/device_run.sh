@@ -30,8 +30,13 @@ for step in ${STEPS:-fwdtests}; do
               timeout ${MASKS_TIMEOUT:-540} python3 bench/mask_bench.py ${MASKS_ARGS:-} 2>&1 \
                 | tee "$OUT/masks.log" | tail -60 ;;
     gputests) # GPUTESTS_K: a pytest -k expression (quoted as one argument)
-              timeout ${GPUTESTS_TIMEOUT:-300} python3 -m pytest -q -m gpu ${GPUTESTS_ARGS:-tests} \
-                ${GPUTESTS_K:+-k "$GPUTESTS_K"} 2>&1 | tee -a "$OUT/gputests.log" | tail -30 ;;
+              # -v -rfE into the log: a step cut by its timeout still names every test that ran
+              # (session 33: -q left a row of dots and no summary)
+              timeout ${GPUTESTS_TIMEOUT:-300} python3 -m pytest -v -rfE -m gpu ${GPUTESTS_ARGS:-tests} \
+                ${GPUTESTS_K:+-k "$GPUTESTS_K"} 2>&1 | tee -a "$OUT/gputests.log" \
+                | grep -v " PASSED \| SKIPPED " | tail -30
+              echo "gputests: $(grep -c ' PASSED ' "$OUT/gputests.log") passed, $(grep -c ' FAILED ' \
+                "$OUT/gputests.log") failed lines in the log" ;;
     dispatch) timeout 120 python3 bench/dispatch_overhead.py 2>&1 | tee "$OUT/dispatch.log" | tail -22 ;;
     sweep)    timeout 290 python3 bench/sweep.py --budget 240 2>&1 | tee "$OUT/sweep.log" | tail -8 ;;
     faults)   timeout 180 python3 bench/faults.py 2>&1 | tee "$OUT/faults.log" | tail -14 ;;
