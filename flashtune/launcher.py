@@ -86,10 +86,10 @@ class Descriptors:
     its arguments on construction (9 us each under cProfile on the H100 machine, and a backward
     built 7 to 11 a call: bench/host_bwd.py). The first descriptor of each (dtype, shape,
     strides, block shape, layout) is built and checked by Gluon and kept without its tensor;
-    later calls copy it with the call's tensor as base. The base's 16-byte alignment, the one check that
-    depends on the tensor, is the caller's (launch_hopper.addressable), as before any launch.
-    A copy carries its template's key (`ft_sig`), by which Launcher._same knows it without
-    rebuilding the key."""
+    later calls copy it with the call's tensor as base. The base's 16-byte alignment, the one
+    check that depends on the tensor, is the caller's (launch_hopper.addressable), as before any
+    launch. A copy carries its template's key (`ft_sig`), by which Launcher._same knows it
+    without rebuilding the key."""
     __slots__ = ("cls", "templates")
 
     def __init__(self, cls):
