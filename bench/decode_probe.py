@@ -14,7 +14,12 @@ CUDA graph replays, each layer its own cache, L2 flushed between replays):
          it, at --batches (1,64): every layer's paged output against the contiguous one (and
          layer 0 against float64), then both timed, interleaved (session 29).
 
-    python3 bench/decode_probe.py --out probe.jsonl [--parts mqa,paged,api] [--reps 5]
+  fused  the dispatched variant against its fused-combine twins (Variant.combine_slices 1..32:
+         the partial kernel merges the splits, no combine kernel), each checked against it
+         first, then timed interleaved over --reps repetitions, beside SDPA cuDNN and the read
+         ceiling, on --cells (B/Hq/Hk/Nk, comma-separated; default FUSED_CELLS).
+
+    python3 bench/decode_probe.py --out probe.jsonl [--parts mqa,paged,api,fused] [--reps 5]
 """
 from __future__ import annotations
 
@@ -44,6 +49,9 @@ MQA_VARIANTS = ["splitkv-m64-n64-w4-s3", "splitkv-m64-n64-w4-s3-sp264",
                 "splitkv-m64-n64-w4-s4-sp264-loads=descriptor", "splitkv-m64-n32-w2-s4-sp264",
                 "splitkv-m64-n64-w8-s4"]
 PAGED_SPLITS = [8, 16, 32]
+FUSED_CELLS = ("1/8/1/2048,1/8/1/8192,1/8/1/32768,1/8/1/131072,1/32/8/2048,1/32/8/32768,"
+               "1/32/8/131072,8/32/8/2048,8/32/8/32768,8/8/1/32768")
+FUSED_SLICES = (1, 4, 8, 16, 32)
 
 
 def caches(b, hq, hk, nk, layers):
@@ -208,12 +216,64 @@ def api(write, reps: int, batches) -> None:
             torch.cuda.empty_cache()
 
 
+def fused(write, reps: int, cells: str) -> None:
+    for cell in cells.split(","):
+        b, hq, hk, nk = (int(x) for x in cell.split("/"))
+        q, kcs, vcs = caches(b, hq, hk, nk, LAYERS)
+        kv_bytes = 2 * b * nk * hk * D * 2
+        seqlens = torch.full((b,), nk, dtype=torch.int32, device="cuda")
+        where = {"part": "fused", "B": b, "Hq": hq, "Hk": hk, "Nk": nk}
+        base = kvcache._variant(q, kcs[0], vcs[0], False, False, nk)
+        plans = {base.name: SplitKVPlan(q, kcs[0], False, None, base)}
+        ref, ref_lse = plans[base.name].run(q, kcs[0], vcs[0], seqlens, None, nk)
+        s = plans[base.name].num_splits(nk)
+        seen = set()
+        for c in FUSED_SLICES:
+            v = dataclasses.replace(base, combine_slices=c)
+            plan = SplitKVPlan(q, kcs[0], False, None, v)
+            eff = plan.combiners(s)
+            if eff in seen:
+                continue  # the same kernel and the same combiners as a smaller c
+            seen.add(eff)
+            try:
+                out, lse = plan.run(q, kcs[0], vcs[0], seqlens, None, nk)
+                torch.cuda.synchronize()
+                diff = (out.float() - ref.float()).abs().max().item()
+                lse_diff = (lse - ref_lse).abs().max().item()
+                write(dict(where, impl=v.name, splits=s, combiners=eff, max_diff=diff,
+                           lse_diff=lse_diff))
+                if diff > 2e-2 or lse_diff > 1e-3 or not torch.isfinite(out).all():
+                    continue  # wrong: not timed
+                plans[v.name] = plan
+            except Exception as e:  # noqa: BLE001 -- a variant that cannot run is a row
+                write(dict(where, impl=v.name, error=f"{type(e).__name__}: {e}"[:300]))
+        times: dict = {k: [] for k in plans}
+        for _ in range(reps):
+            for name, plan in plans.items():
+                times[name].append(graph_ms([plan], q, kcs, vcs, seqlens, None, nk))
+        base_ms = statistics.median(times[base.name])
+        for name, ts in times.items():
+            ms = statistics.median(ts)
+            write(dict(where, impl=name, ms=ms, ms_all=ts, gbps=kv_bytes / ms / 1e6,
+                       vs_base=base_ms / ms, splits=s))
+        if b == 1:
+            ceil_ms, progs = db.read_ceiling(kcs, vcs, LAYERS, torch.cuda.get_device_properties(
+                0).multi_processor_count)
+            write(dict(where, impl="read-ceiling", ms=ceil_ms, gbps=kv_bytes / ceil_ms / 1e6))
+        fns = [db.sdpa_peer("cudnn", q, k, v)[0] for k, v in zip(kcs, vcs)]
+        ms = db.bench_ms(db.layered(lambda i: fns[i], LAYERS)) / LAYERS
+        write(dict(where, impl="sdpa-cudnn", ms=ms, gbps=kv_bytes / ms / 1e6))
+        q = kcs = vcs = fns = plans = ref = None
+        torch.cuda.empty_cache()
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--parts", default="mqa,paged", help="mqa, paged, api (comma-separated)")
     ap.add_argument("--batches", default="1,64", help="api: batch sizes")
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--cells", default=FUSED_CELLS, help="fused: B/Hq/Hk/Nk,...")
     a = ap.parse_args(argv)
     db.GRAPH = True
     out = open(a.out, "w")
@@ -224,7 +284,8 @@ def main(argv=None) -> None:
     def write(row):
         out.write(json.dumps(row) + "\n")
         out.flush()
-        keys = ("part", "Hq", "B", "Nk", "impl", "gbps", "vs_contiguous", "splits", "kernel_us",
+        keys = ("part", "Hq", "B", "Nk", "impl", "gbps", "vs_contiguous", "vs_base", "splits",
+                "combiners", "max_diff", "kernel_us",
                 "paged_over_contiguous", "paged_vs_contiguous_max_diff", "error")
         print({k: (round(row[k], 3) if isinstance(row[k], float) else row[k])
                for k in keys if k in row}, flush=True)
@@ -235,6 +296,8 @@ def main(argv=None) -> None:
         paged(write, a.reps)
     if "mqa" in parts:
         mqa(write)
+    if "fused" in parts:
+        fused(write, a.reps, a.cells)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ from functools import lru_cache
 import torch
 import triton
 
-from . import alloc
+from . import alloc, arrivals
 from .codegen import Variant, load
 from .launcher import Launcher
 from .launch import _DOT_PRECISION, _need_allocator, block_d, pdl_ok
@@ -129,6 +129,7 @@ class SplitKVPlan:
         num_m = -(-(group * nq) // self.block_m)
         self.programs = b * hk * num_m
         self.sms = sm_count(q.device)
+        self.is_cuda = q.device.type == "cuda"
         self.shape = (b, nq, h, d)
         self.scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
         # the combine starts while the partial kernel's last programs finish (its launch latency
@@ -152,7 +153,9 @@ class SplitKVPlan:
             if len(self._launchers) > 64:
                 self._launchers.clear()
             if key[0] == "partial":
-                got = Launcher(self.partial, UNIFORM=key[1], **self.kwargs)
+                # fused_combine: the merge's tile (BLOCK_S, CHUNK_D) for key[2] splits
+                tile = {} if len(key) < 3 else dict(zip(("BLOCK_S", "CHUNK_D"), key[2]))
+                got = Launcher(self.partial, UNIFORM=key[1], **tile, **self.kwargs)
             else:
                 block_s, chunk_d = combine_tile(key[1], self.kwargs["BLOCK_D"])
                 got = Launcher(self.combine, HEAD_DIM=self.shape[3], BLOCK_S=block_s,
@@ -160,6 +163,24 @@ class SplitKVPlan:
                                **({"launch_pdl": True} if self.pdl else {}))
             self._launchers[key] = got
         return got
+
+    def combiners(self, num_splits: int) -> int:
+        """fused_combine: the programs of a tile that merge its splits. The variant's
+        combine_slices where every program of the grid runs at once (one wave: at most one
+        program per SM; they wait on each other), else 1 (the last arrival, which waits on
+        nobody); never more than the splits or the merge's units; 1 in the interpreter."""
+        from .env import interpreting
+        if not self.is_cuda or interpreting() or self.programs * num_splits > self.sms:
+            return 1
+        nq, d = self.shape[1], self.shape[3]
+        units = min(self.block_m, self.kwargs["GROUP"] * nq) * -(-d // self._merge_tile(
+            num_splits)[1])
+        return max(1, min(self.variant.combine_slices, num_splits, units))
+
+    def _merge_tile(self, num_splits: int) -> tuple:
+        """fused_combine's (BLOCK_S, CHUNK_D): as the combine kernel's, at most 1,024 float32
+        elements a warp (the partial kernel's own warps hold the tile)."""
+        return combine_tile(num_splits, self.kwargs["BLOCK_D"], 1024 * self.variant.num_warps)
 
     def num_splits(self, max_seqlen: int) -> int:
         s = self._splits.get(max_seqlen)
@@ -204,7 +225,13 @@ class SplitKVPlan:
         uniform = seqlens is None
         bt = block_table if self.paged else seqlens  # (unused when not paged)
         capacity = bt.shape[1] * k_cache.shape[1] if self.paged else k_cache.shape[1]
-        self._launcher(("partial", uniform))(
+        fused = self.variant.combine_slices > 0
+        fuse_args = ()
+        if fused:  # the partial kernel merges the splits itself (s == 1: nothing to merge)
+            fuse_args = (o, lse, arrivals.counters(q.device, self.programs), *o.stride()[:3],
+                         self.combiners(s))
+        self._launcher(("partial", uniform, self._merge_tile(s)) if fused else
+                       ("partial", uniform))(
             (self.programs, s),
             q, k_cache, v_cache, bt, seqlens, o_dst, l_dst, self.scale, *self.mask_args,
             q.stride(0), q.stride(1), q.stride(2),
@@ -214,8 +241,8 @@ class SplitKVPlan:
             *o_strides, *l_strides,
             hk, nq, s, k_cache.shape[0] if self.paged else 0,
             min(max_seqlen, capacity) if uniform else capacity,
-            *(self._split_args(min(max_seqlen, capacity), s) if self.paged else ()))
-        if s > 1:
+            *(self._split_args(min(max_seqlen, capacity), s) if self.paged else ()), *fuse_args)
+        if s > 1 and not fused:
             chunk_d = combine_tile(s, self.kwargs["BLOCK_D"])[1]
             self._launcher(("combine", s))(
                 (b * h * nq, triton.cdiv(d, chunk_d)),
@@ -223,12 +250,12 @@ class SplitKVPlan:
         return o, lse
 
 
-def combine_tile(num_splits: int, block_d: int) -> tuple:
+def combine_tile(num_splits: int, block_d: int, elements: int = COMBINE_TILE) -> tuple:
     """The combine's tile: (BLOCK_S, CHUNK_D), BLOCK_S a power of two >= num_splits (all splits
-    at once), CHUNK_D the slice of D one program merges, so the tile holds <= COMBINE_TILE
-    elements (more splits: thinner slices, more programs)."""
+    at once), CHUNK_D the slice of D one program merges, so the tile holds <= `elements`
+    (more splits: thinner slices, more programs)."""
     block_s = max(2, 1 << (num_splits - 1).bit_length())
-    return block_s, max(16, min(block_d, COMBINE_TILE // block_s))
+    return block_s, max(16, min(block_d, elements // block_s))
 
 
 def block_mask_blocker(bm, nq: int, group: int, paged: bool) -> str:
