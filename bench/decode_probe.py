@@ -15,7 +15,8 @@ CUDA graph replays, each layer its own cache, L2 flushed between replays):
          layer 0 against float64), then both timed, interleaved (session 29).
 
   fused  the dispatched variant against its fused-combine twins (Variant.combine_slices 1..32:
-         the partial kernel merges the splits, no combine kernel), each checked against it
+         the partial kernel merges the splits, no combine kernel) and early-start twins (a
+         dependent launch that prefetches its K/V before waiting), each checked against it
          first, then timed interleaved over --reps repetitions, beside SDPA cuDNN and the read
          ceiling, on --cells (B/Hq/Hk/Nk, comma-separated; default FUSED_CELLS).
 
@@ -50,8 +51,10 @@ MQA_VARIANTS = ["splitkv-m64-n64-w4-s3", "splitkv-m64-n64-w4-s3-sp264",
                 "splitkv-m64-n64-w8-s4"]
 PAGED_SPLITS = [8, 16, 32]
 FUSED_CELLS = ("1/8/1/2048,1/8/1/8192,1/8/1/32768,1/8/1/131072,1/32/8/2048,1/32/8/32768,"
-               "1/32/8/131072,8/32/8/2048,8/32/8/32768,8/8/1/32768")
-FUSED_SLICES = (1, 4, 8, 16, 32)
+               "8/32/8/2048,8/32/8/32768,8/8/1/32768,64/32/8/8192")
+# (combine_slices, early_start) beside the dispatched variant
+FUSED_TWINS = ((1, False), (4, False), (8, False), (16, False), (32, False), (0, True),
+               (8, True), (32, True))
 
 
 def caches(b, hq, hk, nk, layers):
@@ -228,10 +231,10 @@ def fused(write, reps: int, cells: str) -> None:
         ref, ref_lse = plans[base.name].run(q, kcs[0], vcs[0], seqlens, None, nk)
         s = plans[base.name].num_splits(nk)
         seen = set()
-        for c in FUSED_SLICES:
-            v = dataclasses.replace(base, combine_slices=c)
+        for c, early in FUSED_TWINS:
+            v = dataclasses.replace(base, combine_slices=c, early_start=early)
             plan = SplitKVPlan(q, kcs[0], False, None, v)
-            eff = plan.combiners(s)
+            eff = (plan.combiners(s) if c else 0, early)
             if eff in seen:
                 continue  # the same kernel and the same combiners as a smaller c
             seen.add(eff)

@@ -228,8 +228,8 @@ print('torch', torch.cuda.get_device_name(0), targets.detect(0).slug)" 2>&1 | te
                 python3 bench/trial_phases.py /tmp/hs-$fam.journal | tee -a "$OUT/hoppersearch.log" | tail -16
               done
               timeout 120 python3 -m pytest -q -m gpu tests/test_tables_gpu.py 2>&1 | tail -4 ;;
-    splitkvtests) timeout ${SPLITKV_TIMEOUT:-200} python3 -m pytest -q -x tests/test_splitkv.py \
-                2>&1 | tee "$OUT/splitkvtests.log" | tail -8 ;;
+    splitkvtests) timeout ${SPLITKV_TIMEOUT:-200} python3 -m pytest -v -rfE -x ${SPLITKV_ARGS:-tests/test_splitkv.py} \
+                2>&1 | tee "$OUT/splitkvtests.log" | grep -v " PASSED \| SKIPPED " | tail -20 ;;
     dsweep)   timeout ${DSWEEP_TIMEOUT:-330} python3 bench/decode_sweep.py --out "$OUT/decode_sweep.jsonl" ${DSWEEP_ARGS:-} \
                 --budget ${DSWEEP_BUDGET:-300} 2>&1 | tee "$OUT/decode_sweep.log" | tail -20 ;;
     hopperncu) # issue 10: one launch of each worst-bucket kernel (and a good bucket) under Nsight Compute,

@@ -59,6 +59,9 @@ class Variant:
     # kernel merges them itself (structural): the last c programs of a (sequence, kv head) to
     # finish split the merge between them (c > 1 only where the grid is one wave, else 1)
     combine_slices: int = 0
+    # splitkv only (structural, sm_90): the partial kernel launched as a programmatic dependent
+    # of the kernel before it, sending its split's K/V toward L2 before it waits for that kernel
+    early_start: bool = False
     # structural: packed variable-length sequences (cu_seqlens) instead of a dense batch
     varlen: bool = False
     # structural, hopper families: a descriptor may view its tensor as (B, N, H*D) -- heads side
@@ -228,7 +231,7 @@ class Variant:
                 "release_barrier": self.release_barrier, "early_rescale": self.early_rescale,
                 "early_k_release": self.early_k_release, "async_o_store": self.async_o_store,
                 "dq_overlap": self.dq_overlap,
-                "fused_combine": self.combine_slices > 0,
+                "fused_combine": self.combine_slices > 0, "early_start": self.early_start,
                 "window": self.window,
                 "softcap": self.softcap, "block_sparse": self.block_sparse,
                 # any mask beyond causal: the window's bounds and loops (softcap alone runs them

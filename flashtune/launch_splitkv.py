@@ -54,6 +54,18 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+@lru_cache(maxsize=None)
+def _l2_bytes(device_index: int) -> int:
+    return int(getattr(torch.cuda.get_device_properties(device_index), "L2_cache_size", 0))
+
+
+def l2_bytes(device: torch.device) -> int:
+    """The GPU's L2 size in bytes (0 off CUDA)."""
+    if device.type != "cuda":
+        return 0
+    return _l2_bytes(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def sm_count(device: torch.device) -> int:
     if device.type != "cuda":
         return CPU_SMS
@@ -130,6 +142,8 @@ class SplitKVPlan:
         self.programs = b * hk * num_m
         self.sms = sm_count(q.device)
         self.is_cuda = q.device.type == "cuda"
+        self.elsize = k_cache.element_size()
+        self.l2_bytes = l2_bytes(q.device)
         self.shape = (b, nq, h, d)
         self.scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
         # the combine starts while the partial kernel's last programs finish (its launch latency
@@ -155,6 +169,10 @@ class SplitKVPlan:
             if key[0] == "partial":
                 # fused_combine: the merge's tile (BLOCK_S, CHUNK_D) for key[2] splits
                 tile = {} if len(key) < 3 else dict(zip(("BLOCK_S", "CHUNK_D"), key[2]))
+                if self.variant.early_start:
+                    tile["PF_LINE"] = min(self.kwargs["BLOCK_D"], 128 // self.elsize)
+                    if self.pdl:
+                        tile["launch_pdl"] = True
                 got = Launcher(self.partial, UNIFORM=key[1], **tile, **self.kwargs)
             else:
                 block_s, chunk_d = combine_tile(key[1], self.kwargs["BLOCK_D"])
@@ -176,6 +194,16 @@ class SplitKVPlan:
         units = min(self.block_m, self.kwargs["GROUP"] * nq) * -(-d // self._merge_tile(
             num_splits)[1])
         return max(1, min(self.variant.combine_slices, num_splits, units))
+
+    def _early_args(self, keys: int, num_splits: int, d: int) -> tuple:
+        """early_start's (hint_keys, prefetch_rows, early_trigger): the keys the splits are
+        placed by before any length is read (the host's longest), the rows of K and of V each
+        program sends to L2 (together at most half the L2, so the lines are still there when the
+        program reads them after its wait), and whether the next kernel may start beside this
+        one (one wave: every program of this one is already running)."""
+        ctas = self.programs * num_splits
+        rows = self.l2_bytes // 2 // max(1, ctas * 2 * d * self.elsize)
+        return keys, max(0, rows), int(ctas <= self.sms)
 
     def _merge_tile(self, num_splits: int) -> tuple:
         """fused_combine's (BLOCK_S, CHUNK_D): as the combine kernel's, at most 1,024 float32
@@ -226,10 +254,12 @@ class SplitKVPlan:
         bt = block_table if self.paged else seqlens  # (unused when not paged)
         capacity = bt.shape[1] * k_cache.shape[1] if self.paged else k_cache.shape[1]
         fused = self.variant.combine_slices > 0
-        fuse_args = ()
+        tail_args = ()
         if fused:  # the partial kernel merges the splits itself (s == 1: nothing to merge)
-            fuse_args = (o, lse, arrivals.counters(q.device, self.programs), *o.stride()[:3],
+            tail_args = (o, lse, arrivals.counters(q.device, self.programs), *o.stride()[:3],
                          self.combiners(s))
+        if self.variant.early_start:
+            tail_args += self._early_args(min(max_seqlen, capacity), s, d)
         self._launcher(("partial", uniform, self._merge_tile(s)) if fused else
                        ("partial", uniform))(
             (self.programs, s),
@@ -241,7 +271,7 @@ class SplitKVPlan:
             *o_strides, *l_strides,
             hk, nq, s, k_cache.shape[0] if self.paged else 0,
             min(max_seqlen, capacity) if uniform else capacity,
-            *(self._split_args(min(max_seqlen, capacity), s) if self.paged else ()), *fuse_args)
+            *(self._split_args(min(max_seqlen, capacity), s) if self.paged else ()), *tail_args)
         if s > 1 and not fused:
             chunk_d = combine_tile(s, self.kwargs["BLOCK_D"])[1]
             self._launcher(("combine", s))(

@@ -132,3 +132,15 @@ def test_a_shipped_tables_records_compile_clean():
     assert r.returncode == (1 if any(x["spill_bytes"] for x in rows) else 0), r.stderr[-2000:]
     bad = kernels_check("--table", "fwd-m64-n64-w4-s2")
     assert bad.returncode == 2 and "VARIANTS or --table" in bad.stderr, bad.stderr
+
+
+def test_fused_combine_and_early_start_compile_for_sm90():
+    # splitkv's fused merge (several combiners) and early start (prefetch, then wait), contiguous
+    # and paged, build for Hopper without spills
+    r = kernels_check("--gpu", "H100", "--head-dim", "128", "--format", "json",
+                      "splitkv-m64-n64-w4-s3-cs8", "splitkv-m64-n64-w4-s3-cs8-early_start=true",
+                      "splitkv-m64-n64-w4-s3-cs4-early_start=true-paged=true")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    rows = json.loads(r.stdout)
+    assert len({row["variant"] for row in rows}) == 3
+    assert all(row["fits"] and row.get("spill_bytes", 0) == 0 for row in rows), rows

@@ -102,6 +102,18 @@ def test_dense_forward_through_a_forced_fused_variant(device):
           out.transpose(1, 2))
 
 
+@pytest.mark.parametrize("extra", ["-early_start=true", "-cs2-early_start=true"])
+def test_early_start_renders_compute_the_same(extra, device):
+    # the interpreter has no dependent launches: the render runs without its early block (the
+    # GPU tests below run it)
+    q, kc, vc = make(2, 1, 4, 2, 16, 96, torch.float16, device)
+    lengths = [96, 41]
+    kp, vp, bt = to_paged(kc, vc, 16, generator_seed=2)
+    sl = torch.tensor(lengths, dtype=torch.int32, device=device)
+    check(q, kc, vc, lengths, run(q, kc, vc, sl, f"{SMALL}-sp3{extra}"))
+    check(q, kc, vc, lengths, run(q, kp, vp, sl, f"{SMALL}-sp3{extra}", block_table=bt))
+
+
 # -- the rules (no kernels) ----------------------------------------------------------------------
 def test_combiners_rule(monkeypatch):
     q = torch.empty(1, 1, 8, 128, dtype=torch.bfloat16, device="meta")
@@ -195,3 +207,45 @@ def test_gpu_two_waves_fall_back_to_one_combiner():
         q, kc, vc, None, None, 2048)
     torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)
     check(q[:2], kc[:2], vc[:2], [2048, 2048], out[:2])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["splitkv-m64-n64-w4-s3-early_start=true",
+                                  "splitkv-m64-n64-w4-s3-cs8-early_start=true",
+                                  "splitkv-m64-n64-w4-s3-sp4-cs4-early_start=true"])
+@pytest.mark.parametrize("paged", [False, True])
+def test_gpu_early_start_layers_in_a_graph(name, paged):
+    # a decode step of 6 layers in one CUDA graph, each layer a dependent launch of the one
+    # before (which lets it start early): every layer's output equals its own eager run by the
+    # combine kernel's variant, and layer 0 the float64 reference; the caches are ragged (the
+    # hint the prefetch uses is the longest length) and each layer appends one token first
+    from flashtune.timing import capture
+    layers, b, nk = 6, 2, 4096
+    lengths = [4000, 1500]
+    q, _, _ = make(b, 1, 8, 1, 128, nk, torch.bfloat16, "cuda")
+    caches = [make(b, 1, 8, 1, 128, nk, torch.bfloat16, "cuda")[1:] for _ in range(layers)]
+    new = [(torch.randn(b, 1, 1, 128, dtype=torch.bfloat16, device="cuda"),
+            torch.randn(b, 1, 1, 128, dtype=torch.bfloat16, device="cuda"))
+           for _ in range(layers)]
+    sl = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    pages = [to_paged(k, v, 256, generator_seed=i) for i, (k, v) in enumerate(caches)]
+
+    def layer(i, var):
+        kw = dict(cache_seqlens=sl, k=new[i][0], v=new[i][1])
+        with flashtune.force(var):
+            if paged:
+                kp, vp, bt = pages[i]
+                return flashtune.attention_with_kvcache(q, kp, vp, block_table=bt, **kw)
+            return flashtune.attention_with_kvcache(q, *caches[i], **kw)
+
+    base = name.replace("-early_start=true", "").replace("-cs8", "").replace("-cs4", "")
+    want = [layer(i, base) for i in range(layers)]  # appends the new tokens (in place)
+    replay = capture(lambda: [layer(i, name) for i in range(layers)])
+    for _ in range(3):
+        replay()
+    torch.cuda.synchronize()
+    for i, (got, ref) in enumerate(zip(replay.outputs, want)):
+        torch.testing.assert_close(got, ref, atol=2e-2, rtol=2e-2, msg=f"layer {i}")
+    k0, v0 = caches[0]
+    check(q, k0, v0, [n + 1 for n in lengths], replay.outputs[0])
+    assert _areas_zero()

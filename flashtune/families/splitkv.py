@@ -15,7 +15,8 @@ FAMILY = Family(
     doc="Flash-Decoding: keys split over programs, exact combine; GQA heads share tile rows",
     template="attn_splitkv.py.tmpl",
     kernels=("attn_splitkv_partial", "attn_splitkv_combine"),
-    fields=("loads", "num_splits", "combine_slices", "paged", "window", "softcap", "block_sparse"),
+    fields=("loads", "num_splits", "combine_slices", "early_start", "paged", "window", "softcap",
+            "block_sparse"),
     defaults="flashtune.families.splitkv:default",
     measure="flashtune.measure_splitkv:OPS",
     compile_check="flashtune.families.splitkv:compile_check",
@@ -158,6 +159,8 @@ def compile_check(variant, head_dim: int, dtype: str, causal: bool, tails: bool,
     if variant.combine_slices:  # the merge's tile at 64 splits, its counters and final LSE
         consts.update(zip(("BLOCK_S", "CHUNK_D"), plan._merge_tile(64)))
         ints.update(COUNTER="*i32", LSE_FIN="*fp32", combiners="i32")
+    if variant.early_start:
+        consts["PF_LINE"] = min(consts["BLOCK_D"], 128 // dt.itemsize)
     out = {"partial": compile_for(mod.attn_splitkv_partial, consts, dtype, variant.num_warps,
                                   variant.num_stages, capability=cap, usage=usage, types=ints)}
     block_s, chunk_d = combine_tile(64, block_d(head_dim))
