@@ -52,9 +52,10 @@ MQA_VARIANTS = ["splitkv-m64-n64-w4-s3", "splitkv-m64-n64-w4-s3-sp264",
 PAGED_SPLITS = [8, 16, 32]
 FUSED_CELLS = ("1/8/1/2048,1/8/1/8192,1/8/1/32768,1/8/1/131072,1/32/8/2048,1/32/8/32768,"
                "8/32/8/2048,8/32/8/32768,8/8/1/32768,64/32/8/8192")
-# (combine_slices, early_start) beside the dispatched variant
-FUSED_TWINS = ((1, False), (4, False), (8, False), (16, False), (32, False), (0, True),
-               (8, True), (32, True))
+# (combine_slices, early_start, MiB early_start sends to L2 before its wait: None = half the L2)
+# beside the dispatched variant
+FUSED_TWINS = ((32, False, None), (0, True, None), (0, True, 0), (0, True, 2), (0, True, 8),
+               (32, True, None), (32, True, 0), (32, True, 2), (32, True, 8))
 
 
 def caches(b, hq, hk, nk, layers):
@@ -231,25 +232,28 @@ def fused(write, reps: int, cells: str) -> None:
         ref, ref_lse = plans[base.name].run(q, kcs[0], vcs[0], seqlens, None, nk)
         s = plans[base.name].num_splits(nk)
         seen = set()
-        for c, early in FUSED_TWINS:
+        for c, early, mib in FUSED_TWINS:
             v = dataclasses.replace(base, combine_slices=c, early_start=early)
             plan = SplitKVPlan(q, kcs[0], False, None, v)
-            eff = (plan.combiners(s) if c else 0, early)
+            eff = (plan.combiners(s) if c else 0, early, mib)
             if eff in seen:
                 continue  # the same kernel and the same combiners as a smaller c
             seen.add(eff)
+            label = v.name if mib is None else f"{v.name} pf{mib}MiB"
+            if mib is not None:
+                plan.prefetch_bytes = mib << 20
             try:
                 out, lse = plan.run(q, kcs[0], vcs[0], seqlens, None, nk)
                 torch.cuda.synchronize()
                 diff = (out.float() - ref.float()).abs().max().item()
                 lse_diff = (lse - ref_lse).abs().max().item()
-                write(dict(where, impl=v.name, splits=s, combiners=eff, max_diff=diff,
+                write(dict(where, impl=label, splits=s, combiners=eff, max_diff=diff,
                            lse_diff=lse_diff))
                 if diff > 2e-2 or lse_diff > 1e-3 or not torch.isfinite(out).all():
                     continue  # wrong: not timed
-                plans[v.name] = plan
+                plans[label] = plan
             except Exception as e:  # noqa: BLE001 -- a variant that cannot run is a row
-                write(dict(where, impl=v.name, error=f"{type(e).__name__}: {e}"[:300]))
+                write(dict(where, impl=label, error=f"{type(e).__name__}: {e}"[:300]))
         times: dict = {k: [] for k in plans}
         for _ in range(reps):
             for name, plan in plans.items():

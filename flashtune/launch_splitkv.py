@@ -144,6 +144,9 @@ class SplitKVPlan:
         self.is_cuda = q.device.type == "cuda"
         self.elsize = k_cache.element_size()
         self.l2_bytes = l2_bytes(q.device)
+        # early_start: the bytes of K/V a launch sends to L2 before its wait (None: half the L2;
+        # bench/decode_probe.py sets others)
+        self.prefetch_bytes = None
         self.shape = (b, nq, h, d)
         self.scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
         # the combine starts while the partial kernel's last programs finish (its launch latency
@@ -202,7 +205,8 @@ class SplitKVPlan:
         program reads them after its wait), and whether the next kernel may start beside this
         one (one wave: every program of this one is already running)."""
         ctas = self.programs * num_splits
-        rows = self.l2_bytes // 2 // max(1, ctas * 2 * d * self.elsize)
+        budget = self.l2_bytes // 2 if self.prefetch_bytes is None else self.prefetch_bytes
+        rows = budget // max(1, ctas * 2 * d * self.elsize)
         return keys, max(0, rows), int(ctas <= self.sms)
 
     def _merge_tile(self, num_splits: int) -> tuple:
