@@ -14,13 +14,13 @@ CUDA graph replays, each layer its own cache, L2 flushed between replays):
          it, at --batches (1,64): every layer's paged output against the contiguous one (and
          layer 0 against float64), then both timed, interleaved (session 29).
 
-  fused  the dispatched variant against its fused-combine twins (Variant.combine_slices 1..32:
-         the partial kernel merges the splits, no combine kernel) and early-start twins (a
-         dependent launch that prefetches its K/V before waiting), each checked against it
-         first, then timed interleaved over --reps repetitions, beside SDPA cuDNN and the read
-         ceiling, on --cells (B/Hq/Hk/Nk, comma-separated; default FUSED_CELLS).
+  early  the dispatched variant launched plainly and with early_start (a dependent launch that
+         sends its first K/V rows to L2 before it waits for the kernel before it) at prefetch
+         budgets EARLY_PREFETCH_MIB, each checked bit for bit against the plain launch first,
+         then timed interleaved over --reps repetitions, beside SDPA cuDNN and the read ceiling,
+         on --cells (B/Hq/Hk/Nk, comma-separated; default EARLY_CELLS).
 
-    python3 bench/decode_probe.py --out probe.jsonl [--parts mqa,paged,api,fused] [--reps 5]
+    python3 bench/decode_probe.py --out probe.jsonl [--parts mqa,paged,api,early] [--reps 5]
 """
 from __future__ import annotations
 
@@ -50,12 +50,10 @@ MQA_VARIANTS = ["splitkv-m64-n64-w4-s3", "splitkv-m64-n64-w4-s3-sp264",
                 "splitkv-m64-n64-w4-s4-sp264-loads=descriptor", "splitkv-m64-n32-w2-s4-sp264",
                 "splitkv-m64-n64-w8-s4"]
 PAGED_SPLITS = [8, 16, 32]
-FUSED_CELLS = ("1/8/1/2048,1/8/1/8192,1/8/1/32768,1/8/1/131072,1/32/8/2048,1/32/8/32768,"
+EARLY_CELLS = ("1/8/1/2048,1/8/1/8192,1/8/1/32768,1/8/1/131072,1/32/8/2048,1/32/8/32768,"
                "8/32/8/2048,8/32/8/32768,8/8/1/32768,64/32/8/8192")
-# (combine_slices, early_start, MiB early_start sends to L2 before its wait: None = half the L2)
-# beside the dispatched variant
-FUSED_TWINS = ((32, False, None), (0, True, None), (0, True, 0), (0, True, 2), (0, True, 8),
-               (32, True, None), (32, True, 0), (32, True, 2), (32, True, 8))
+# early_start's prefetch budgets (MiB over all programs) beside the plain launch
+EARLY_PREFETCH_MIB = (0, 2, 8)
 
 
 def caches(b, hq, hk, nk, layers):
@@ -220,49 +218,41 @@ def api(write, reps: int, batches) -> None:
             torch.cuda.empty_cache()
 
 
-def fused(write, reps: int, cells: str) -> None:
+def early(write, reps: int, cells: str) -> None:
     for cell in cells.split(","):
         b, hq, hk, nk = (int(x) for x in cell.split("/"))
         q, kcs, vcs = caches(b, hq, hk, nk, LAYERS)
         kv_bytes = 2 * b * nk * hk * D * 2
         seqlens = torch.full((b,), nk, dtype=torch.int32, device="cuda")
-        where = {"part": "fused", "B": b, "Hq": hq, "Hk": hk, "Nk": nk}
-        base = kvcache._variant(q, kcs[0], vcs[0], False, False, nk)
-        plans = {base.name: SplitKVPlan(q, kcs[0], False, None, base)}
-        ref, ref_lse = plans[base.name].run(q, kcs[0], vcs[0], seqlens, None, nk)
-        s = plans[base.name].num_splits(nk)
-        seen = set()
-        for c, early, mib in FUSED_TWINS:
-            v = dataclasses.replace(base, combine_slices=c, early_start=early)
-            plan = SplitKVPlan(q, kcs[0], False, None, v)
-            eff = (plan.combiners(s) if c else 0, early, mib)
-            if eff in seen:
-                continue  # the same kernel and the same combiners as a smaller c
-            seen.add(eff)
-            label = v.name if mib is None else f"{v.name} pf{mib}MiB"
+        where = {"part": "early", "B": b, "Hq": hq, "Hk": hk, "Nk": nk}
+        variant = kvcache._variant(q, kcs[0], vcs[0], False, False, nk)
+        plans = {}
+        for mib in (None,) + EARLY_PREFETCH_MIB:
+            plan = SplitKVPlan(q, kcs[0], False, None, variant)
+            label = "plain" if mib is None else f"early pf{mib}MiB"
+            plan.allow_early = mib is not None
             if mib is not None:
-                plan.prefetch_bytes = mib << 20
-            try:
-                out, lse = plan.run(q, kcs[0], vcs[0], seqlens, None, nk)
-                torch.cuda.synchronize()
-                diff = (out.float() - ref.float()).abs().max().item()
-                lse_diff = (lse - ref_lse).abs().max().item()
-                write(dict(where, impl=label, splits=s, combiners=eff, max_diff=diff,
-                           lse_diff=lse_diff))
-                if diff > 2e-2 or lse_diff > 1e-3 or not torch.isfinite(out).all():
-                    continue  # wrong: not timed
-                plans[label] = plan
-            except Exception as e:  # noqa: BLE001 -- a variant that cannot run is a row
-                write(dict(where, impl=label, error=f"{type(e).__name__}: {e}"[:300]))
-        times: dict = {k: [] for k in plans}
+                plan.prefetch_bytes = int(mib * (1 << 20))
+            plans[label] = plan
+        s = plans["plain"].num_splits(nk)
+        ref, ref_lse = plans["plain"].run(q, kcs[0], vcs[0], seqlens, None, nk)
+        times: dict = {}
+        for label, plan in plans.items():
+            out, lse = plan.run(q, kcs[0], vcs[0], seqlens, None, nk)
+            torch.cuda.synchronize()
+            diff = (out.float() - ref.float()).abs().max().item()
+            write(dict(where, impl=f"{variant.name} {label}", splits=s, early=plan.early(s),
+                       max_diff=diff, lse_diff=(lse - ref_lse).abs().max().item()))
+            if diff == 0.0 and torch.equal(lse, ref_lse):
+                times[label] = []  # the same answer bit for bit: timed
         for _ in range(reps):
-            for name, plan in plans.items():
-                times[name].append(graph_ms([plan], q, kcs, vcs, seqlens, None, nk))
-        base_ms = statistics.median(times[base.name])
-        for name, ts in times.items():
+            for label in times:
+                times[label].append(graph_ms([plans[label]], q, kcs, vcs, seqlens, None, nk))
+        base_ms = statistics.median(times["plain"])
+        for label, ts in times.items():
             ms = statistics.median(ts)
-            write(dict(where, impl=name, ms=ms, ms_all=ts, gbps=kv_bytes / ms / 1e6,
-                       vs_base=base_ms / ms, splits=s))
+            write(dict(where, impl=f"{variant.name} {label}", ms=ms, ms_all=ts,
+                       gbps=kv_bytes / ms / 1e6, vs_base=base_ms / ms, splits=s))
         if b == 1:
             ceil_ms, progs = db.read_ceiling(kcs, vcs, LAYERS, torch.cuda.get_device_properties(
                 0).multi_processor_count)
@@ -280,7 +270,7 @@ def main(argv=None) -> None:
     ap.add_argument("--parts", default="mqa,paged", help="mqa, paged, api (comma-separated)")
     ap.add_argument("--batches", default="1,64", help="api: batch sizes")
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--cells", default=FUSED_CELLS, help="fused: B/Hq/Hk/Nk,...")
+    ap.add_argument("--cells", default=EARLY_CELLS, help="early: B/Hq/Hk/Nk,...")
     a = ap.parse_args(argv)
     db.GRAPH = True
     out = open(a.out, "w")
@@ -292,7 +282,7 @@ def main(argv=None) -> None:
         out.write(json.dumps(row) + "\n")
         out.flush()
         keys = ("part", "Hq", "B", "Nk", "impl", "gbps", "vs_contiguous", "vs_base", "splits",
-                "combiners", "max_diff", "kernel_us",
+                "early", "max_diff", "kernel_us",
                 "paged_over_contiguous", "paged_vs_contiguous_max_diff", "error")
         print({k: (round(row[k], 3) if isinstance(row[k], float) else row[k])
                for k in keys if k in row}, flush=True)
@@ -303,8 +293,8 @@ def main(argv=None) -> None:
         paged(write, a.reps)
     if "mqa" in parts:
         mqa(write)
-    if "fused" in parts:
-        fused(write, a.reps, a.cells)
+    if "early" in parts:
+        early(write, a.reps, a.cells)
 
 
 if __name__ == "__main__":

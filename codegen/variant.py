@@ -16,7 +16,7 @@ DQ_SCHEMES = ("none", "separate", "atomic", "fused", "gluon")
 # Short spellings used in variant names: fwd-m128-n64-w8-s3
 _ABBREV = {"block_m": "m", "block_n": "n", "num_warps": "w", "num_stages": "s",
            "block_m2": "mq", "block_n2": "nq", "num_warps2": "wq", "num_stages2": "sq",
-           "num_splits": "sp", "loader_regs": "lr", "q_buffers": "qb", "combine_slices": "cs"}
+           "num_splits": "sp", "loader_regs": "lr", "q_buffers": "qb"}
 _FROM_ABBREV = {v: k for k, v in _ABBREV.items()}
 _ALWAYS = ("family", "block_m", "block_n", "num_warps", "num_stages")  # in every name and dict
 
@@ -55,12 +55,10 @@ class Variant:
     # splitkv only: programs that share the keys of one (sequence, kv head); 0 = as many as fill
     # the GPU (decided at launch from the SM count and the batch)
     num_splits: int = 0
-    # splitkv only: 0 = a combine kernel merges the splits' partials; c >= 1 = the partial
-    # kernel merges them itself (structural): the last c programs of a (sequence, kv head) to
-    # finish split the merge between them (c > 1 only where the grid is one wave, else 1)
-    combine_slices: int = 0
-    # splitkv only (structural, sm_90): the partial kernel launched as a programmatic dependent
-    # of the kernel before it, sending its split's K/V toward L2 before it waits for that kernel
+    # splitkv only (structural, sm_90; not searched: the launch takes this render of a record's
+    # variant where the grid is one wave and PDL works, launch_splitkv.SplitKVPlan): the partial
+    # kernel is a programmatic dependent launch that sends the first rows of its split's K/V to
+    # L2 before it waits for the kernel before it, and lets the next kernel start early
     early_start: bool = False
     # structural: packed variable-length sequences (cu_seqlens) instead of a dense batch
     varlen: bool = False
@@ -142,10 +140,6 @@ class Variant:
             raise ValueError(f"Variant.q_buffers must be an int >= 1, got {self.q_buffers!r}")
         if not isinstance(self.num_splits, int) or self.num_splits < 0:
             raise ValueError(f"Variant.num_splits must be an int >= 0, got {self.num_splits!r}")
-        if self.combine_slices and (not isinstance(self.combine_slices, int)
-                                    or not _pow2(self.combine_slices)):
-            raise ValueError("Variant.combine_slices must be 0 or a power of two, got "
-                             f"{self.combine_slices!r}")
         # which fields a family owns and their rules (bwd's dq, splitkv's num_splits and paged):
         # its flashtune/families/ entry
         family.check_variant(self)
@@ -230,8 +224,7 @@ class Variant:
                 "head_order": self.head_order,
                 "release_barrier": self.release_barrier, "early_rescale": self.early_rescale,
                 "early_k_release": self.early_k_release, "async_o_store": self.async_o_store,
-                "dq_overlap": self.dq_overlap,
-                "fused_combine": self.combine_slices > 0, "early_start": self.early_start,
+                "dq_overlap": self.dq_overlap, "early_start": self.early_start,
                 "window": self.window,
                 "softcap": self.softcap, "block_sparse": self.block_sparse,
                 # any mask beyond causal: the window's bounds and loops (softcap alone runs them

@@ -10,7 +10,7 @@ from functools import lru_cache
 import torch
 import triton
 
-from . import alloc, arrivals
+from . import alloc
 from .codegen import Variant, load
 from .launcher import Launcher
 from .launch import _DOT_PRECISION, _need_allocator, block_d, pdl_ok
@@ -23,6 +23,11 @@ DEFAULTS = {
     256: Variant("splitkv", block_m=64, block_n=32, num_warps=4, num_stages=2),
 }
 
+# early_start: the K/V bytes one launch sends to L2 before its wait, all programs together. On
+# the H100 (bench/decode_probe.py --parts early, 16-layer steps, docs/benchmarks.md session 34)
+# 2 MiB beat 0, 8 MiB and half the L2 at every B=1 shape: it covers each program's first key
+# step; half the L2 lost 1-9% at 32k-128k keys against not starting early at all.
+PREFETCH_BYTES = 2 << 20
 MIN_BLOCKS_PER_SPLIT = 1   # a split streams at least this many BLOCK_N blocks (see auto_num_splits)
 MAX_SPLITS = 256
 CPU_SMS = 4                # the interpreter has no SMs: auto picks as if there were 4
@@ -52,18 +57,6 @@ def default_variant(head_dim: int, dtype: str = "bfloat16") -> Variant:
 @lru_cache(maxsize=None)
 def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-@lru_cache(maxsize=None)
-def _l2_bytes(device_index: int) -> int:
-    return int(getattr(torch.cuda.get_device_properties(device_index), "L2_cache_size", 0))
-
-
-def l2_bytes(device: torch.device) -> int:
-    """The GPU's L2 size in bytes (0 off CUDA)."""
-    if device.type != "cuda":
-        return 0
-    return _l2_bytes(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def sm_count(device: torch.device) -> int:
@@ -135,23 +128,21 @@ class SplitKVPlan:
         self.mask_args = mask_args(masks, causal, "q", b, h)
         self.variant = variant
         self.paged = variant.paged
-        mod = load(variant)
-        self.partial, self.combine = mod.attn_splitkv_partial, mod.attn_splitkv_combine
+        self._mods = {variant.early_start: load(variant)}
         self.block_m = row_block(variant, group, nq)
         num_m = -(-(group * nq) // self.block_m)
         self.programs = b * hk * num_m
         self.sms = sm_count(q.device)
-        self.is_cuda = q.device.type == "cuda"
-        self.elsize = k_cache.element_size()
-        self.l2_bytes = l2_bytes(q.device)
-        # early_start: the bytes of K/V a launch sends to L2 before its wait (None: half the L2;
-        # bench/decode_probe.py sets others)
-        self.prefetch_bytes = None
         self.shape = (b, nq, h, d)
         self.scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
         # the combine starts while the partial kernel's last programs finish (its launch latency
         # was a visible part of a batch-1 decode step)
         self.pdl = pdl_ok(q.device)
+        # early_start's render where PDL works and the grid is one wave (run); the probe's
+        # baseline turns it off, and sets other prefetch budgets
+        self.allow_early = True
+        self.prefetch_bytes = PREFETCH_BYTES
+        self.elsize = k_cache.element_size()
         self.kwargs = dict(
             HEAD_DIM=d, BLOCK_D=block_d(d), BLOCK_M=self.block_m, BLOCK_N=variant.block_n,
             IS_CAUSAL=causal, GROUP=group, PAGE=k_cache.shape[1] if self.paged else 0,
@@ -164,55 +155,50 @@ class SplitKVPlan:
         # UNIFORM, the combine's per split count
         self._launchers: dict = {}
 
+    def _module(self, early: bool):
+        mod = self._mods.get(early)
+        if mod is None:
+            mod = self._mods[early] = load(dataclasses.replace(self.variant, early_start=early))
+        return mod
+
     def _launcher(self, key):
+        """key: ("partial", UNIFORM, early) or ("combine", num_splits, early); early: the
+        early_start render (its combine lets the next kernel start)."""
         got = self._launchers.get(key)
         if got is None:
             if len(self._launchers) > 64:
                 self._launchers.clear()
+            mod = self._module(key[2])
             if key[0] == "partial":
-                # fused_combine: the merge's tile (BLOCK_S, CHUNK_D) for key[2] splits
-                tile = {} if len(key) < 3 else dict(zip(("BLOCK_S", "CHUNK_D"), key[2]))
-                if self.variant.early_start:
-                    tile["PF_LINE"] = min(self.kwargs["BLOCK_D"], 128 // self.elsize)
+                extra = {}
+                if key[2]:
+                    extra["PF_LINE"] = min(self.kwargs["BLOCK_D"], 128 // self.elsize)
                     if self.pdl:
-                        tile["launch_pdl"] = True
-                got = Launcher(self.partial, UNIFORM=key[1], **tile, **self.kwargs)
+                        extra["launch_pdl"] = True
+                got = Launcher(mod.attn_splitkv_partial, UNIFORM=key[1], **extra, **self.kwargs)
             else:
                 block_s, chunk_d = combine_tile(key[1], self.kwargs["BLOCK_D"])
-                got = Launcher(self.combine, HEAD_DIM=self.shape[3], BLOCK_S=block_s,
-                               CHUNK_D=chunk_d, USE_PDL=self.pdl, num_warps=4,
+                got = Launcher(mod.attn_splitkv_combine, HEAD_DIM=self.shape[3],
+                               BLOCK_S=block_s, CHUNK_D=chunk_d, USE_PDL=self.pdl, num_warps=4,
                                **({"launch_pdl": True} if self.pdl else {}))
             self._launchers[key] = got
         return got
 
-    def combiners(self, num_splits: int) -> int:
-        """fused_combine: the programs of a tile that merge its splits. The variant's
-        combine_slices where every program of the grid runs at once (one wave: at most one
-        program per SM; they wait on each other), else 1 (the last arrival, which waits on
-        nobody); never more than the splits or the merge's units; 1 in the interpreter."""
-        from .env import interpreting
-        if not self.is_cuda or interpreting() or self.programs * num_splits > self.sms:
-            return 1
-        nq, d = self.shape[1], self.shape[3]
-        units = min(self.block_m, self.kwargs["GROUP"] * nq) * -(-d // self._merge_tile(
-            num_splits)[1])
-        return max(1, min(self.variant.combine_slices, num_splits, units))
+    def early(self, num_splits: int) -> bool:
+        """Whether a launch of num_splits splits takes the early_start render: the variant asks
+        for it, or PDL works and the grid is one wave (two waves: the next kernel's early
+        programs would hold SMs this one's second wave needs -- GQA B=8 2k lost 8-11% so)."""
+        return self.variant.early_start or (self.pdl and self.allow_early
+                                            and self.programs * num_splits <= self.sms)
 
-    def _early_args(self, keys: int, num_splits: int, d: int) -> tuple:
+    def _early_args(self, keys: int, num_splits: int) -> tuple:
         """early_start's (hint_keys, prefetch_rows, early_trigger): the keys the splits are
         placed by before any length is read (the host's longest), the rows of K and of V each
-        program sends to L2 (together at most half the L2, so the lines are still there when the
-        program reads them after its wait), and whether the next kernel may start beside this
-        one (one wave: every program of this one is already running)."""
+        program sends to L2 (prefetch_bytes over all programs), and whether the next kernel may
+        start beside this one (one wave: every program of this one is already running)."""
         ctas = self.programs * num_splits
-        budget = self.l2_bytes // 2 if self.prefetch_bytes is None else self.prefetch_bytes
-        rows = budget // max(1, ctas * 2 * d * self.elsize)
-        return keys, max(0, rows), int(ctas <= self.sms)
-
-    def _merge_tile(self, num_splits: int) -> tuple:
-        """fused_combine's (BLOCK_S, CHUNK_D): as the combine kernel's, at most 1,024 float32
-        elements a warp (the partial kernel's own warps hold the tile)."""
-        return combine_tile(num_splits, self.kwargs["BLOCK_D"], 1024 * self.variant.num_warps)
+        rows = self.prefetch_bytes // max(1, ctas * 2 * self.shape[3] * self.elsize)
+        return keys, rows, int(ctas <= self.sms)
 
     def num_splits(self, max_seqlen: int) -> int:
         s = self._splits.get(max_seqlen)
@@ -257,15 +243,8 @@ class SplitKVPlan:
         uniform = seqlens is None
         bt = block_table if self.paged else seqlens  # (unused when not paged)
         capacity = bt.shape[1] * k_cache.shape[1] if self.paged else k_cache.shape[1]
-        fused = self.variant.combine_slices > 0
-        tail_args = ()
-        if fused:  # the partial kernel merges the splits itself (s == 1: nothing to merge)
-            tail_args = (o, lse, arrivals.counters(q.device, self.programs), *o.stride()[:3],
-                         self.combiners(s))
-        if self.variant.early_start:
-            tail_args += self._early_args(min(max_seqlen, capacity), s, d)
-        self._launcher(("partial", uniform, self._merge_tile(s)) if fused else
-                       ("partial", uniform))(
+        early = self.early(s)
+        self._launcher(("partial", uniform, early))(
             (self.programs, s),
             q, k_cache, v_cache, bt, seqlens, o_dst, l_dst, self.scale, *self.mask_args,
             q.stride(0), q.stride(1), q.stride(2),
@@ -275,21 +254,22 @@ class SplitKVPlan:
             *o_strides, *l_strides,
             hk, nq, s, k_cache.shape[0] if self.paged else 0,
             min(max_seqlen, capacity) if uniform else capacity,
-            *(self._split_args(min(max_seqlen, capacity), s) if self.paged else ()), *tail_args)
-        if s > 1 and not fused:
+            *(self._split_args(min(max_seqlen, capacity), s) if self.paged else ()),
+            *(self._early_args(min(max_seqlen, capacity), s) if early else ()))
+        if s > 1:
             chunk_d = combine_tile(s, self.kwargs["BLOCK_D"])[1]
-            self._launcher(("combine", s))(
+            self._launcher(("combine", s, early))(
                 (b * h * nq, triton.cdiv(d, chunk_d)),
                 o_dst, l_dst, o, lse, h, nq, s, o.stride(0), o.stride(1), o.stride(2))
         return o, lse
 
 
-def combine_tile(num_splits: int, block_d: int, elements: int = COMBINE_TILE) -> tuple:
+def combine_tile(num_splits: int, block_d: int) -> tuple:
     """The combine's tile: (BLOCK_S, CHUNK_D), BLOCK_S a power of two >= num_splits (all splits
-    at once), CHUNK_D the slice of D one program merges, so the tile holds <= `elements`
-    (more splits: thinner slices, more programs)."""
+    at once), CHUNK_D the slice of D one program merges, so the tile holds <= COMBINE_TILE
+    elements (more splits: thinner slices, more programs)."""
     block_s = max(2, 1 << (num_splits - 1).bit_length())
-    return block_s, max(16, min(block_d, elements // block_s))
+    return block_s, max(16, min(block_d, COMBINE_TILE // block_s))
 
 
 def block_mask_blocker(bm, nq: int, group: int, paged: bool) -> str:

@@ -134,13 +134,16 @@ def test_a_shipped_tables_records_compile_clean():
     assert bad.returncode == 2 and "VARIANTS or --table" in bad.stderr, bad.stderr
 
 
-def test_fused_combine_and_early_start_compile_for_sm90():
-    # splitkv's fused merge (several combiners) and early start (prefetch, then wait), contiguous
-    # and paged, build for Hopper without spills
+
+def test_early_start_renders_compile_for_sm90():
+    # splitkv's early_start (prefetch, wait, let the next kernel in), contiguous, paged and with
+    # TMA loads, build for Hopper without spills, as the launch takes them for records
     r = kernels_check("--gpu", "H100", "--head-dim", "128", "--format", "json",
-                      "splitkv-m64-n64-w4-s3-cs8", "splitkv-m64-n64-w4-s3-cs8-early_start=true",
-                      "splitkv-m64-n64-w4-s3-cs4-early_start=true-paged=true")
+                      "splitkv-m64-n64-w4-s3-early_start=true",
+                      "splitkv-m16-n32-w1-s1-sp64-early_start=true",
+                      "splitkv-m64-n64-w4-s3-early_start=true-paged=true",
+                      "splitkv-m64-n64-w4-s3-loads=descriptor-early_start=true")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     rows = json.loads(r.stdout)
-    assert len({row["variant"] for row in rows}) == 3
-    assert all(row["fits"] and row.get("spill_bytes", 0) == 0 for row in rows), rows
+    assert len({row["variant"] for row in rows}) == 4
+    assert all(row["fits"] and not row.get("spill_bytes") for row in rows), rows

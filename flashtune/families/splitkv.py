@@ -15,8 +15,7 @@ FAMILY = Family(
     doc="Flash-Decoding: keys split over programs, exact combine; GQA heads share tile rows",
     template="attn_splitkv.py.tmpl",
     kernels=("attn_splitkv_partial", "attn_splitkv_combine"),
-    fields=("loads", "num_splits", "combine_slices", "early_start", "paged", "window", "softcap",
-            "block_sparse"),
+    fields=("loads", "num_splits", "early_start", "paged", "window", "softcap", "block_sparse"),
     defaults="flashtune.families.splitkv:default",
     measure="flashtune.measure_splitkv:OPS",
     compile_check="flashtune.families.splitkv:compile_check",
@@ -153,14 +152,11 @@ def compile_check(variant, head_dim: int, dtype: str, causal: bool, tails: bool,
     consts = {n: v for n, v in plan.kwargs.items() if n not in ("num_warps", "num_stages")}
     consts.update(example_masks(variant, causal))
     consts["USE_PDL"] = cap >= 90  # as launched on that target
+    if variant.early_start:
+        consts["PF_LINE"] = min(consts["BLOCK_D"], 128 // dt.itemsize)
     mod = load(variant)
     # the partial kernel writes float32 scratch (O, LSE) when the keys are split
     ints = {"BLOCK_TABLE": "*i32", "SEQLENS": "*i32", "HK": "i32", "O": "*fp32"}
-    if variant.combine_slices:  # the merge's tile at 64 splits, its counters and final LSE
-        consts.update(zip(("BLOCK_S", "CHUNK_D"), plan._merge_tile(64)))
-        ints.update(COUNTER="*i32", LSE_FIN="*fp32", combiners="i32")
-    if variant.early_start:
-        consts["PF_LINE"] = min(consts["BLOCK_D"], 128 // dt.itemsize)
     out = {"partial": compile_for(mod.attn_splitkv_partial, consts, dtype, variant.num_warps,
                                   variant.num_stages, capability=cap, usage=usage, types=ints)}
     block_s, chunk_d = combine_tile(64, block_d(head_dim))
