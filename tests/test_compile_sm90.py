@@ -147,3 +147,53 @@ def test_early_start_renders_compile_for_sm90():
     rows = json.loads(r.stdout)
     assert len({row["variant"] for row in rows}) == 4
     assert all(row["fits"] and not row.get("spill_bytes") for row in rows), rows
+
+
+_BEFORE_WAIT = r'''
+import json, re, sys, torch
+from codegen.aot import compile_for
+from flashtune.codegen import Variant, load
+from flashtune.launch_splitkv import SplitKVPlan
+from flashtune.masks import Masks
+out = {}
+for name in sys.argv[1:]:
+    v = Variant.parse(name)
+    q = torch.empty(2, 1, 8, 128, dtype=torch.bfloat16, device="meta")
+    k = torch.empty(64 if v.paged else 2, 256 if v.paged else 4096, 1, 128,
+                    dtype=torch.bfloat16, device="meta")
+    masks = Masks((64, 0) if v.window else None, 30.0 if v.softcap else None)
+    plan = SplitKVPlan(q, k, False, None, v, masks)
+    consts = {n: x for n, x in plan.kwargs.items() if n not in ("num_warps", "num_stages")}
+    consts.update(USE_PDL=True, UNIFORM=False, PF_LINE=64)
+    ptx = compile_for(load(v).attn_splitkv_partial, consts, "bfloat16", 4, 3, capability=90,
+                      types={"BLOCK_TABLE": "*i32", "SEQLENS": "*i32", "HK": "i32",
+                             "O": "*fp32"})["ptx"].splitlines()
+    wait = [i for i, l in enumerate(ptx) if "griddepcontrol.wait" in l]
+    mem = [l.strip() for l in ptx[:wait[0]] if re.search(
+        r"\b(ld|st|atom|red|cp\.async|prefetch|tensormap)\.", l)] if wait else None
+    out[name] = mem
+print(json.dumps(out))
+'''
+
+
+def test_early_start_touches_nothing_before_its_wait():
+    # the early_start contract (attn_splitkv.py.tmpl's header): before gdc_wait the partial
+    # kernel only prefetches K/V to L2 and reads the block table through L2 -- no store, no
+    # atomic, no L1-cached load, no tensor-descriptor write (Triton's descriptor scratch is
+    # stream-ordered memory the kernel before may still use)
+    names = ["splitkv-m64-n64-w4-s3-early_start=true",
+             "splitkv-m64-n64-w4-s3-early_start=true-paged=true",
+             "splitkv-m64-n64-w4-s3-loads=descriptor-early_start=true",
+             "splitkv-m64-n64-w4-s3-early_start=true-window=true-softcap=true"]
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    r = subprocess.run([sys.executable, "-c", _BEFORE_WAIT, *names], capture_output=True,
+                       text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    for name, mem in got.items():
+        assert mem is not None, f"{name}: no griddepcontrol.wait in its PTX"
+        assert any(m.startswith("prefetch.global.L2") for m in mem), (name, mem)
+        bad = [m for m in mem if not m.startswith(
+            ("prefetch.global.L2", "ld.global.cg", "ld.param", "ld.shared", "st.shared"))]
+        assert not bad, f"{name} touches memory before its wait: {bad}"
+        assert any("ld.global.cg" in m for m in mem) == ("paged" in name), (name, mem)
