@@ -25,8 +25,9 @@ DEFAULTS = {
 
 # early_start: the K/V bytes one launch sends to L2 before its wait, all programs together. On
 # the H100 (bench/decode_probe.py --parts early, 16-layer steps, docs/benchmarks.md session 34)
-# 2 MiB beat 0, 8 MiB and half the L2 at every B=1 shape: it covers each program's first key
-# step; half the L2 lost 1-9% at 32k-128k keys against not starting early at all.
+# 2 MiB was best or within 5% of it at every one-wave shape (0, 8 MiB, half the L2 beside it):
+# about each program's first key step; half the L2 lost about 1% at 32k-128k keys against not
+# starting early at all.
 PREFETCH_BYTES = 2 << 20
 MIN_BLOCKS_PER_SPLIT = 1   # a split streams at least this many BLOCK_N blocks (see auto_num_splits)
 MAX_SPLITS = 256
