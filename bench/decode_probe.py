@@ -63,6 +63,18 @@ def caches(b, hq, hk, nk, layers):
     return q, kcs, vcs
 
 
+def peers(write, where: dict, q, kcs, vcs, kv_bytes: int, ceiling: bool) -> None:
+    """Rows of the same step's plain-read ceiling (where asked) and SDPA cuDNN."""
+    if ceiling:
+        ceil_ms, progs = db.read_ceiling(kcs, vcs, LAYERS, torch.cuda.get_device_properties(0)
+                                         .multi_processor_count)
+        write(dict(where, impl="read-ceiling", ms=ceil_ms, gbps=kv_bytes / ceil_ms / 1e6,
+                   programs=progs))
+    fns = [db.sdpa_peer("cudnn", q, k, v)[0] for k, v in zip(kcs, vcs)]
+    ms = db.bench_ms(db.layered(lambda i: fns[i], LAYERS)) / LAYERS
+    write(dict(where, impl="sdpa-cudnn", ms=ms, gbps=kv_bytes / ms / 1e6))
+
+
 def graph_ms(plans, q, kcs, vcs, seqlens, bt, nk) -> float:
     """ms per layer of `plans[i].run` over the layers, as one graph replay."""
     return db.bench_ms(db.layered(
@@ -94,14 +106,7 @@ def mqa(write):
         q, kcs, vcs = caches(1, 8, 1, nk, LAYERS)
         kv_bytes = 2 * nk * D * 2
         seqlens = torch.full((1,), nk, dtype=torch.int32, device="cuda")
-        ceil_ms, progs = db.read_ceiling(kcs, vcs, LAYERS, torch.cuda.get_device_properties(0)
-                                         .multi_processor_count)
-        write({"part": "mqa", "Nk": nk, "impl": "read-ceiling", "ms": ceil_ms,
-               "gbps": kv_bytes / ceil_ms / 1e6, "programs": progs})
-        fns = [db.sdpa_peer("cudnn", q, k, v)[0] for k, v in zip(kcs, vcs)]
-        ms = db.bench_ms(db.layered(lambda i: fns[i], LAYERS)) / LAYERS
-        write({"part": "mqa", "Nk": nk, "impl": "sdpa-cudnn", "ms": ms,
-               "gbps": kv_bytes / ms / 1e6})
+        peers(write, {"part": "mqa", "Nk": nk}, q, kcs, vcs, kv_bytes, ceiling=True)
         for name in MQA_VARIANTS:
             try:
                 v = Variant.parse(name)
@@ -253,14 +258,8 @@ def early(write, reps: int, cells: str) -> None:
             ms = statistics.median(ts)
             write(dict(where, impl=f"{variant.name} {label}", ms=ms, ms_all=ts,
                        gbps=kv_bytes / ms / 1e6, vs_base=base_ms / ms, splits=s))
-        if b == 1:
-            ceil_ms, progs = db.read_ceiling(kcs, vcs, LAYERS, torch.cuda.get_device_properties(
-                0).multi_processor_count)
-            write(dict(where, impl="read-ceiling", ms=ceil_ms, gbps=kv_bytes / ceil_ms / 1e6))
-        fns = [db.sdpa_peer("cudnn", q, k, v)[0] for k, v in zip(kcs, vcs)]
-        ms = db.bench_ms(db.layered(lambda i: fns[i], LAYERS)) / LAYERS
-        write(dict(where, impl="sdpa-cudnn", ms=ms, gbps=kv_bytes / ms / 1e6))
-        q = kcs = vcs = fns = plans = ref = None
+        peers(write, where, q, kcs, vcs, kv_bytes, ceiling=b == 1)
+        q = kcs = vcs = plans = ref = None
         torch.cuda.empty_cache()
 
 

@@ -150,24 +150,13 @@ def test_early_start_renders_compile_for_sm90():
 
 
 _BEFORE_WAIT = r'''
-import json, re, sys, torch
-from codegen.aot import compile_for
-from flashtune.codegen import Variant, load
-from flashtune.launch_splitkv import SplitKVPlan
-from flashtune.masks import Masks
+import json, re, sys
+from flashtune.codegen import Variant
+from flashtune.families.splitkv import compile_check
 out = {}
 for name in sys.argv[1:]:
-    v = Variant.parse(name)
-    q = torch.empty(2, 1, 8, 128, dtype=torch.bfloat16, device="meta")
-    k = torch.empty(64 if v.paged else 2, 256 if v.paged else 4096, 1, 128,
-                    dtype=torch.bfloat16, device="meta")
-    masks = Masks((64, 0) if v.window else None, 30.0 if v.softcap else None)
-    plan = SplitKVPlan(q, k, False, None, v, masks)
-    consts = {n: x for n, x in plan.kwargs.items() if n not in ("num_warps", "num_stages")}
-    consts.update(USE_PDL=True, UNIFORM=False, PF_LINE=64)
-    ptx = compile_for(load(v).attn_splitkv_partial, consts, "bfloat16", 4, 3, capability=90,
-                      types={"BLOCK_TABLE": "*i32", "SEQLENS": "*i32", "HK": "i32",
-                             "O": "*fp32"})["ptx"].splitlines()
+    ptx = compile_check(Variant.parse(name), 128, "bfloat16", False, False, 90,
+                        False)["partial"]["ptx"].splitlines()
     wait = [i for i, l in enumerate(ptx) if "griddepcontrol.wait" in l]
     mem = [l.strip() for l in ptx[:wait[0]] if re.search(
         r"\b(ld|st|atom|red|cp\.async|prefetch|tensormap)\.", l)] if wait else None
