@@ -16,9 +16,11 @@ CUDA graph replays, each layer its own cache, L2 flushed between replays):
 
   early  the dispatched variant launched plainly and with early_start (a dependent launch that
          sends its first K/V rows to L2 before it waits for the kernel before it) at prefetch
-         budgets EARLY_PREFETCH_MIB, each checked bit for bit against the plain launch first,
+         budgets (--early), each checked bit for bit against the plain launch first,
          then timed interleaved over --reps repetitions, beside SDPA cuDNN and the read ceiling,
-         on --cells (B/Hq/Hk/Nk, comma-separated; default EARLY_CELLS).
+         on --cells (B/Hq/Hk/Nk, comma-separated; default EARLY_CELLS); --early picks the
+         launches (EARLY_CONFIGS: prefetch budget, instruction, when the combine lets the next
+         layer's partial kernel in).
 
     python3 bench/decode_probe.py --out probe.jsonl [--parts mqa,paged,api,early] [--reps 5]
 """
@@ -27,6 +29,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import re
 import statistics
 import sys
 from pathlib import Path
@@ -52,8 +55,10 @@ MQA_VARIANTS = ["splitkv-m64-n64-w4-s3", "splitkv-m64-n64-w4-s3-sp264",
 PAGED_SPLITS = [8, 16, 32]
 EARLY_CELLS = ("1/8/1/2048,1/8/1/8192,1/8/1/32768,1/8/1/131072,1/32/8/2048,1/32/8/32768,"
                "8/32/8/2048,8/32/8/32768,8/8/1/32768,64/32/8/8192")
-# early_start's prefetch budgets (MiB over all programs) beside the plain launch
-EARLY_PREFETCH_MIB = (0, 2, 8)
+# early_start's launches beside the plain one (--early): pf<MiB> is the prefetch budget over all
+# programs; "tf" lets the next kernel launch before the combine's wait (SplitKVPlan
+# .trigger_first); "el" prefetches with evict_last, "bulk" one bulk prefetch a row (pf_mode 1, 2)
+EARLY_CONFIGS = "pf0,pf2,pf8"
 
 
 def caches(b, hq, hk, nk, layers):
@@ -223,7 +228,7 @@ def api(write, reps: int, batches) -> None:
             torch.cuda.empty_cache()
 
 
-def early(write, reps: int, cells: str) -> None:
+def early(write, reps: int, cells: str, configs: str = EARLY_CONFIGS) -> None:
     for cell in cells.split(","):
         b, hq, hk, nk = (int(x) for x in cell.split("/"))
         q, kcs, vcs = caches(b, hq, hk, nk, LAYERS)
@@ -232,13 +237,17 @@ def early(write, reps: int, cells: str) -> None:
         where = {"part": "early", "B": b, "Hq": hq, "Hk": hk, "Nk": nk}
         variant = kvcache._variant(q, kcs[0], vcs[0], False, False, nk)
         plans = {}
-        for mib in (None,) + EARLY_PREFETCH_MIB:
+        for conf in ["plain"] + configs.split(","):
             plan = SplitKVPlan(q, kcs[0], False, None, variant)
-            label = "plain" if mib is None else f"early pf{mib}MiB"
-            plan.allow_early = mib is not None
-            if mib is not None:
-                plan.prefetch_bytes = int(mib * (1 << 20))
-            plans[label] = plan
+            plan.allow_early = conf != "plain"
+            m = re.fullmatch(r"pf([\d.]+)(tf)?(el|bulk)?", conf)
+            if plan.allow_early:
+                if not m:
+                    raise SystemExit(f"--early: {conf!r} is not pf<MiB>[tf][el|bulk]")
+                plan.prefetch_bytes = int(float(m[1]) * (1 << 20))
+                plan.trigger_first = bool(m[2])
+                plan.pf_mode = {None: 0, "el": 1, "bulk": 2}[m[3]]
+            plans[conf if conf == "plain" else "early " + conf] = plan
         s = plans["plain"].num_splits(nk)
         ref, ref_lse = plans["plain"].run(q, kcs[0], vcs[0], seqlens, None, nk)
         times: dict = {}
@@ -270,6 +279,7 @@ def main(argv=None) -> None:
     ap.add_argument("--batches", default="1,64", help="api: batch sizes")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--cells", default=EARLY_CELLS, help="early: B/Hq/Hk/Nk,...")
+    ap.add_argument("--early", default=EARLY_CONFIGS, help="early: pf<MiB>[tf][el|bulk],...")
     a = ap.parse_args(argv)
     db.GRAPH = True
     out = open(a.out, "w")
@@ -293,7 +303,7 @@ def main(argv=None) -> None:
     if "mqa" in parts:
         mqa(write)
     if "early" in parts:
-        early(write, a.reps, a.cells)
+        early(write, a.reps, a.cells, a.early)
 
 
 if __name__ == "__main__":

@@ -45,6 +45,12 @@ DEFAULTS_F32 = {
 }
 
 
+def early_consts(block_d_: int, elsize: int, pf_mode: int = 0) -> dict:
+    """The early_start render's partial-kernel constexprs: PF_LINE, the elements of one 128-byte
+    line (one prefetch each), and PF_MODE (the template's _prefetch_rows)."""
+    return {"PF_LINE": min(block_d_, 128 // elsize), "PF_MODE": pf_mode}
+
+
 def default_variant(head_dim: int, dtype: str = "bfloat16") -> Variant:
     """The built-in splitkv variant for a head dim and dtype name (the same on every arch:
     pointer loads, spill-free on sm_80 and sm_90)."""
@@ -143,6 +149,11 @@ class SplitKVPlan:
         # baseline turns it off, and sets other prefetch budgets
         self.allow_early = True
         self.prefetch_bytes = PREFETCH_BYTES
+        # early_start's prefetch instruction (early_consts) and whether its combine lets the next
+        # kernel launch before its own wait (the next partial kernel then prefetches while this
+        # one still streams); the probe measures them
+        self.pf_mode = 0
+        self.trigger_first = False
         self.elsize = k_cache.element_size()
         self.kwargs = dict(
             HEAD_DIM=d, BLOCK_D=block_d(d), BLOCK_M=self.block_m, BLOCK_N=variant.block_n,
@@ -173,15 +184,18 @@ class SplitKVPlan:
             if key[0] == "partial":
                 extra = {}
                 if key[2]:
-                    extra["PF_LINE"] = min(self.kwargs["BLOCK_D"], 128 // self.elsize)
+                    extra.update(early_consts(self.kwargs["BLOCK_D"], self.elsize, self.pf_mode))
                     if self.pdl:
                         extra["launch_pdl"] = True
                 got = Launcher(mod.attn_splitkv_partial, UNIFORM=key[1], **extra, **self.kwargs)
             else:
                 block_s, chunk_d = combine_tile(key[1], self.kwargs["BLOCK_D"])
+                extra = {"TRIGGER_FIRST": self.trigger_first} if key[2] else {}
+                if self.pdl:
+                    extra["launch_pdl"] = True
                 got = Launcher(mod.attn_splitkv_combine, HEAD_DIM=self.shape[3],
                                BLOCK_S=block_s, CHUNK_D=chunk_d, USE_PDL=self.pdl, num_warps=4,
-                               **({"launch_pdl": True} if self.pdl else {}))
+                               **extra)
             self._launchers[key] = got
         return got
 
@@ -245,6 +259,8 @@ class SplitKVPlan:
         bt = block_table if self.paged else seqlens  # (unused when not paged)
         capacity = bt.shape[1] * k_cache.shape[1] if self.paged else k_cache.shape[1]
         early = self.early(s)
+        if early and self.pf_mode == 2 and not descriptor_ok(k_cache, v_cache, False):
+            raise ValueError("pf_mode 2 (bulk prefetch) needs 16-byte aligned K/V rows")
         self._launcher(("partial", uniform, early))(
             (self.programs, s),
             q, k_cache, v_cache, bt, seqlens, o_dst, l_dst, self.scale, *self.mask_args,

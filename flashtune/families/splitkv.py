@@ -138,7 +138,7 @@ def compile_check(variant, head_dim: int, dtype: str, causal: bool, tails: bool,
     from ..codegen import load
     from ..codegen.aot import compile_for
     from ..launch import block_d
-    from ..launch_splitkv import SplitKVPlan, combine_tile
+    from ..launch_splitkv import SplitKVPlan, combine_tile, early_consts
     from ..problem import torch_dtype
     dt = torch_dtype(dtype)
     nq, group = (3, 4) if tails else (1, 8)
@@ -153,7 +153,7 @@ def compile_check(variant, head_dim: int, dtype: str, causal: bool, tails: bool,
     consts.update(example_masks(variant, causal))
     consts["USE_PDL"] = cap >= 90  # as launched on that target
     if variant.early_start:
-        consts["PF_LINE"] = min(consts["BLOCK_D"], 128 // dt.itemsize)
+        consts.update(early_consts(consts["BLOCK_D"], dt.itemsize))
     mod = load(variant)
     # the partial kernel writes float32 scratch (O, LSE) when the keys are split
     ints = {"BLOCK_TABLE": "*i32", "SEQLENS": "*i32", "HK": "i32", "O": "*fp32"}
@@ -162,7 +162,9 @@ def compile_check(variant, head_dim: int, dtype: str, causal: bool, tails: bool,
     block_s, chunk_d = combine_tile(64, block_d(head_dim))
     out["combine"] = compile_for(mod.attn_splitkv_combine,
                                  dict(HEAD_DIM=head_dim, BLOCK_S=block_s, CHUNK_D=chunk_d,
-                                      USE_PDL=cap >= 90),
+                                      USE_PDL=cap >= 90,
+                                      **({"TRIGGER_FIRST": False} if variant.early_start
+                                         else {})),
                                  dtype, 4, 3, capability=cap,
                                  usage=usage, types={"O_PART": "*fp32", "LSE_PART": "*fp32",
                                                      "H": "i32"})
