@@ -230,12 +230,24 @@ def api(write, reps: int, batches) -> None:
 
 def early(write, reps: int, cells: str, configs: str = EARLY_CONFIGS) -> None:
     for cell in cells.split(","):
-        b, hq, hk, nk = (int(x) for x in cell.split("/"))
+        # B/Hq/Hk/Nk, or B/Hq/Hk/Nk/pPAGE: the same caches in PAGE-key pages, each sequence's
+        # pages shuffled within its own range (one table for every layer), the contiguous
+        # record's variant fitted to the pages (as attention_with_kvcache runs it)
+        b, hq, hk, nk, *paging = cell.split("/")
+        b, hq, hk, nk = int(b), int(hq), int(hk), int(nk)
+        page = int(paging[0][1:]) if paging else None
         q, kcs, vcs = caches(b, hq, hk, nk, LAYERS)
         kv_bytes = 2 * b * nk * hk * D * 2
         seqlens = torch.full((b,), nk, dtype=torch.int32, device="cuda")
-        where = {"part": "early", "B": b, "Hq": hq, "Hk": hk, "Nk": nk}
-        variant = kvcache._variant(q, kcs[0], vcs[0], False, False, nk)
+        where = {"part": "early", "B": b, "Hq": hq, "Hk": hk, "Nk": nk, "page": page}
+        variant = kvcache.fit_pages(kvcache._variant(q, kcs[0], vcs[0], False, False, nk), page)
+        bt = None
+        if page:
+            per = nk // page
+            bt = torch.stack([i * per + torch.randperm(per, device="cuda") for i in range(b)]
+                             ).to(torch.int32)
+            kcs = [k.view(-1, page, hk, D) for k in kcs]
+            vcs = [v.view(-1, page, hk, D) for v in vcs]
         plans = {}
         for conf in ["plain"] + configs.split(","):
             plan = SplitKVPlan(q, kcs[0], False, None, variant)
@@ -249,10 +261,10 @@ def early(write, reps: int, cells: str, configs: str = EARLY_CONFIGS) -> None:
                 plan.pf_mode = {None: 0, "el": 1, "bulk": 2}[m[3]]
             plans[conf if conf == "plain" else "early " + conf] = plan
         s = plans["plain"].num_splits(nk)
-        ref, ref_lse = plans["plain"].run(q, kcs[0], vcs[0], seqlens, None, nk)
+        ref, ref_lse = plans["plain"].run(q, kcs[0], vcs[0], seqlens, bt, nk)
         times: dict = {}
         for label, plan in plans.items():
-            out, lse = plan.run(q, kcs[0], vcs[0], seqlens, None, nk)
+            out, lse = plan.run(q, kcs[0], vcs[0], seqlens, bt, nk)
             torch.cuda.synchronize()
             diff = (out.float() - ref.float()).abs().max().item()
             write(dict(where, impl=f"{variant.name} {label}", splits=s, early=plan.early(s),
@@ -261,14 +273,15 @@ def early(write, reps: int, cells: str, configs: str = EARLY_CONFIGS) -> None:
                 times[label] = []  # the same answer bit for bit: timed
         for _ in range(reps):
             for label in times:
-                times[label].append(graph_ms([plans[label]], q, kcs, vcs, seqlens, None, nk))
+                times[label].append(graph_ms([plans[label]], q, kcs, vcs, seqlens, bt, nk))
         base_ms = statistics.median(times["plain"])
         for label, ts in times.items():
             ms = statistics.median(ts)
             write(dict(where, impl=f"{variant.name} {label}", ms=ms, ms_all=ts,
                        gbps=kv_bytes / ms / 1e6, vs_base=base_ms / ms, splits=s))
-        peers(write, where, q, kcs, vcs, kv_bytes, ceiling=b == 1)
-        q = kcs = vcs = plans = ref = None
+        if not page:
+            peers(write, where, q, kcs, vcs, kv_bytes, ceiling=b == 1)
+        q = kcs = vcs = plans = ref = bt = None
         torch.cuda.empty_cache()
 
 
@@ -290,7 +303,7 @@ def main(argv=None) -> None:
     def write(row):
         out.write(json.dumps(row) + "\n")
         out.flush()
-        keys = ("part", "Hq", "B", "Nk", "impl", "gbps", "vs_contiguous", "vs_base", "splits",
+        keys = ("part", "Hq", "B", "Nk", "page", "impl", "gbps", "vs_contiguous", "vs_base", "splits",
                 "early", "max_diff", "kernel_us",
                 "paged_over_contiguous", "paged_vs_contiguous_max_diff", "error")
         print({k: (round(row[k], 3) if isinstance(row[k], float) else row[k])
