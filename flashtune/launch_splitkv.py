@@ -23,12 +23,17 @@ DEFAULTS = {
     256: Variant("splitkv", block_m=64, block_n=32, num_warps=4, num_stages=2),
 }
 
-# early_start: the K/V bytes one launch sends to L2 before its wait, all programs together. On
-# the H100 (bench/decode_probe.py --parts early, 16-layer steps, docs/benchmarks.md session 34)
-# 2 MiB was best or within 5% of it at every one-wave shape (0, 8 MiB, half the L2 beside it):
-# about each program's first key step; half the L2 lost about 1% at 32k-128k keys against not
-# starting early at all.
+# early_start: the K/V bytes one launch sends to L2 before its wait, all programs together, and
+# when its combine lets the next kernel launch. On the H100 (bench/decode_probe.py --parts early,
+# 16-layer steps, docs/benchmarks.md sessions 34-35): with the combine letting the next partial
+# kernel in after its own wait, 2 MiB was best or within 5% of it at every one-wave shape (0,
+# 4, 8 MiB, half the L2 beside it). Letting it in before the wait (the next layer's programs
+# start, and prefetch, while this layer's still stream) paid where a layer's K/V fit twice in L2
+# -- the prefetched lines survive the layer before -- with 4 MiB: MQA B=1 2k paged 226 -> 230
+# GB/s, GQA B=1 2k 993 -> 1,021, paged 1,015 -> 1,068, MQA 8k +2-4%; and lost where they do not:
+# 2-3% at GQA 32k (134 MB) and MQA 128k (67 MB), about the bytes prefetched and evicted unread.
 PREFETCH_BYTES = 2 << 20
+PREFETCH_BYTES_FIRST = 4 << 20
 MIN_BLOCKS_PER_SPLIT = 1   # a split streams at least this many BLOCK_N blocks (see auto_num_splits)
 MAX_SPLITS = 256
 CPU_SMS = 4                # the interpreter has no SMs: auto picks as if there were 4
@@ -64,6 +69,18 @@ def default_variant(head_dim: int, dtype: str = "bfloat16") -> Variant:
 @lru_cache(maxsize=None)
 def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+@lru_cache(maxsize=None)
+def _l2_bytes(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).L2_cache_size
+
+
+def l2_bytes(device: torch.device) -> int:
+    """The device's L2 in bytes (0 off a GPU)."""
+    if device.type != "cuda":
+        return 0
+    return _l2_bytes(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def sm_count(device: torch.device) -> int:
@@ -148,13 +165,15 @@ class SplitKVPlan:
         # early_start's render where PDL works and the grid is one wave (run); the probe's
         # baseline turns it off, and sets other prefetch budgets
         self.allow_early = True
-        self.prefetch_bytes = PREFETCH_BYTES
-        # early_start's prefetch instruction (early_consts) and whether its combine lets the next
-        # kernel launch before its own wait (the next partial kernel then prefetches while this
-        # one still streams); the probe measures them
+        # early_start's prefetch budget, instruction (early_consts) and whether its combine lets
+        # the next kernel launch before its own wait (None: the rule in first_trigger); the
+        # probe sets them
+        self.prefetch_bytes: int | None = None
         self.pf_mode = 0
-        self.trigger_first = False
+        self.trigger_first: bool | None = None
         self.elsize = k_cache.element_size()
+        self.step_bytes_per_key = 2 * b * hk * d * self.elsize  # K and V of one key position
+        self.l2_bytes = l2_bytes(q.device)
         self.kwargs = dict(
             HEAD_DIM=d, BLOCK_D=block_d(d), BLOCK_M=self.block_m, BLOCK_N=variant.block_n,
             IS_CAUSAL=causal, GROUP=group, PAGE=k_cache.shape[1] if self.paged else 0,
@@ -174,8 +193,9 @@ class SplitKVPlan:
         return mod
 
     def _launcher(self, key):
-        """key: ("partial", UNIFORM, early) or ("combine", num_splits, early); early: the
-        early_start render (its combine lets the next kernel start)."""
+        """key: ("partial", UNIFORM, early) or ("combine", num_splits, early, first); early:
+        the early_start render (its combine lets the next kernel start: before its wait where
+        first)."""
         got = self._launchers.get(key)
         if got is None:
             if len(self._launchers) > 64:
@@ -190,7 +210,7 @@ class SplitKVPlan:
                 got = Launcher(mod.attn_splitkv_partial, UNIFORM=key[1], **extra, **self.kwargs)
             else:
                 block_s, chunk_d = combine_tile(key[1], self.kwargs["BLOCK_D"])
-                extra = {"TRIGGER_FIRST": self.trigger_first} if key[2] else {}
+                extra = {"TRIGGER_FIRST": key[3]} if key[2] else {}
                 if self.pdl:
                     extra["launch_pdl"] = True
                 got = Launcher(mod.attn_splitkv_combine, HEAD_DIM=self.shape[3],
@@ -206,13 +226,25 @@ class SplitKVPlan:
         return self.variant.early_start or (self.pdl and self.allow_early
                                             and self.programs * num_splits <= self.sms)
 
-    def _early_args(self, keys: int, num_splits: int) -> tuple:
+    def first_trigger(self, keys: int) -> bool:
+        """Whether an early launch's combine lets the next kernel launch before its own wait: where
+        the step's K/V (keys per sequence) fit twice in L2, so what the next layer's programs
+        prefetch while this layer streams is still there when they read it (PREFETCH_BYTES'
+        comment has the measurements)."""
+        if self.trigger_first is not None:
+            return self.trigger_first
+        return 2 * keys * self.step_bytes_per_key <= self.l2_bytes
+
+    def _early_args(self, keys: int, num_splits: int, first: bool) -> tuple:
         """early_start's (hint_keys, prefetch_rows, early_trigger): the keys the splits are
         placed by before any length is read (the host's longest), the rows of K and of V each
-        program sends to L2 (prefetch_bytes over all programs), and whether the next kernel may
+        program sends to L2 (the budget over all programs), and whether the next kernel may
         start beside this one (one wave: every program of this one is already running)."""
         ctas = self.programs * num_splits
-        rows = self.prefetch_bytes // max(1, ctas * 2 * self.shape[3] * self.elsize)
+        budget = self.prefetch_bytes
+        if budget is None:
+            budget = PREFETCH_BYTES_FIRST if first else PREFETCH_BYTES
+        rows = budget // max(1, ctas * 2 * self.shape[3] * self.elsize)
         return keys, rows, int(ctas <= self.sms)
 
     def num_splits(self, max_seqlen: int) -> int:
@@ -259,6 +291,8 @@ class SplitKVPlan:
         bt = block_table if self.paged else seqlens  # (unused when not paged)
         capacity = bt.shape[1] * k_cache.shape[1] if self.paged else k_cache.shape[1]
         early = self.early(s)
+        keys = min(max_seqlen, capacity)
+        first = early and self.first_trigger(keys)
         if early and self.pf_mode == 2 and not descriptor_ok(k_cache, v_cache, False):
             raise ValueError("pf_mode 2 (bulk prefetch) needs 16-byte aligned K/V rows")
         self._launcher(("partial", uniform, early))(
@@ -270,12 +304,12 @@ class SplitKVPlan:
             bt.stride(0) if bt is not None else 0,
             *o_strides, *l_strides,
             hk, nq, s, k_cache.shape[0] if self.paged else 0,
-            min(max_seqlen, capacity) if uniform else capacity,
-            *(self._split_args(min(max_seqlen, capacity), s) if self.paged else ()),
-            *(self._early_args(min(max_seqlen, capacity), s) if early else ()))
+            keys if uniform else capacity,
+            *(self._split_args(keys, s) if self.paged else ()),
+            *(self._early_args(keys, s, first) if early else ()))
         if s > 1:
             chunk_d = combine_tile(s, self.kwargs["BLOCK_D"])[1]
-            self._launcher(("combine", s, early))(
+            self._launcher(("combine", s, early, first))(
                 (b * h * nq, triton.cdiv(d, chunk_d)),
                 o_dst, l_dst, o, lse, h, nq, s, o.stride(0), o.stride(1), o.stride(2))
         return o, lse

@@ -7,7 +7,7 @@ import torch
 
 import flashtune
 from flashtune.codegen import Variant
-from flashtune.launch_splitkv import PREFETCH_BYTES, SplitKVPlan
+from flashtune.launch_splitkv import PREFETCH_BYTES, PREFETCH_BYTES_FIRST, SplitKVPlan
 
 from test_splitkv import check, make, run, to_paged
 
@@ -38,9 +38,30 @@ def test_the_launch_picks_early_start_for_one_wave_where_pdl_works():
     # a variant that names the render keeps it (its block is inert without PDL)
     forced = SplitKVPlan(q, k, False, None, Variant.parse("splitkv-m64-n64-w4-s3-early_start=true"))
     assert forced.early(1000)
-    # the prefetch: PREFETCH_BYTES over all programs, in rows of K and of V (2 x D x 2 bytes)
-    assert plan._early_args(4096, 64) == (4096, PREFETCH_BYTES // (64 * 2 * 128 * 2), 1)
-    assert plan._early_args(4096, 200)[2] == 0  # two waves: the next kernel is not let in early
+    # the prefetch: PREFETCH_BYTES over all programs, in rows of K and of V (2 x D x 2 bytes);
+    # PREFETCH_BYTES_FIRST where the combine lets the next kernel in before its wait
+    assert plan._early_args(4096, 64, False) == (4096, PREFETCH_BYTES // (64 * 2 * 128 * 2), 1)
+    assert plan._early_args(4096, 64, True)[1] == PREFETCH_BYTES_FIRST // (64 * 2 * 128 * 2)
+    assert plan._early_args(4096, 200, False)[2] == 0  # two waves: not let in early
+
+
+def test_the_combine_lets_the_next_kernel_in_first_where_a_step_fits_twice_in_l2():
+    q = torch.empty(1, 1, 8, 128, dtype=torch.bfloat16, device="meta")
+    k = torch.empty(1, 4096, 1, 128, dtype=torch.bfloat16, device="meta")
+    plan = SplitKVPlan(q, k, False, None, Variant.parse("splitkv-m64-n64-w4-s3"))
+    assert plan.l2_bytes == 0 and not plan.first_trigger(1)  # no L2 known off a GPU
+    plan.l2_bytes = 50 << 20  # the H100's
+    per_key = 2 * 1 * 1 * 128 * 2  # K and V, one kv head, bf16
+    fits = (50 << 20) // (2 * per_key)
+    assert plan.first_trigger(fits) and not plan.first_trigger(fits + 1)
+    # batch and kv heads count: GQA 32/8 at B=8 reads 64x the bytes of a key position
+    big = SplitKVPlan(torch.empty(8, 1, 32, 128, dtype=torch.bfloat16, device="meta"),
+                      torch.empty(8, 4096, 8, 128, dtype=torch.bfloat16, device="meta"), False,
+                      None, Variant.parse("splitkv-m64-n64-w4-s3"))
+    big.l2_bytes = 50 << 20
+    assert big.first_trigger(fits // 64) and not big.first_trigger(fits // 64 + 1)
+    plan.trigger_first = False  # the probe's override
+    assert not plan.first_trigger(1)
 
 
 def test_variant_field():
@@ -55,11 +76,13 @@ def test_variant_field():
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", ["mqa-b1", "gqa-b2", "gqa-b8-two-waves"])
 @pytest.mark.parametrize("paged", [False, True])
-def test_gpu_early_start_layers_in_a_graph(shape, paged):
+@pytest.mark.parametrize("first", [False, True], ids=["after-wait", "first"])
+def test_gpu_early_start_layers_in_a_graph(shape, paged, first):
     # a decode step of 6 layers in one CUDA graph, each layer a dependent launch of the one
     # before: every layer's output equals its plain eager launch bit for bit, and layer 0 the
     # float64 reference; ragged lengths (the prefetch places splits by the longest), and each
-    # layer appends one token to its cache before attending
+    # layer appends one token to its cache before attending. first: each combine lets the next
+    # layer's partial kernel launch before its own wait (first_trigger), or after it
     from flashtune.timing import capture
     b, hq, hk, lengths = {"mqa-b1": (1, 8, 1, [4000]), "gqa-b2": (2, 32, 8, [4000, 1500]),
                           "gqa-b8-two-waves": (8, 32, 8, [3000] * 7 + [100])}[shape]
@@ -92,6 +115,7 @@ def test_gpu_early_start_layers_in_a_graph(shape, paged):
         return launches[-1]
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(SplitKVPlan, "early", spy)
+        mp.setattr(SplitKVPlan, "first_trigger", lambda self, keys: first)
         replay = capture(lambda: [layer(i) for i in range(layers)])
     assert launches and all(launches) == (shape != "gqa-b8-two-waves"), launches
     for _ in range(3):
