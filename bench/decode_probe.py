@@ -57,7 +57,8 @@ EARLY_CELLS = ("1/8/1/2048,1/8/1/8192,1/8/1/32768,1/8/1/131072,1/32/8/2048,1/32/
                "8/32/8/2048,8/32/8/32768,8/8/1/32768,64/32/8/8192")
 # early_start's launches beside the plain one (--early): pf<MiB> is the prefetch budget over all
 # programs; "tf" lets the next kernel launch before the combine's wait (SplitKVPlan
-# .trigger_first); "el" prefetches with evict_last, "bulk" one bulk prefetch a row (pf_mode 1, 2)
+# .trigger_first); "el" prefetches with evict_last, "bulk" one bulk prefetch a row (pf_mode 1, 2);
+# "auto" is the launch's own choice (first_trigger)
 EARLY_CONFIGS = "pf0,pf2,pf8"
 
 
@@ -253,9 +254,9 @@ def early(write, reps: int, cells: str, configs: str = EARLY_CONFIGS) -> None:
             plan = SplitKVPlan(q, kcs[0], False, None, variant)
             plan.allow_early = conf != "plain"
             m = re.fullmatch(r"pf([\d.]+)(tf)?(el|bulk)?", conf)
-            if plan.allow_early:
+            if plan.allow_early and conf != "auto":  # auto: the launch's own budget and trigger
                 if not m:
-                    raise SystemExit(f"--early: {conf!r} is not pf<MiB>[tf][el|bulk]")
+                    raise SystemExit(f"--early: {conf!r} is not auto or pf<MiB>[tf][el|bulk]")
                 plan.prefetch_bytes = int(float(m[1]) * (1 << 20))
                 plan.trigger_first = bool(m[2])
                 plan.pf_mode = {None: 0, "el": 1, "bulk": 2}[m[3]]

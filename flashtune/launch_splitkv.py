@@ -28,10 +28,11 @@ DEFAULTS = {
 # 16-layer steps, docs/benchmarks.md sessions 34-35): with the combine letting the next partial
 # kernel in after its own wait, 2 MiB was best or within 5% of it at every one-wave shape (0,
 # 4, 8 MiB, half the L2 beside it). Letting it in before the wait (the next layer's programs
-# start, and prefetch, while this layer's still stream) paid where a layer's K/V fit twice in L2
-# -- the prefetched lines survive the layer before -- with 4 MiB: MQA B=1 2k paged 226 -> 230
-# GB/s, GQA B=1 2k 993 -> 1,021, paged 1,015 -> 1,068, MQA 8k +2-4%; and lost where they do not:
-# 2-3% at GQA 32k (134 MB) and MQA 128k (67 MB), about the bytes prefetched and evicted unread.
+# start, and prefetch, while this layer's still stream) paid with 4 MiB where a layer's K/V are
+# small beside the L2, so the prefetched lines survive the layer before: MQA B=1 2k paged 226 ->
+# 230 GB/s, GQA B=1 2k (8.4 MB) 993 -> 1,021, paged 1,015 -> 1,068, MQA 8k +2-4%. It lost 2-3%
+# at GQA 32k (134 MB) and MQA 128k (67 MB), about the bytes prefetched and evicted unread, and
+# 4% at MQA 32k (16.8 MB, a third of the L2; the decode grid, session 35's call 4).
 PREFETCH_BYTES = 2 << 20
 PREFETCH_BYTES_FIRST = 4 << 20
 MIN_BLOCKS_PER_SPLIT = 1   # a split streams at least this many BLOCK_N blocks (see auto_num_splits)
@@ -228,12 +229,12 @@ class SplitKVPlan:
 
     def first_trigger(self, keys: int) -> bool:
         """Whether an early launch's combine lets the next kernel launch before its own wait: where
-        the step's K/V (keys per sequence) fit twice in L2, so what the next layer's programs
-        prefetch while this layer streams is still there when they read it (PREFETCH_BYTES'
-        comment has the measurements)."""
+        the step's K/V (keys per sequence) take at most a quarter of the L2, so what the next
+        layer's programs prefetch while this layer streams is still there when they read it
+        (PREFETCH_BYTES' comment has the measurements)."""
         if self.trigger_first is not None:
             return self.trigger_first
-        return 2 * keys * self.step_bytes_per_key <= self.l2_bytes
+        return 4 * keys * self.step_bytes_per_key <= self.l2_bytes
 
     def _early_args(self, keys: int, num_splits: int, first: bool) -> tuple:
         """early_start's (hint_keys, prefetch_rows, early_trigger): the keys the splits are

@@ -45,14 +45,14 @@ def test_the_launch_picks_early_start_for_one_wave_where_pdl_works():
     assert plan._early_args(4096, 200, False)[2] == 0  # two waves: not let in early
 
 
-def test_the_combine_lets_the_next_kernel_in_first_where_a_step_fits_twice_in_l2():
+def test_the_combine_lets_the_next_kernel_in_first_where_a_step_is_a_quarter_of_l2():
     q = torch.empty(1, 1, 8, 128, dtype=torch.bfloat16, device="meta")
     k = torch.empty(1, 4096, 1, 128, dtype=torch.bfloat16, device="meta")
     plan = SplitKVPlan(q, k, False, None, Variant.parse("splitkv-m64-n64-w4-s3"))
     assert plan.l2_bytes == 0 and not plan.first_trigger(1)  # no L2 known off a GPU
     plan.l2_bytes = 50 << 20  # the H100's
     per_key = 2 * 1 * 1 * 128 * 2  # K and V, one kv head, bf16
-    fits = (50 << 20) // (2 * per_key)
+    fits = (50 << 20) // (4 * per_key)
     assert plan.first_trigger(fits) and not plan.first_trigger(fits + 1)
     # batch and kv heads count: GQA 32/8 at B=8 reads 64x the bytes of a key position
     big = SplitKVPlan(torch.empty(8, 1, 32, 128, dtype=torch.bfloat16, device="meta"),
