@@ -58,7 +58,8 @@ EARLY_CELLS = ("1/8/1/2048,1/8/1/8192,1/8/1/32768,1/8/1/131072,1/32/8/2048,1/32/
 # early_start's launches beside the plain one (--early): pf<MiB> is the prefetch budget over all
 # programs; "tf" lets the next kernel launch before the combine's wait (SplitKVPlan
 # .trigger_first); "el" prefetches with evict_last, "bulk" one bulk prefetch a row (pf_mode 1, 2);
-# "auto" is the launch's own choice (first_trigger)
+# "auto" is the launch's own choice (first_trigger); "+nocomb": the partial kernels alone (no
+# combine, so no answer to check: timed only), "+uni": no lengths tensor (every sequence full)
 EARLY_CONFIGS = "pf0,pf2,pf8"
 
 
@@ -249,32 +250,38 @@ def early(write, reps: int, cells: str, configs: str = EARLY_CONFIGS) -> None:
                              ).to(torch.int32)
             kcs = [k.view(-1, page, hk, D) for k in kcs]
             vcs = [v.view(-1, page, hk, D) for v in vcs]
-        plans = {}
+        plans, lengths = {}, {}
         for conf in ["plain"] + configs.split(","):
+            base, *mods = conf.split("+")
             plan = SplitKVPlan(q, kcs[0], False, None, variant)
-            plan.allow_early = conf != "plain"
-            m = re.fullmatch(r"pf([\d.]+)(tf)?(el|bulk)?", conf)
-            if plan.allow_early and conf != "auto":  # auto: the launch's own budget and trigger
-                if not m:
-                    raise SystemExit(f"--early: {conf!r} is not auto or pf<MiB>[tf][el|bulk]")
+            plan.allow_early = base != "plain"
+            m = re.fullmatch(r"pf([\d.]+)(tf)?(el|bulk)?", base)
+            if plan.allow_early and base != "auto":  # auto: the launch's own budget and trigger
+                if not m or set(mods) - {"nocomb", "uni"}:
+                    raise SystemExit(f"--early: {conf!r} is not (plain|auto|pf<MiB>[tf][el|bulk])"
+                                     "[+nocomb][+uni]")
                 plan.prefetch_bytes = int(float(m[1]) * (1 << 20))
                 plan.trigger_first = bool(m[2])
                 plan.pf_mode = {None: 0, "el": 1, "bulk": 2}[m[3]]
-            plans[conf if conf == "plain" else "early " + conf] = plan
+            plan.skip_combine = "nocomb" in mods
+            label = conf if base == "plain" else "early " + conf
+            plans[label] = plan
+            lengths[label] = None if "uni" in mods else seqlens  # uni: no lengths tensor read
         s = plans["plain"].num_splits(nk)
         ref, ref_lse = plans["plain"].run(q, kcs[0], vcs[0], seqlens, bt, nk)
         times: dict = {}
         for label, plan in plans.items():
-            out, lse = plan.run(q, kcs[0], vcs[0], seqlens, bt, nk)
+            out, lse = plan.run(q, kcs[0], vcs[0], lengths[label], bt, nk)
             torch.cuda.synchronize()
             diff = (out.float() - ref.float()).abs().max().item()
             write(dict(where, impl=f"{variant.name} {label}", splits=s, early=plan.early(s),
                        max_diff=diff, lse_diff=(lse - ref_lse).abs().max().item()))
-            if diff == 0.0 and torch.equal(lse, ref_lse):
-                times[label] = []  # the same answer bit for bit: timed
+            if plan.skip_combine or (diff == 0.0 and torch.equal(lse, ref_lse)):
+                times[label] = []  # the same answer bit for bit (or a partial kernel alone): timed
         for _ in range(reps):
             for label in times:
-                times[label].append(graph_ms([plans[label]], q, kcs, vcs, seqlens, bt, nk))
+                times[label].append(graph_ms([plans[label]], q, kcs, vcs, lengths[label], bt,
+                                             nk))
         base_ms = statistics.median(times["plain"])
         for label, ts in times.items():
             ms = statistics.median(ts)

@@ -172,6 +172,7 @@ class SplitKVPlan:
         self.prefetch_bytes: int | None = None
         self.pf_mode = 0
         self.trigger_first: bool | None = None
+        self.skip_combine = False  # the probe's partial kernels alone (their outputs unmerged)
         self.elsize = k_cache.element_size()
         self.step_bytes_per_key = 2 * b * hk * d * self.elsize  # K and V of one key position
         self.l2_bytes = l2_bytes(q.device)
@@ -308,7 +309,7 @@ class SplitKVPlan:
             keys if uniform else capacity,
             *(self._split_args(keys, s) if self.paged else ()),
             *(self._early_args(keys, s, first) if early else ()))
-        if s > 1:
+        if s > 1 and not self.skip_combine:
             chunk_d = combine_tile(s, self.kwargs["BLOCK_D"])[1]
             self._launcher(("combine", s, early, first))(
                 (b * h * nq, triton.cdiv(d, chunk_d)),
