@@ -1,0 +1,44 @@
+"""One eager launch each of the MQA B=1 decode step's partial kernel (the dispatched variant, PDL
+off) and of the plain streaming read of the same caches (flashtune/bench/read_ceiling.py, 4
+programs per SM), for Nsight Compute: where the partial kernel reads slower than a plain read
+(session 35: 1,663 against 2,006 GB/s at 32k keys, both chained 16 layers in a graph).
+
+    ncu --clock-control none -k regex:"partial|_stream_read" --launch-skip 2 ... \
+        python3 bench/partial_ncu.py --nk 32768
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from flashtune import kvcache
+from flashtune.bench.read_ceiling import reader
+from flashtune.launch_splitkv import SplitKVPlan
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--nk", type=int, default=32768)
+    ap.add_argument("--variant", default=None, help="splitkv variant (default: dispatched)")
+    a = ap.parse_args()
+    q = torch.randn(1, 1, 8, 128, dtype=torch.bfloat16, device="cuda")
+    k = torch.randn(1, a.nk, 1, 128, dtype=torch.bfloat16, device="cuda")
+    v = torch.randn_like(k)
+    sl = torch.full((1,), a.nk, dtype=torch.int32, device="cuda")
+    from flashtune.codegen import Variant
+    var = (Variant.parse(a.variant) if a.variant
+           else kvcache._variant(q, k, v, False, False, a.nk))
+    plan = SplitKVPlan(q, k, False, None, var)
+    plan.pdl = False
+    plan.kwargs["USE_PDL"] = False
+    read = reader(k, v, 4 * torch.cuda.get_device_properties(0).multi_processor_count)
+    for _ in range(4):  # ncu --launch-skip 2 --launch-count 2: the third launch of each
+        plan.run(q, k, v, sl, None, a.nk)
+        read()
+    torch.cuda.synchronize()
+    print(var.name, plan.num_splits(a.nk), "splits")
+
+
+if __name__ == "__main__":
+    main()
