@@ -59,7 +59,8 @@ EARLY_CELLS = ("1/8/1/2048,1/8/1/8192,1/8/1/32768,1/8/1/131072,1/32/8/2048,1/32/
 # programs; "tf" lets the next kernel launch before the combine's wait (SplitKVPlan
 # .trigger_first); "el" prefetches with evict_last, "bulk" one bulk prefetch a row (pf_mode 1, 2);
 # "auto" is the launch's own choice (first_trigger); "+nocomb": the partial kernels alone (no
-# combine, so no answer to check: timed only), "+uni": no lengths tensor (every sequence full)
+# combine, so no answer to check: timed only), "+uni": no lengths tensor (every sequence full),
+# "+sms<N>": the one-wave rules count N program slots (--variant sp264: two programs a SM)
 EARLY_CONFIGS = "pf0,pf2,pf8"
 
 
@@ -230,8 +231,10 @@ def api(write, reps: int, batches) -> None:
             torch.cuda.empty_cache()
 
 
-def early(write, reps: int, cells: str, configs: str = EARLY_CONFIGS) -> None:
-    for cell in cells.split(","):
+def early(write, reps: int, cells: str, configs: str = EARLY_CONFIGS,
+          variants: str = "") -> None:
+    for cell, forced in ((c, f) for c in cells.split(",") for f in (variants.split(",")
+                                                                   if variants else [None])):
         # B/Hq/Hk/Nk, or B/Hq/Hk/Nk/pPAGE: the same caches in PAGE-key pages, each sequence's
         # pages shuffled within its own range (one table for every layer), the contiguous
         # record's variant fitted to the pages (as attention_with_kvcache runs it)
@@ -242,7 +245,8 @@ def early(write, reps: int, cells: str, configs: str = EARLY_CONFIGS) -> None:
         kv_bytes = 2 * b * nk * hk * D * 2
         seqlens = torch.full((b,), nk, dtype=torch.int32, device="cuda")
         where = {"part": "early", "B": b, "Hq": hq, "Hk": hk, "Nk": nk, "page": page}
-        variant = kvcache.fit_pages(kvcache._variant(q, kcs[0], vcs[0], False, False, nk), page)
+        variant = kvcache.fit_pages(Variant.parse(forced) if forced else
+                                    kvcache._variant(q, kcs[0], vcs[0], False, False, nk), page)
         bt = None
         if page:
             per = nk // page
@@ -257,13 +261,16 @@ def early(write, reps: int, cells: str, configs: str = EARLY_CONFIGS) -> None:
             plan.allow_early = base != "plain"
             m = re.fullmatch(r"pf([\d.]+)(tf)?(el|bulk)?", base)
             if plan.allow_early and base != "auto":  # auto: the launch's own budget and trigger
-                if not m or set(mods) - {"nocomb", "uni"}:
+                if not m or {x for x in mods if not x.startswith("sms")} - {"nocomb", "uni"}:
                     raise SystemExit(f"--early: {conf!r} is not (plain|auto|pf<MiB>[tf][el|bulk])"
-                                     "[+nocomb][+uni]")
+                                     "[+nocomb][+uni][+sms<N>]")
                 plan.prefetch_bytes = int(float(m[1]) * (1 << 20))
                 plan.trigger_first = bool(m[2])
                 plan.pf_mode = {None: 0, "el": 1, "bulk": 2}[m[3]]
             plan.skip_combine = "nocomb" in mods
+            for x in mods:  # sms<N>: the one-wave rules count N program slots (two a SM: 264)
+                if x.startswith("sms"):
+                    plan.sms = int(x[3:])
             label = conf if base == "plain" else "early " + conf
             plans[label] = plan
             lengths[label] = None if "uni" in mods else seqlens  # uni: no lengths tensor read
@@ -301,6 +308,8 @@ def main(argv=None) -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--cells", default=EARLY_CELLS, help="early: B/Hq/Hk/Nk,...")
     ap.add_argument("--early", default=EARLY_CONFIGS, help="early: pf<MiB>[tf][el|bulk],...")
+    ap.add_argument("--variant", default="", help="early: these variants (comma-separated) "
+                    "instead of the dispatched one")
     a = ap.parse_args(argv)
     db.GRAPH = True
     out = open(a.out, "w")
@@ -324,7 +333,7 @@ def main(argv=None) -> None:
     if "mqa" in parts:
         mqa(write)
     if "early" in parts:
-        early(write, a.reps, a.cells, a.early)
+        early(write, a.reps, a.cells, a.early, a.variant)
 
 
 if __name__ == "__main__":
