@@ -26,13 +26,14 @@ DEFAULTS = {
 # early_start: the K/V bytes one launch sends to L2 before its wait, all programs together, and
 # when its combine lets the next kernel launch. On the H100 (bench/decode_probe.py --parts early,
 # 16-layer steps, docs/benchmarks.md sessions 34-35): with the combine letting the next partial
-# kernel in after its own wait, 2 MiB was best or within 5% of it at every one-wave shape (0,
-# 4, 8 MiB, half the L2 beside it). Letting it in before the wait (the next layer's programs
+# kernel in after its own wait, 2 MiB was best or within 5% of it at every one-wave shape (0
+# and 8 MiB, and half the L2, beside it). Letting it in before the wait (the next layer's programs
 # start, and prefetch, while this layer's still stream) paid with 4 MiB where a layer's K/V are
 # small beside the L2, so the prefetched lines survive the layer before: MQA B=1 2k paged 226 ->
 # 230 GB/s, GQA B=1 2k (8.4 MB) 993 -> 1,021, paged 1,015 -> 1,068, MQA 8k +2-4%. It lost 2-3%
 # at GQA 32k (134 MB) and MQA 128k (67 MB), about the bytes prefetched and evicted unread, and
-# 4% at MQA 32k (16.8 MB, a third of the L2; the decode grid, session 35's call 4).
+# 4% at MQA 32k (16.8 MB, a third of the L2; the decode grid, session 35's call 4, where the
+# probe read +3%: not resolved), hence a quarter of the L2 (first_trigger).
 PREFETCH_BYTES = 2 << 20
 PREFETCH_BYTES_FIRST = 4 << 20
 MIN_BLOCKS_PER_SPLIT = 1   # a split streams at least this many BLOCK_N blocks (see auto_num_splits)
