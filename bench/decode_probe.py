@@ -57,10 +57,11 @@ EARLY_CELLS = ("1/8/1/2048,1/8/1/8192,1/8/1/32768,1/8/1/131072,1/32/8/2048,1/32/
                "8/32/8/2048,8/32/8/32768,8/8/1/32768,64/32/8/8192")
 # early_start's launches beside the plain one (--early): pf<MiB> is the prefetch budget over all
 # programs; "tf" lets the next kernel launch before the combine's wait (SplitKVPlan
-# .trigger_first); "el" prefetches with evict_last, "bulk" one bulk prefetch a row (pf_mode 1, 2);
-# "auto" is the launch's own choice (first_trigger); "+nocomb": the partial kernels alone (no
-# combine, so no answer to check: timed only), "+uni": no lengths tensor (every sequence full),
-# "+sms<N>": the one-wave rules count N program slots (--variant sp264: two programs a SM)
+# .trigger_first); "auto" is the launch's own choice (first_trigger); "+nocomb": the partial
+# kernels alone (no combine, so no answer to check: timed only), "+uni": no lengths tensor
+# (every sequence full), "+sms<N>": the one-wave rules count N program slots (--variant sp264:
+# two programs a SM). Session 35 also timed an evict_last and a bulk prefetch (both slower,
+# removed: docs/benchmarks.md).
 EARLY_CONFIGS = "pf0,pf2,pf8"
 
 
@@ -259,14 +260,13 @@ def early(write, reps: int, cells: str, configs: str = EARLY_CONFIGS,
             base, *mods = conf.split("+")
             plan = SplitKVPlan(q, kcs[0], False, None, variant)
             plan.allow_early = base != "plain"
-            m = re.fullmatch(r"pf([\d.]+)(tf)?(el|bulk)?", base)
+            m = re.fullmatch(r"pf([\d.]+)(tf)?", base)
             if plan.allow_early and base != "auto":  # auto: the launch's own budget and trigger
                 if not m or {x for x in mods if not x.startswith("sms")} - {"nocomb", "uni"}:
-                    raise SystemExit(f"--early: {conf!r} is not (plain|auto|pf<MiB>[tf][el|bulk])"
+                    raise SystemExit(f"--early: {conf!r} is not (plain|auto|pf<MiB>[tf])"
                                      "[+nocomb][+uni][+sms<N>]")
                 plan.prefetch_bytes = int(float(m[1]) * (1 << 20))
                 plan.trigger_first = bool(m[2])
-                plan.pf_mode = {None: 0, "el": 1, "bulk": 2}[m[3]]
             plan.skip_combine = "nocomb" in mods
             for x in mods:  # sms<N>: the one-wave rules count N program slots (two a SM: 264)
                 if x.startswith("sms"):
@@ -307,7 +307,7 @@ def main(argv=None) -> None:
     ap.add_argument("--batches", default="1,64", help="api: batch sizes")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--cells", default=EARLY_CELLS, help="early: B/Hq/Hk/Nk,...")
-    ap.add_argument("--early", default=EARLY_CONFIGS, help="early: pf<MiB>[tf][el|bulk],...")
+    ap.add_argument("--early", default=EARLY_CONFIGS, help="early: (plain|auto|pf<MiB>[tf])[+nocomb][+uni][+sms<N>],...")
     ap.add_argument("--variant", default="", help="early: these variants (comma-separated) "
                     "instead of the dispatched one")
     a = ap.parse_args(argv)

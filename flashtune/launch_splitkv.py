@@ -52,10 +52,10 @@ DEFAULTS_F32 = {
 }
 
 
-def early_consts(block_d_: int, elsize: int, pf_mode: int = 0) -> dict:
+def early_consts(block_d_: int, elsize: int) -> dict:
     """The early_start render's partial-kernel constexprs: PF_LINE, the elements of one 128-byte
-    line (one prefetch each), and PF_MODE (the template's _prefetch_rows)."""
-    return {"PF_LINE": min(block_d_, 128 // elsize), "PF_MODE": pf_mode}
+    line (one prefetch each)."""
+    return {"PF_LINE": min(block_d_, 128 // elsize)}
 
 
 def default_variant(head_dim: int, dtype: str = "bfloat16") -> Variant:
@@ -167,11 +167,9 @@ class SplitKVPlan:
         # early_start's render where PDL works and the grid is one wave (run); the probe's
         # baseline turns it off, and sets other prefetch budgets
         self.allow_early = True
-        # early_start's prefetch budget, instruction (early_consts) and whether its combine lets
-        # the next kernel launch before its own wait (None: the rule in first_trigger); the
-        # probe sets them
+        # early_start's prefetch budget and whether its combine lets the next kernel launch
+        # before its own wait (None: the rules in _early_args, first_trigger); the probe sets them
         self.prefetch_bytes: int | None = None
-        self.pf_mode = 0
         self.trigger_first: bool | None = None
         self.skip_combine = False  # the probe's partial kernels alone (their outputs unmerged)
         self.elsize = k_cache.element_size()
@@ -207,7 +205,7 @@ class SplitKVPlan:
             if key[0] == "partial":
                 extra = {}
                 if key[2]:
-                    extra.update(early_consts(self.kwargs["BLOCK_D"], self.elsize, self.pf_mode))
+                    extra.update(early_consts(self.kwargs["BLOCK_D"], self.elsize))
                     if self.pdl:
                         extra["launch_pdl"] = True
                 got = Launcher(mod.attn_splitkv_partial, UNIFORM=key[1], **extra, **self.kwargs)
@@ -296,8 +294,6 @@ class SplitKVPlan:
         early = self.early(s)
         keys = min(max_seqlen, capacity)
         first = early and self.first_trigger(keys)
-        if early and self.pf_mode == 2 and not descriptor_ok(k_cache, v_cache, False):
-            raise ValueError("pf_mode 2 (bulk prefetch) needs 16-byte aligned K/V rows")
         self._launcher(("partial", uniform, early))(
             (self.programs, s),
             q, k_cache, v_cache, bt, seqlens, o_dst, l_dst, self.scale, *self.mask_args,
