@@ -126,7 +126,8 @@ def mqa(write):
                        "kernel_us": kernel_us(SplitKVPlan(q, kcs[0], False, None, v), q, kcs[0],
                                               vcs[0], seqlens, None, nk)}
             except Exception as e:  # noqa: BLE001 -- a shape that cannot run is a row
-                row = {"part": "mqa", "Nk": nk, "impl": name, "error": f"{type(e).__name__}: {e}"[:300]}
+                row = {"part": "mqa", "Nk": nk, "impl": name,
+                       "error": f"{type(e).__name__}: {e}"[:300]}
             write(row)
         del q, kcs, vcs
         torch.cuda.empty_cache()
@@ -307,7 +308,8 @@ def main(argv=None) -> None:
     ap.add_argument("--batches", default="1,64", help="api: batch sizes")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--cells", default=EARLY_CELLS, help="early: B/Hq/Hk/Nk,...")
-    ap.add_argument("--early", default=EARLY_CONFIGS, help="early: (plain|auto|pf<MiB>[tf])[+nocomb][+uni][+sms<N>],...")
+    ap.add_argument("--early", default=EARLY_CONFIGS,
+                    help="early: (plain|auto|pf<MiB>[tf])[+nocomb][+uni][+sms<N>],...")
     ap.add_argument("--variant", default="", help="early: these variants (comma-separated) "
                     "instead of the dispatched one")
     a = ap.parse_args(argv)
@@ -320,7 +322,8 @@ def main(argv=None) -> None:
     def write(row):
         out.write(json.dumps(row) + "\n")
         out.flush()
-        keys = ("part", "Hq", "B", "Nk", "page", "impl", "gbps", "vs_contiguous", "vs_base", "splits",
+        keys = ("part", "Hq", "B", "Nk", "page", "impl", "gbps", "vs_contiguous", "vs_base",
+                "splits",
                 "early", "max_diff", "kernel_us",
                 "paged_over_contiguous", "paged_vs_contiguous_max_diff", "error")
         print({k: (round(row[k], 3) if isinstance(row[k], float) else row[k])
