@@ -69,26 +69,21 @@ def default_variant(head_dim: int, dtype: str = "bfloat16") -> Variant:
 
 
 @lru_cache(maxsize=None)
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
+def _props(device_index: int):
+    return torch.cuda.get_device_properties(device_index)
 
 
-@lru_cache(maxsize=None)
-def _l2_bytes(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).L2_cache_size
+def _device_props(device: torch.device):
+    return _props(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def l2_bytes(device: torch.device) -> int:
     """The device's L2 in bytes (0 off a GPU)."""
-    if device.type != "cuda":
-        return 0
-    return _l2_bytes(device.index if device.index is not None else torch.cuda.current_device())
+    return _device_props(device).L2_cache_size if device.type == "cuda" else 0
 
 
 def sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return CPU_SMS
-    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    return _device_props(device).multi_processor_count if device.type == "cuda" else CPU_SMS
 
 
 def auto_num_splits(programs: int, max_seqlen: int, block_n: int, sms: int) -> int:
