@@ -3,8 +3,10 @@ off) and of the plain streaming read of the same caches (flashtune/bench/read_ce
 programs per SM), for Nsight Compute: where the partial kernel reads slower than a plain read
 (session 35: 1,663 against 2,006 GB/s at 32k keys, both chained 16 layers in a graph).
 
-    ncu --clock-control none -k regex:"partial|_stream_read" --launch-skip 2 ... \
+    ncu --clock-control none -k regex:"partial|_stream_read" --profile-from-start off ... \
         python3 bench/partial_ncu.py --nk 32768
+    STEPS=srcprof SRCPROF_SCRIPT=bench/partial_ncu.py SRCPROF_KERNEL="attn_splitkv_partial" \
+        SRCPROF_ARGS="--nk 32768" bash bench/device_run.sh   # stalls per SASS instruction
 """
 from __future__ import annotations
 
@@ -33,10 +35,18 @@ def main() -> None:
     plan.pdl = False
     plan.kwargs["USE_PDL"] = False
     read = reader(k, v, 4 * torch.cuda.get_device_properties(0).multi_processor_count)
-    for _ in range(4):  # ncu --launch-skip 2 --launch-count 2: the third launch of each
+    for _ in range(3):  # compiled and warm
         plan.run(q, k, v, sl, None, a.nk)
         read()
     torch.cuda.synchronize()
+    # the fourth launch of each alone lies between cudaProfilerStart and Stop: with ncu
+    # --profile-from-start off (device_run.sh srcprof) it is the one profiled; without, ncu
+    # --launch-skip 3 --launch-count 2 picks the same two
+    torch.cuda.cudart().cudaProfilerStart()
+    plan.run(q, k, v, sl, None, a.nk)
+    read()
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStop()
     print(var.name, plan.num_splits(a.nk), "splits")
 
 
