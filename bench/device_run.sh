@@ -230,6 +230,10 @@ print('torch', torch.cuda.get_device_name(0), targets.detect(0).slug)" 2>&1 | te
               timeout 120 python3 -m pytest -q -m gpu tests/test_tables_gpu.py 2>&1 | tail -4 ;;
     splitkvtests) timeout ${SPLITKV_TIMEOUT:-200} python3 -m pytest -v -rfE -x ${SPLITKV_ARGS:-tests/test_splitkv.py} \
                 2>&1 | tee "$OUT/splitkvtests.log" | grep -v " PASSED \| SKIPPED " | tail -20 ;;
+    warpsplit) # issue 9 (session 35's lead): the warp-split partial prototype beside the shipped plan at
+              # MQA B=1 (bench/warp_split_probe.py; WS_ARGS e.g. "--cells 32768 --configs 4/16/3")
+              timeout ${WS_TIMEOUT:-300} python3 bench/warp_split_probe.py --out "$OUT/warp_split.jsonl" \
+                ${WS_ARGS:-} 2>&1 | tee "$OUT/warp_split.log" | grep -v max_diff | tail -40 ;;
     dsweep)   timeout ${DSWEEP_TIMEOUT:-330} python3 bench/decode_sweep.py --out "$OUT/decode_sweep.jsonl" ${DSWEEP_ARGS:-} \
                 --budget ${DSWEEP_BUDGET:-300} 2>&1 | tee "$OUT/decode_sweep.log" | tail -20 ;;
     hopperncu) # issue 10: one launch of each worst-bucket kernel (and a good bucket) under Nsight Compute,

@@ -1,0 +1,237 @@
+"""A prototype for the MQA B=1 decode gap of issue 9 (session 35): a split-KV partial kernel
+whose warps each keep their own softmax state over their own keys, merged once per program.
+
+Why: a long MQA B=1 step's partial kernels alone read 17% (32k keys) to 9% (128k) slower than a
+plain read of the same bytes (docs/benchmarks.md, session 35). ncu: the shipped kernel's one
+4-warp program per SM issues an instruction every 8.4 cycles, only a third of them waiting on
+memory; its loop body holds five CTA barriers per key step -- the row max and row sum of the
+[16, 64] score tile are reduced across the 4 warps (which split its keys) through shared memory,
+and P goes through shared memory to the PV dot. Deeper rings and more programs per SM were each
+slower. Here the key step is [W, KB] keys as a batch of W 3-D dots, the batch over the warps:
+every reduction of a step stays inside a warp, and the W states meet once, after the loop.
+
+    TRITON_INTERPRET=1 python3 bench/warp_split_probe.py --device cpu   # check against float64
+    python3 bench/warp_split_probe.py --out ws.jsonl         # GPU: 16-layer graph steps, MQA B=1
+
+The GPU mode times, per cell, the shipped plan (plain launch, and as dispatched: early start)
+and the prototype at several (warps, keys per warp, stages), each checked against the shipped
+output first, with and without the combine (`+nocomb`: the partial kernels alone).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+
+@triton.jit
+def _ws_partial(Q, K, V, O, LSE, sm_scale, seqlen, num_splits, stride_qh, stride_kn, stride_vn,
+                GROUP: tl.constexpr, BLOCK_M: tl.constexpr, W: tl.constexpr, KB: tl.constexpr,
+                D: tl.constexpr, USE_PDL: tl.constexpr):
+    # MQA, one sequence, one query token: the tile's rows are the GROUP q heads (padded to
+    # BLOCK_M); K and V (N, D) of the one kv head. Split s covers keys [s * chunk, ...), chunk a
+    # multiple of the step (W x KB keys, read as [W, KB, D]: warp w's KB keys). Writes O (rows,
+    # splits, D) normalised by its own sum and LSE (rows, splits), natural log, as
+    # attn_splitkv_partial does, so the shipped combine merges them.
+    split = tl.program_id(0)
+    chunk = tl.cdiv(tl.cdiv(seqlen, num_splits), W * KB) * (W * KB)
+    lo = tl.minimum(split * chunk, seqlen)
+    hi = tl.minimum(lo + chunk, seqlen)
+    rows = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, D)
+    q = tl.load(Q + rows[:, None] * stride_qh + offs_d[None, :], mask=rows[:, None] < GROUP,
+                other=0.0)
+    q3 = tl.broadcast_to(q[None, :, :], (W, BLOCK_M, D))
+    qk_scale = sm_scale * 1.4426950408889634
+    m = tl.full((W, BLOCK_M), float("-inf"), tl.float32)
+    den = tl.zeros((W, BLOCK_M), tl.float32)
+    acc = tl.zeros((W, BLOCK_M, D), tl.float32)
+    keys = tl.arange(0, W)[:, None] * KB + tl.arange(0, KB)[None, :]  # [W, KB]
+    for start in tl.range(lo, hi, W * KB):
+        cols = start + keys
+        ok = cols < hi
+        k = tl.load(K + cols[:, :, None] * stride_kn + offs_d[None, None, :],
+                    mask=ok[:, :, None], other=0.0)
+        v = tl.load(V + cols[:, :, None] * stride_vn + offs_d[None, None, :],
+                    mask=ok[:, :, None], other=0.0)
+        qk = tl.dot(q3, tl.permute(k, (0, 2, 1)))  # [W, BLOCK_M, KB], float32
+        qk = tl.where(ok[:, None, :], qk, float("-inf"))
+        m_new = tl.maximum(m, tl.max(qk, 2) * qk_scale)
+        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)  # a warp with no keys yet: no NaN
+        p = tl.math.exp2(qk * qk_scale - m_sub[:, :, None])
+        alpha = tl.math.exp2(m - m_sub)
+        den = den * alpha + tl.sum(p, 2)
+        acc = acc * alpha[:, :, None]
+        acc = tl.dot(p.to(v.dtype), v, acc)  # [W, BLOCK_M, D]
+        m = m_new
+    # the W warps' states, merged once
+    m_all = tl.max(m, 0)
+    m_safe = tl.where(m_all == float("-inf"), 0.0, m_all)
+    sc = tl.math.exp2(m - m_safe[None, :])  # a warp that saw no key weighs 0
+    den_all = tl.sum(den * sc, 0)
+    o = tl.sum(acc * sc[:, :, None], 0)
+    seen = den_all > 0.0
+    den_safe = tl.where(seen, den_all, 1.0)
+    o = o / den_safe[:, None]
+    lse = tl.where(seen, (m_safe + tl.math.log2(den_safe)) * 0.6931471805599453, float("-inf"))
+    row_ok = rows < GROUP
+    tl.store(LSE + rows * num_splits + split, lse, mask=row_ok)
+    tl.store(O + (rows[:, None] * num_splits + split) * D + offs_d[None, :], o,
+             mask=row_ok[:, None])
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()  # the combine may start once every program is here
+
+
+class WarpSplit:
+    """The prototype's launch for q (1, 1, G, D), caches (1, N, 1, D): run(q, k, v, n) -> O, LSE
+    (as SplitKVPlan.run), the combine the shipped one (USE_PDL as shipped: a dependent launch)."""
+
+    def __init__(self, q, k, warps: int, kb: int, stages: int, splits: int, pdl: bool,
+                 combine: bool = True):
+        from flashtune.codegen import Variant, load
+        from flashtune.launch_splitkv import combine_tile
+        self.g, self.d = q.shape[2], q.shape[3]
+        self.warps, self.kb, self.stages, self.splits = warps, kb, stages, splits
+        self.pdl, self.combine = pdl, combine
+        self.block_m = max(16, triton.next_power_of_2(self.g))
+        self.mod = load(Variant("splitkv", block_m=64, block_n=64, num_warps=4, num_stages=3))
+        self.block_s, self.chunk_d = combine_tile(splits, self.d)
+        self.name = f"warp-split w{warps} kb{kb} s{stages} sp{splits}"
+
+    def run(self, q, k, v, n: int):
+        g, d, s = self.g, self.d, self.splits
+        o_part = torch.empty((g, s, d), dtype=torch.float32, device=q.device)
+        l_part = torch.empty((g, s), dtype=torch.float32, device=q.device)
+        _ws_partial[(s,)](q, k, v, o_part, l_part, 1.0 / d ** 0.5, n, s, q.stride(2),
+                          k.stride(1), v.stride(1), GROUP=g, BLOCK_M=self.block_m,
+                          W=self.warps, KB=self.kb, D=d, USE_PDL=self.pdl,
+                          num_warps=self.warps, num_stages=self.stages)
+        o = torch.empty_like(q)
+        lse = torch.empty((1, g, 1), dtype=torch.float32, device=q.device)
+        if self.combine:
+            extra = {"launch_pdl": True} if self.pdl else {}
+            self.mod.attn_splitkv_combine[(g, triton.cdiv(d, self.chunk_d))](
+                o_part, l_part, o, lse, g, 1, s, o.stride(0), o.stride(1), o.stride(2),
+                HEAD_DIM=d, BLOCK_S=self.block_s, CHUNK_D=self.chunk_d, USE_PDL=self.pdl,
+                num_warps=4, **extra)
+        return o, lse
+
+
+CPU_CASES = ((8, 200, 4, 16, 3), (8, 64, 2, 16, 8), (4, 1000, 4, 16, 5))  # G, N, W, KB, splits
+
+
+def check_case(g: int, n: int, warps: int, kb: int, splits: int) -> tuple:
+    """(max |O - ref|, max |LSE - ref|) of the prototype in the interpreter (float16: bfloat16
+    dots are wrong there) against float64, the cache longer than the sequence; N=64 with 8
+    splits of 32-key steps leaves six splits without keys."""
+    from flashtune.reference import reference
+    q = torch.randn(1, 1, g, 64, dtype=torch.float16)
+    k = torch.randn(1, n + 37, 1, 64, dtype=torch.float16)  # capacity past the length
+    v = torch.randn_like(k)
+    o, lse = WarpSplit(q, k, warps, kb, 1, splits, pdl=False).run(q, k, v, n)
+    kk, vv = (t[:, :n].transpose(1, 2).double().expand(1, g, n, 64) for t in (k, v))
+    err = (o.transpose(1, 2).double() - reference(q.transpose(1, 2).double(), kk, vv))
+    lse_ref = torch.logsumexp(q[0, 0].double() @ k[0, :n, 0].double().T / 8.0, -1)
+    return err.abs().max().item(), (lse[0, :, 0].double() - lse_ref).abs().max().item()
+
+
+def cpu_check() -> None:
+    torch.manual_seed(0)
+    for case in CPU_CASES:
+        err, lse_err = check_case(*case)
+        print("G={} N={} W={} KB={} splits={}:".format(*case),
+              f"max |O - ref| {err:.2e}, max |LSE - ref| {lse_err:.2e}")
+        assert err < 2e-3 and lse_err < 2e-3, (err, lse_err)
+    print("ok")
+
+
+def gpu(out: str, cells, configs, reps: int) -> None:
+    import decode_bench as db
+    from flashtune import kvcache
+    from flashtune.launch_splitkv import SplitKVPlan
+    db.GRAPH = True
+    layers, d = 16, 128
+    f = open(out, "w")
+
+    def write(row):
+        f.write(json.dumps(row) + "\n")
+        f.flush()
+        print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()
+               if k != "ms_all"}, flush=True)
+    write({"kind": "env", "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+           "triton": triton.__version__})
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for nk in cells:
+        q = torch.randn(1, 1, 8, d, dtype=torch.bfloat16, device="cuda")
+        kcs = [torch.randn(1, nk, 1, d, dtype=torch.bfloat16, device="cuda")
+               for _ in range(layers)]
+        vcs = [torch.randn_like(k) for k in kcs]
+        sl = torch.full((1,), nk, dtype=torch.int32, device="cuda")
+        kv_bytes = 2 * nk * d * 2
+        var = kvcache._variant(q, kcs[0], vcs[0], False, False, nk)
+        runs = {}
+        for label, early, comb in (("shipped plain", False, True), ("shipped early", True, True),
+                                   ("shipped plain+nocomb", False, False)):
+            plan = SplitKVPlan(q, kcs[0], False, None, var)
+            plan.allow_early, plan.skip_combine = early, not comb
+            runs[f"{var.name} {label}"] = (lambda p: lambda i: p.run(q, kcs[i], vcs[i], sl, None,
+                                                                      nk))(plan)
+        for warps, kb, stages in configs:
+            for comb in (True, False):
+                ws = WarpSplit(q, kcs[0], warps, kb, stages, sms, pdl=True, combine=comb)
+                runs[ws.name + ("" if comb else "+nocomb")] = (
+                    lambda w: lambda i: w.run(q, kcs[i], vcs[i], nk))(ws)
+        ref = runs[f"{var.name} shipped plain"](0)[0]
+        times = {}
+        for label, run in runs.items():
+            try:
+                got = run(0)[0]
+                torch.cuda.synchronize()
+                diff = (got.float() - ref.float()).abs().max().item()
+                write({"Nk": nk, "impl": label, "max_diff_vs_shipped": diff})
+                if "nocomb" in label or diff < 2e-2:
+                    times[label] = []
+            except Exception as e:  # noqa: BLE001 -- a config that cannot build is a row
+                write({"Nk": nk, "impl": label, "error": f"{type(e).__name__}: {e}"[:300]})
+        for _ in range(reps):
+            for label in times:
+                times[label].append(db.bench_ms(db.layered(
+                    lambda i, r=runs[label]: (lambda: r(i)), layers)) / layers)
+        for label, ts in times.items():
+            ms = statistics.median(ts)
+            write({"Nk": nk, "impl": label, "ms": ms, "ms_all": ts, "gbps": kv_bytes / ms / 1e6})
+        q = kcs = vcs = runs = ref = None
+        torch.cuda.empty_cache()
+    f.close()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    ap.add_argument("--out", default="warp_split.jsonl")
+    ap.add_argument("--cells", default="32768,131072", help="key counts (MQA 8/1, B=1, D=128)")
+    ap.add_argument("--configs", default="4/16/3,4/16/4,4/32/3,8/16/3,2/32/3",
+                    help="warps/keys-per-warp/stages,...")
+    ap.add_argument("--reps", type=int, default=3)
+    a = ap.parse_args()
+    if a.device == "cpu":
+        if os.environ.get("TRITON_INTERPRET") != "1":  # read when the kernel is decorated
+            raise SystemExit("--device cpu: run with TRITON_INTERPRET=1")
+        cpu_check()
+        return
+    gpu(a.out, [int(x) for x in a.cells.split(",")],
+        [tuple(int(y) for y in x.split("/")) for x in a.configs.split(",")], a.reps)
+
+
+if __name__ == "__main__":
+    main()
