@@ -3,8 +3,8 @@ whose warps each keep their own softmax state over their own keys, merged once p
 
 Why: a long MQA B=1 step's partial kernels alone read 17% (32k keys) to 9% (128k) slower than a
 plain read of the same bytes (docs/benchmarks.md, session 35). ncu: the shipped kernel's one
-4-warp program per SM issues an instruction every 8.4 cycles, only a third of them waiting on
-memory; its loop body holds five CTA barriers per key step -- the row max and row sum of the
+4-warp program per SM issues an instruction every 8.4 cycles, a third of that waiting on
+memory; its loop body holds seven CTA barriers per key step -- the row max and row sum of the
 [16, 64] score tile are reduced across the 4 warps (which split its keys) through shared memory,
 and P goes through shared memory to the PV dot. Deeper rings and more programs per SM were each
 slower. Here the key step is [W, KB] keys as a batch of W 3-D dots, the batch over the warps:
