@@ -37,12 +37,15 @@ import triton.language as tl  # noqa: E402
 @triton.jit
 def _ws_partial(Q, K, V, O, LSE, sm_scale, seqlen, num_splits, stride_qh, stride_kn, stride_vn,
                 GROUP: tl.constexpr, BLOCK_M: tl.constexpr, W: tl.constexpr, KB: tl.constexpr,
-                D: tl.constexpr, USE_PDL: tl.constexpr):
+                D: tl.constexpr, PER_WARP: tl.constexpr, USE_PDL: tl.constexpr):
     # MQA, one sequence, one query token: the tile's rows are the GROUP q heads (padded to
     # BLOCK_M); K and V (N, D) of the one kv head. Split s covers keys [s * chunk, ...), chunk a
     # multiple of the step (W x KB keys, read as [W, KB, D]: warp w's KB keys). Writes O (rows,
     # splits, D) normalised by its own sum and LSE (rows, splits), natural log, as
-    # attn_splitkv_partial does, so the shipped combine merges them.
+    # attn_splitkv_partial does, so the shipped combine merges them. PER_WARP: each warp's state
+    # is a split of its own (split * W + w of num_splits * W), left to the combine -- the merge
+    # below converts the [W, 16, D] accumulator's layout through shared memory twice, 16 rounds
+    # and 32 barriers each (sm_90 PTX), once a program.
     split = tl.program_id(0)
     chunk = tl.cdiv(tl.cdiv(seqlen, num_splits), W * KB) * (W * KB)
     lo = tl.minimum(split * chunk, seqlen)
@@ -74,6 +77,21 @@ def _ws_partial(Q, K, V, O, LSE, sm_scale, seqlen, num_splits, stride_qh, stride
         acc = acc * alpha[:, :, None]
         acc = tl.dot(p.to(v.dtype), v, acc)  # [W, BLOCK_M, D]
         m = m_new
+    row_ok = rows < GROUP
+    if PER_WARP:
+        seen_w = den > 0.0
+        den_w = tl.where(seen_w, den, 1.0)
+        m_w = tl.where(m == float("-inf"), 0.0, m)
+        lse_w = tl.where(seen_w, (m_w + tl.math.log2(den_w)) * 0.6931471805599453, float("-inf"))
+        col = split * W + tl.arange(0, W)  # [W]
+        tl.store(LSE + rows[None, :] * (num_splits * W) + col[:, None], lse_w,
+                 mask=row_ok[None, :])
+        tl.store(O + ((rows[None, :, None] * (num_splits * W) + col[:, None, None]) * D
+                      + offs_d[None, None, :]), acc / den_w[:, :, None],
+                 mask=row_ok[None, :, None])
+        if USE_PDL:
+            tl.extra.cuda.gdc_launch_dependents()
+        return
     # the W warps' states, merged once
     m_all = tl.max(m, 0)
     m_safe = tl.where(m_all == float("-inf"), 0.0, m_all)
@@ -84,7 +102,6 @@ def _ws_partial(Q, K, V, O, LSE, sm_scale, seqlen, num_splits, stride_qh, stride
     den_safe = tl.where(seen, den_all, 1.0)
     o = o / den_safe[:, None]
     lse = tl.where(seen, (m_safe + tl.math.log2(den_safe)) * 0.6931471805599453, float("-inf"))
-    row_ok = rows < GROUP
     tl.store(LSE + rows * num_splits + split, lse, mask=row_ok)
     tl.store(O + (rows[:, None] * num_splits + split) * D + offs_d[None, :], o,
              mask=row_ok[:, None])
@@ -97,40 +114,44 @@ class WarpSplit:
     (as SplitKVPlan.run), the combine the shipped one (USE_PDL as shipped: a dependent launch)."""
 
     def __init__(self, q, k, warps: int, kb: int, stages: int, splits: int, pdl: bool,
-                 combine: bool = True):
+                 combine: bool = True, per_warp: bool = False):
         from flashtune.codegen import Variant, load
         from flashtune.launch_splitkv import combine_tile
         self.g, self.d = q.shape[2], q.shape[3]
         self.warps, self.kb, self.stages, self.splits = warps, kb, stages, splits
-        self.pdl, self.combine = pdl, combine
+        self.pdl, self.combine, self.per_warp = pdl, combine, per_warp
         self.block_m = max(16, triton.next_power_of_2(self.g))
         self.mod = load(Variant("splitkv", block_m=64, block_n=64, num_warps=4, num_stages=3))
-        self.block_s, self.chunk_d = combine_tile(splits, self.d)
-        self.name = f"warp-split w{warps} kb{kb} s{stages} sp{splits}"
+        self.parts = splits * (warps if per_warp else 1)  # what the combine merges
+        self.block_s, self.chunk_d = combine_tile(self.parts, self.d)
+        self.name = (f"warp-split w{warps} kb{kb} s{stages} sp{splits}"
+                     + (" per-warp" if per_warp else ""))
 
     def run(self, q, k, v, n: int):
-        g, d, s = self.g, self.d, self.splits
-        o_part = torch.empty((g, s, d), dtype=torch.float32, device=q.device)
-        l_part = torch.empty((g, s), dtype=torch.float32, device=q.device)
+        g, d, s, parts = self.g, self.d, self.splits, self.parts
+        o_part = torch.empty((g, parts, d), dtype=torch.float32, device=q.device)
+        l_part = torch.empty((g, parts), dtype=torch.float32, device=q.device)
         _ws_partial[(s,)](q, k, v, o_part, l_part, 1.0 / d ** 0.5, n, s, q.stride(2),
                           k.stride(1), v.stride(1), GROUP=g, BLOCK_M=self.block_m,
-                          W=self.warps, KB=self.kb, D=d, USE_PDL=self.pdl,
-                          num_warps=self.warps, num_stages=self.stages)
+                          W=self.warps, KB=self.kb, D=d, PER_WARP=self.per_warp,
+                          USE_PDL=self.pdl, num_warps=self.warps, num_stages=self.stages)
         o = torch.empty_like(q)
         lse = torch.empty((1, g, 1), dtype=torch.float32, device=q.device)
         if self.combine:
             extra = {"launch_pdl": True} if self.pdl else {}
             self.mod.attn_splitkv_combine[(g, triton.cdiv(d, self.chunk_d))](
-                o_part, l_part, o, lse, g, 1, s, o.stride(0), o.stride(1), o.stride(2),
+                o_part, l_part, o, lse, g, 1, parts, o.stride(0), o.stride(1), o.stride(2),
                 HEAD_DIM=d, BLOCK_S=self.block_s, CHUNK_D=self.chunk_d, USE_PDL=self.pdl,
                 num_warps=4, **extra)
         return o, lse
 
 
-CPU_CASES = ((8, 200, 4, 16, 3), (8, 64, 2, 16, 8), (4, 1000, 4, 16, 5))  # G, N, W, KB, splits
+# G, N, W, KB, splits, per_warp
+CPU_CASES = ((8, 200, 4, 16, 3, False), (8, 64, 2, 16, 8, False), (4, 1000, 4, 16, 5, False),
+             (8, 200, 4, 16, 3, True), (8, 64, 2, 16, 8, True))
 
 
-def check_case(g: int, n: int, warps: int, kb: int, splits: int) -> tuple:
+def check_case(g: int, n: int, warps: int, kb: int, splits: int, per_warp: bool) -> tuple:
     """(max |O - ref|, max |LSE - ref|) of the prototype in the interpreter (float16: bfloat16
     dots are wrong there) against float64, the cache longer than the sequence; N=64 with 8
     splits of 32-key steps leaves six splits without keys."""
@@ -138,7 +159,7 @@ def check_case(g: int, n: int, warps: int, kb: int, splits: int) -> tuple:
     q = torch.randn(1, 1, g, 64, dtype=torch.float16)
     k = torch.randn(1, n + 37, 1, 64, dtype=torch.float16)  # capacity past the length
     v = torch.randn_like(k)
-    o, lse = WarpSplit(q, k, warps, kb, 1, splits, pdl=False).run(q, k, v, n)
+    o, lse = WarpSplit(q, k, warps, kb, 1, splits, pdl=False, per_warp=per_warp).run(q, k, v, n)
     kk, vv = (t[:, :n].transpose(1, 2).double().expand(1, g, n, 64) for t in (k, v))
     err = (o.transpose(1, 2).double() - reference(q.transpose(1, 2).double(), kk, vv))
     lse_ref = torch.logsumexp(q[0, 0].double() @ k[0, :n, 0].double().T / 8.0, -1)
@@ -149,7 +170,7 @@ def cpu_check() -> None:
     torch.manual_seed(0)
     for case in CPU_CASES:
         err, lse_err = check_case(*case)
-        print("G={} N={} W={} KB={} splits={}:".format(*case),
+        print("G={} N={} W={} KB={} splits={} per_warp={}:".format(*case),
               f"max |O - ref| {err:.2e}, max |LSE - ref| {lse_err:.2e}")
         assert err < 2e-3 and lse_err < 2e-3, (err, lse_err)
     print("ok")
@@ -186,9 +207,10 @@ def gpu(out: str, cells, configs, reps: int) -> None:
             plan.allow_early, plan.skip_combine = early, not comb
             runs[f"{var.name} {label}"] = (lambda p: lambda i: p.run(q, kcs[i], vcs[i], sl, None,
                                                                       nk))(plan)
-        for warps, kb, stages in configs:
+        for warps, kb, stages, per_warp in configs:
             for comb in (True, False):
-                ws = WarpSplit(q, kcs[0], warps, kb, stages, sms, pdl=True, combine=comb)
+                ws = WarpSplit(q, kcs[0], warps, kb, stages, sms, pdl=True, combine=comb,
+                               per_warp=per_warp)
                 runs[ws.name + ("" if comb else "+nocomb")] = (
                     lambda w: lambda i: w.run(q, kcs[i], vcs[i], nk))(ws)
         ref = runs[f"{var.name} shipped plain"](0)[0]
@@ -220,8 +242,9 @@ def main() -> None:
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     ap.add_argument("--out", default="warp_split.jsonl")
     ap.add_argument("--cells", default="32768,131072", help="key counts (MQA 8/1, B=1, D=128)")
-    ap.add_argument("--configs", default="4/16/3,4/16/4,4/32/3,8/16/3,2/32/3",
-                    help="warps/keys-per-warp/stages,...")
+    ap.add_argument("--configs", default="4/16/3,4/16/3/w,4/16/4,2/32/3,2/32/3/w,8/16/3",
+                    help="warps/keys-per-warp/stages[/w],... (w: each warp's state a split of "
+                         "its own, merged by the combine)")
     ap.add_argument("--reps", type=int, default=3)
     a = ap.parse_args()
     if a.device == "cpu":
@@ -230,7 +253,8 @@ def main() -> None:
         cpu_check()
         return
     gpu(a.out, [int(x) for x in a.cells.split(",")],
-        [tuple(int(y) for y in x.split("/")) for x in a.configs.split(",")], a.reps)
+        [(*(int(y) for y in x.split("/")[:3]), x.endswith("/w")) for x in a.configs.split(",")],
+        a.reps)
 
 
 if __name__ == "__main__":
