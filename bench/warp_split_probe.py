@@ -10,7 +10,7 @@ and P goes through shared memory to the PV dot. Deeper rings and more programs p
 slower. Here the key step is [W, KB] keys as a batch of W 3-D dots, the batch over the warps:
 every reduction of a step stays inside a warp, and the W states meet once, after the loop.
 
-    TRITON_INTERPRET=1 python3 bench/warp_split_probe.py --device cpu   # check against float64
+    TRITON_INTERPRET=1 python3 bench/warp_split_probe.py --device cpu   # float64 check, smoke run
     python3 bench/warp_split_probe.py --out ws.jsonl         # GPU: 16-layer graph steps, MQA B=1
 
 The GPU mode times, per cell, the shipped plan (plain launch, and as dispatched: early start)
@@ -176,12 +176,16 @@ def cpu_check() -> None:
     print("ok")
 
 
-def gpu(out: str, cells, configs, reps: int) -> None:
+def gpu(out: str, cells, configs, reps: int, device: str = "cuda") -> None:
+    """device "cpu": a smoke run of this function in the interpreter (2 layers, float16, no
+    graphs, 4 splits), so a device call does not find its bugs."""
     import decode_bench as db
     from flashtune import kvcache
     from flashtune.launch_splitkv import SplitKVPlan
-    db.GRAPH = True
-    layers, d = 16, 128
+    cuda = device == "cuda"
+    db.GRAPH, db.DEVICE = cuda, device
+    layers, d = (16, 128) if cuda else (2, 64)
+    dt = torch.bfloat16 if cuda else torch.float16
     f = open(out, "w")
 
     def write(row):
@@ -189,15 +193,14 @@ def gpu(out: str, cells, configs, reps: int) -> None:
         f.flush()
         print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()
                if k != "ms_all"}, flush=True)
-    write({"kind": "env", "device": torch.cuda.get_device_name(), "torch": torch.__version__,
-           "triton": triton.__version__})
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    write({"kind": "env", "device": torch.cuda.get_device_name() if cuda else "cpu",
+           "torch": torch.__version__, "triton": triton.__version__})
+    sms = torch.cuda.get_device_properties(0).multi_processor_count if cuda else 4
     for nk in cells:
-        q = torch.randn(1, 1, 8, d, dtype=torch.bfloat16, device="cuda")
-        kcs = [torch.randn(1, nk, 1, d, dtype=torch.bfloat16, device="cuda")
-               for _ in range(layers)]
+        q = torch.randn(1, 1, 8, d, dtype=dt, device=device)
+        kcs = [torch.randn(1, nk, 1, d, dtype=dt, device=device) for _ in range(layers)]
         vcs = [torch.randn_like(k) for k in kcs]
-        sl = torch.full((1,), nk, dtype=torch.int32, device="cuda")
+        sl = torch.full((1,), nk, dtype=torch.int32, device=device)
         kv_bytes = 2 * nk * d * 2
         var = kvcache._variant(q, kcs[0], vcs[0], False, False, nk)
         runs = {}
@@ -209,7 +212,7 @@ def gpu(out: str, cells, configs, reps: int) -> None:
                                                                       nk))(plan)
         for warps, kb, stages, per_warp in configs:
             for comb in (True, False):
-                ws = WarpSplit(q, kcs[0], warps, kb, stages, sms, pdl=True, combine=comb,
+                ws = WarpSplit(q, kcs[0], warps, kb, stages, sms, pdl=cuda, combine=comb,
                                per_warp=per_warp)
                 runs[ws.name + ("" if comb else "+nocomb")] = (
                     lambda w: lambda i: w.run(q, kcs[i], vcs[i], nk))(ws)
@@ -218,7 +221,8 @@ def gpu(out: str, cells, configs, reps: int) -> None:
         for label, run in runs.items():
             try:
                 got = run(0)[0]
-                torch.cuda.synchronize()
+                if cuda:
+                    torch.cuda.synchronize()
                 diff = (got.float() - ref.float()).abs().max().item()
                 write({"Nk": nk, "impl": label, "max_diff_vs_shipped": diff})
                 if "nocomb" in label or diff < 2e-2:
@@ -233,7 +237,8 @@ def gpu(out: str, cells, configs, reps: int) -> None:
             ms = statistics.median(ts)
             write({"Nk": nk, "impl": label, "ms": ms, "ms_all": ts, "gbps": kv_bytes / ms / 1e6})
         q = kcs = vcs = runs = ref = None
-        torch.cuda.empty_cache()
+        if cuda:
+            torch.cuda.empty_cache()
     f.close()
 
 
@@ -247,14 +252,15 @@ def main() -> None:
                          "its own, merged by the combine)")
     ap.add_argument("--reps", type=int, default=3)
     a = ap.parse_args()
+    configs = [(*(int(y) for y in x.split("/")[:3]), x.endswith("/w"))
+               for x in a.configs.split(",")]
     if a.device == "cpu":
         if os.environ.get("TRITON_INTERPRET") != "1":  # read when the kernel is decorated
             raise SystemExit("--device cpu: run with TRITON_INTERPRET=1")
         cpu_check()
+        gpu(a.out, [300], configs, 1, "cpu")  # the GPU mode's own code, small
         return
-    gpu(a.out, [int(x) for x in a.cells.split(",")],
-        [(*(int(y) for y in x.split("/")[:3]), x.endswith("/w")) for x in a.configs.split(",")],
-        a.reps)
+    gpu(a.out, [int(x) for x in a.cells.split(",")], configs, a.reps)
 
 
 if __name__ == "__main__":
