@@ -19,8 +19,8 @@ CUDA graph replays, each layer its own cache, L2 flushed between replays):
          budgets (--early), each checked bit for bit against the plain launch first,
          then timed interleaved over --reps repetitions, beside SDPA cuDNN and the read ceiling,
          on --cells (B/Hq/Hk/Nk, comma-separated; default EARLY_CELLS); --early picks the
-         launches (EARLY_CONFIGS: prefetch budget, instruction, when the combine lets the next
-         layer's partial kernel in).
+         launches (EARLY_CONFIGS: prefetch budget, when the combine lets the next layer's partial
+         kernel in, the partial kernels alone, no lengths tensor).
 
     python3 bench/decode_probe.py --out probe.jsonl [--parts mqa,paged,api,early] [--reps 5]
 """
