@@ -234,6 +234,32 @@ print('torch', torch.cuda.get_device_name(0), targets.detect(0).slug)" 2>&1 | te
               # MQA B=1 (bench/warp_split_probe.py; WS_ARGS e.g. "--cells 32768 --configs 4/16/3")
               timeout ${WS_TIMEOUT:-300} python3 bench/warp_split_probe.py --out "$OUT/warp_split.jsonl" \
                 ${WS_ARGS:-} 2>&1 | tee "$OUT/warp_split.log" | grep -v max_diff | tail -40 ;;
+    overlap)  # issue 9 (session 36): the 16-layer read ceiling with each layer's read overlapping the
+              # last (PDL: wait / l2 / early orders) beside flashtune (bench/overlap_ceiling.py)
+              timeout ${OVERLAP_TIMEOUT:-300} python3 bench/overlap_ceiling.py --out "$OUT/overlap.jsonl" \
+                ${OVERLAP_ARGS:-} 2>&1 | tee "$OUT/overlap.log" | tail -40 ;;
+    partialncu) # issue 9: the MQA B=1 partial kernel beside a plain read of its bytes under Nsight
+              # Compute, one eager launch each (bench/partial_ncu.py); PNCU_ARGS: its arguments
+              # (--nk, --variant, --reader), several runs separated by "|"
+              IFS='|' read -ra pncu_runs <<< "${PNCU_ARGS:- }"
+              for i in "${!pncu_runs[@]}"; do
+                timeout ${PNCU_TIMEOUT:-150} ncu --clock-control none --profile-from-start off \
+                  -k "regex:partial|_pdl_read" --section SpeedOfLight --section Occupancy \
+                  --section LaunchStats --section WarpStateStats --section MemoryWorkloadAnalysis \
+                  --section SchedulerStats python3 bench/partial_ncu.py ${pncu_runs[$i]} \
+                  > "$OUT/partial_ncu_$i.txt" 2>&1
+                echo "-- ${pncu_runs[$i]}"
+                grep -E "^  [a-z_]|Duration|DRAM Throughput|Achieved Occupancy|Warp Cycles Per Issued|Registers Per|Block Limit (Reg|Shared)|splits" \
+                  "$OUT/partial_ncu_$i.txt" | head -30
+              done ;;
+    tmaread)  # issue 9 (session 36): a Gluon TMA-ring reader at one program per SM beside the Triton
+              # reads, MQA B=1 16-layer steps (bench/tma_read_probe.py; TMAREAD_ARGS)
+              timeout ${TMAREAD_TIMEOUT:-300} python3 bench/tma_read_probe.py --out "$OUT/tma_read.jsonl" \
+                ${TMAREAD_ARGS:-} 2>&1 | tee "$OUT/tma_read.log" | grep -v "leaked\|nanobind" | tail -40 ;;
+    gluondecode) # issue 9 (session 36): a Gluon TMA/wgmma split-KV partial kernel beside the shipped
+              # plan at MQA B=1, 16-layer steps (bench/gluon_decode_probe.py; GD_ARGS)
+              timeout ${GD_TIMEOUT:-300} python3 bench/gluon_decode_probe.py --out "$OUT/gluon_decode.jsonl" \
+                ${GD_ARGS:-} 2>&1 | tee "$OUT/gluon_decode.log" | grep -v "leaked\|nanobind" | tail -40 ;;
     dsweep)   timeout ${DSWEEP_TIMEOUT:-330} python3 bench/decode_sweep.py --out "$OUT/decode_sweep.jsonl" ${DSWEEP_ARGS:-} \
                 --budget ${DSWEEP_BUDGET:-300} 2>&1 | tee "$OUT/decode_sweep.log" | tail -20 ;;
     hopperncu) # issue 10: one launch of each worst-bucket kernel (and a good bucket) under Nsight Compute,

@@ -15,7 +15,7 @@ import argparse
 import torch
 
 from flashtune import kvcache
-from flashtune.bench.read_ceiling import reader
+from overlap_ceiling import reader
 from flashtune.launch_splitkv import SplitKVPlan
 
 
@@ -23,6 +23,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--nk", type=int, default=32768)
     ap.add_argument("--variant", default=None, help="splitkv variant (default: dispatched)")
+    ap.add_argument("--reader", default="4:8/2048/3",
+                    help="the plain read's programs per SM:warps/elements a step/stages")
     a = ap.parse_args()
     q = torch.randn(1, 1, 8, 128, dtype=torch.bfloat16, device="cuda")
     k = torch.randn(1, a.nk, 1, 128, dtype=torch.bfloat16, device="cuda")
@@ -34,7 +36,9 @@ def main() -> None:
     plan = SplitKVPlan(q, k, False, None, var)
     plan.pdl = False
     plan.kwargs["USE_PDL"] = False
-    read = reader(k, v, 4 * torch.cuda.get_device_properties(0).multi_processor_count)
+    per_sm, shape = a.reader.split(":")
+    read = reader(k, v, int(per_sm) * torch.cuda.get_device_properties(0).multi_processor_count,
+                  "plain", False, tuple(int(x) for x in shape.split("/")))
     for _ in range(3):  # compiled and warm
         plan.run(q, k, v, sl, None, a.nk)
         read()

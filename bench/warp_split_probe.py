@@ -37,7 +37,8 @@ import triton.language as tl  # noqa: E402
 @triton.jit
 def _ws_partial(Q, K, V, O, LSE, sm_scale, seqlen, num_splits, stride_qh, stride_kn, stride_vn,
                 GROUP: tl.constexpr, BLOCK_M: tl.constexpr, W: tl.constexpr, KB: tl.constexpr,
-                D: tl.constexpr, PER_WARP: tl.constexpr, USE_PDL: tl.constexpr):
+                D: tl.constexpr, PER_WARP: tl.constexpr, USE_PDL: tl.constexpr,
+                REG_PREFETCH: tl.constexpr):
     # MQA, one sequence, one query token: the tile's rows are the GROUP q heads (padded to
     # BLOCK_M); K and V (N, D) of the one kv head. Split s covers keys [s * chunk, ...), chunk a
     # multiple of the step (W x KB keys, read as [W, KB, D]: warp w's KB keys). Writes O (rows,
@@ -60,13 +61,31 @@ def _ws_partial(Q, K, V, O, LSE, sm_scale, seqlen, num_splits, stride_qh, stride
     den = tl.zeros((W, BLOCK_M), tl.float32)
     acc = tl.zeros((W, BLOCK_M, D), tl.float32)
     keys = tl.arange(0, W)[:, None] * KB + tl.arange(0, KB)[None, :]  # [W, KB]
+    if REG_PREFETCH:  # the next step's K and V are loaded into registers before this step's
+        # math (num_stages=1: no shared-memory ring), as a plain streaming read keeps its bytes
+        # in flight
+        ok_n = (lo + keys) < hi
+        k_n = tl.load(K + (lo + keys)[:, :, None] * stride_kn + offs_d[None, None, :],
+                      mask=ok_n[:, :, None], other=0.0)
+        v_n = tl.load(V + (lo + keys)[:, :, None] * stride_vn + offs_d[None, None, :],
+                      mask=ok_n[:, :, None], other=0.0)
     for start in tl.range(lo, hi, W * KB):
         cols = start + keys
         ok = cols < hi
-        k = tl.load(K + cols[:, :, None] * stride_kn + offs_d[None, None, :],
-                    mask=ok[:, :, None], other=0.0)
-        v = tl.load(V + cols[:, :, None] * stride_vn + offs_d[None, None, :],
-                    mask=ok[:, :, None], other=0.0)
+        if REG_PREFETCH:
+            k = k_n
+            v = v_n
+            nxt = cols + W * KB
+            ok_n = nxt < hi
+            k_n = tl.load(K + nxt[:, :, None] * stride_kn + offs_d[None, None, :],
+                          mask=ok_n[:, :, None], other=0.0)
+            v_n = tl.load(V + nxt[:, :, None] * stride_vn + offs_d[None, None, :],
+                          mask=ok_n[:, :, None], other=0.0)
+        else:
+            k = tl.load(K + cols[:, :, None] * stride_kn + offs_d[None, None, :],
+                        mask=ok[:, :, None], other=0.0)
+            v = tl.load(V + cols[:, :, None] * stride_vn + offs_d[None, None, :],
+                        mask=ok[:, :, None], other=0.0)
         qk = tl.dot(q3, tl.permute(k, (0, 2, 1)))  # [W, BLOCK_M, KB], float32
         qk = tl.where(ok[:, None, :], qk, float("-inf"))
         m_new = tl.maximum(m, tl.max(qk, 2) * qk_scale)
@@ -114,18 +133,21 @@ class WarpSplit:
     (as SplitKVPlan.run), the combine the shipped one (USE_PDL as shipped: a dependent launch)."""
 
     def __init__(self, q, k, warps: int, kb: int, stages: int, splits: int, pdl: bool,
-                 combine: bool = True, per_warp: bool = False):
+                 combine: bool = True, per_warp: bool = False, reg_prefetch: bool = False,
+                 num_warps: int = 0):
         from flashtune.codegen import Variant, load
         from flashtune.launch_splitkv import combine_tile
         self.g, self.d = q.shape[2], q.shape[3]
         self.warps, self.kb, self.stages, self.splits = warps, kb, stages, splits
         self.pdl, self.combine, self.per_warp = pdl, combine, per_warp
+        self.reg_prefetch, self.num_warps = reg_prefetch, num_warps or warps
         self.block_m = max(16, triton.next_power_of_2(self.g))
         self.mod = load(Variant("splitkv", block_m=64, block_n=64, num_warps=4, num_stages=3))
         self.parts = splits * (warps if per_warp else 1)  # what the combine merges
         self.block_s, self.chunk_d = combine_tile(self.parts, self.d)
         self.name = (f"warp-split w{warps} kb{kb} s{stages} sp{splits}"
-                     + (" per-warp" if per_warp else ""))
+                     + (f" nw{num_warps}" if num_warps else "")
+                     + (" regpf" if reg_prefetch else "") + (" per-warp" if per_warp else ""))
 
     def run(self, q, k, v, n: int):
         g, d, s, parts = self.g, self.d, self.splits, self.parts
@@ -134,7 +156,8 @@ class WarpSplit:
         _ws_partial[(s,)](q, k, v, o_part, l_part, 1.0 / d ** 0.5, n, s, q.stride(2),
                           k.stride(1), v.stride(1), GROUP=g, BLOCK_M=self.block_m,
                           W=self.warps, KB=self.kb, D=d, PER_WARP=self.per_warp,
-                          USE_PDL=self.pdl, num_warps=self.warps, num_stages=self.stages)
+                          USE_PDL=self.pdl, REG_PREFETCH=self.reg_prefetch,
+                          num_warps=self.num_warps, num_stages=self.stages)
         o = torch.empty_like(q)
         lse = torch.empty((1, g, 1), dtype=torch.float32, device=q.device)
         if self.combine:
@@ -148,10 +171,12 @@ class WarpSplit:
 
 # G, N, W, KB, splits, per_warp
 CPU_CASES = ((8, 200, 4, 16, 3, False), (8, 64, 2, 16, 8, False), (4, 1000, 4, 16, 5, False),
-             (8, 200, 4, 16, 3, True), (8, 64, 2, 16, 8, True))
+             (8, 200, 4, 16, 3, True), (8, 64, 2, 16, 8, True), (8, 200, 4, 16, 3, False, True),
+             (8, 64, 1, 32, 8, False, True), (4, 1000, 2, 16, 5, True, True))
 
 
-def check_case(g: int, n: int, warps: int, kb: int, splits: int, per_warp: bool) -> tuple:
+def check_case(g: int, n: int, warps: int, kb: int, splits: int, per_warp: bool,
+               reg_prefetch: bool = False) -> tuple:
     """(max |O - ref|, max |LSE - ref|) of the prototype in the interpreter (float16: bfloat16
     dots are wrong there) against float64, the cache longer than the sequence; N=64 with 8
     splits of 32-key steps leaves six splits without keys."""
@@ -159,7 +184,8 @@ def check_case(g: int, n: int, warps: int, kb: int, splits: int, per_warp: bool)
     q = torch.randn(1, 1, g, 64, dtype=torch.float16)
     k = torch.randn(1, n + 37, 1, 64, dtype=torch.float16)  # capacity past the length
     v = torch.randn_like(k)
-    o, lse = WarpSplit(q, k, warps, kb, 1, splits, pdl=False, per_warp=per_warp).run(q, k, v, n)
+    o, lse = WarpSplit(q, k, warps, kb, 1, splits, pdl=False, per_warp=per_warp,
+                       reg_prefetch=reg_prefetch).run(q, k, v, n)
     kk, vv = (t[:, :n].transpose(1, 2).double().expand(1, g, n, 64) for t in (k, v))
     err = (o.transpose(1, 2).double() - reference(q.transpose(1, 2).double(), kk, vv))
     lse_ref = torch.logsumexp(q[0, 0].double() @ k[0, :n, 0].double().T / 8.0, -1)
@@ -170,7 +196,8 @@ def cpu_check() -> None:
     torch.manual_seed(0)
     for case in CPU_CASES:
         err, lse_err = check_case(*case)
-        print("G={} N={} W={} KB={} splits={} per_warp={}:".format(*case),
+        print("G={} N={} W={} KB={} splits={} per_warp={} reg_prefetch={}:".format(
+                  *case, *(() if len(case) > 6 else (False,))),
               f"max |O - ref| {err:.2e}, max |LSE - ref| {lse_err:.2e}")
         assert err < 2e-3 and lse_err < 2e-3, (err, lse_err)
     print("ok")
@@ -210,10 +237,11 @@ def gpu(out: str, cells, configs, reps: int, device: str = "cuda") -> None:
             plan.allow_early, plan.skip_combine = early, not comb
             runs[f"{var.name} {label}"] = (lambda p: lambda i: p.run(q, kcs[i], vcs[i], sl, None,
                                                                       nk))(plan)
-        for warps, kb, stages, per_warp in configs:
+        for warps, kb, stages, flags in configs:
             for comb in (True, False):
-                ws = WarpSplit(q, kcs[0], warps, kb, stages, sms, pdl=cuda, combine=comb,
-                               per_warp=per_warp)
+                ws = WarpSplit(q, kcs[0], warps, kb, stages, sms * flags["x"], pdl=cuda,
+                               combine=comb, per_warp=flags["w"], reg_prefetch=flags["r"],
+                               num_warps=flags["n"])
                 runs[ws.name + ("" if comb else "+nocomb")] = (
                     lambda w: lambda i: w.run(q, kcs[i], vcs[i], nk))(ws)
         ref = runs[f"{var.name} shipped plain"](0)[0]
@@ -242,18 +270,31 @@ def gpu(out: str, cells, configs, reps: int, device: str = "cuda") -> None:
     f.close()
 
 
+def parse_config(text: str) -> tuple:
+    """(W, KB, stages, flags) of one --configs entry."""
+    w, kb, stages, *rest = text.split("/")
+    flags = {"w": "w" in rest, "r": "r" in rest, "x": 1, "n": 0}
+    for x in rest:
+        if x[:1] in "xn" and x[1:].isdigit():
+            flags[x[0]] = int(x[1:])
+        elif x not in ("w", "r"):
+            raise SystemExit(f"--configs: {text!r}: {x!r} is not w, r, xN or nN")
+    return int(w), int(kb), int(stages), flags
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     ap.add_argument("--out", default="warp_split.jsonl")
     ap.add_argument("--cells", default="32768,131072", help="key counts (MQA 8/1, B=1, D=128)")
     ap.add_argument("--configs", default="4/16/3,4/16/3/w,4/16/4,2/32/3,2/32/3/w,8/16/3",
-                    help="warps/keys-per-warp/stages[/w],... (w: each warp's state a split of "
-                         "its own, merged by the combine)")
+                    help="W/keys-per-warp/stages[/w][/r][/xN][/nN],... (W: the step's batch "
+                         "of warps; w: each warp's state a split of its own, merged by the "
+                         "combine; r: the next step's K/V loaded into registers before this "
+                         "step's math; xN: N programs a SM; nN: N warps, not W)")
     ap.add_argument("--reps", type=int, default=3)
     a = ap.parse_args()
-    configs = [(*(int(y) for y in x.split("/")[:3]), x.endswith("/w"))
-               for x in a.configs.split(",")]
+    configs = [parse_config(x) for x in a.configs.split(",")]
     if a.device == "cpu":
         if os.environ.get("TRITON_INTERPRET") != "1":  # read when the kernel is decorated
             raise SystemExit("--device cpu: run with TRITON_INTERPRET=1")

@@ -1,0 +1,193 @@
+"""Does a deep TMA ring let one program per SM stream a decode step's bytes as fast as several
+programs do? (issue 9, session 36.) The MQA B=1 partial kernel reads 2,469 GB/s at 128k keys
+alone, as fast as the best plain read with one program per SM (bench/overlap_ceiling.py
+--shapes: 2,254-2,473) but not the 2,680-2,760 of two or four per SM; attention kernels with
+two per SM (num_splits 264) read slower still (2,385), so its one-program-per-SM grid is kept
+and the bytes in flight per SM must come from elsewhere. Here a Gluon reader keeps STAGES
+(BLOCK_R, D) tiles of K and V in flight per program through TMA loads completed on mbarriers
+(no warps needed to hold them), its warps reading each tile from shared memory as a decode
+kernel's MMAs would, beside the Triton reader (overlap_ceiling.reader) in the same 16-layer
+CUDA-graph steps.
+
+    python3 bench/tma_read_probe.py --out tma_read.jsonl [--configs 64/4/1,128/6/1,...]
+    python3 bench/tma_read_probe.py --compile   # sm_90 compile of each config, no GPU
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+from triton.experimental import gluon  # noqa: E402
+from triton.experimental.gluon import language as gl  # noqa: E402
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier  # noqa: E402
+
+from flashtune.gluon_compat import sync_warps, tma_load  # noqa: E402
+
+
+@gluon.jit
+def _tma_read(x_desc, y_desc, OUT, rows_per_prog, n_rows, STAGES: gl.constexpr,
+              READ: gl.constexpr, WARPS: gl.constexpr):
+    # program p streams rows [p * rows_per_prog, ...) of X and Y (n_rows x D), rows_per_prog a
+    # multiple of BLOCK_R: STAGES tiles of each in flight, a tile's slot refilled once every
+    # warp has read it (READ: into registers, summed, the check; else the ring alone)
+    BLOCK_R: gl.constexpr = x_desc.block_type.shape[0]
+    D: gl.constexpr = x_desc.block_type.shape[1]
+    dtype: gl.constexpr = x_desc.dtype
+    pid = gl.program_id(0)
+    r0 = pid * rows_per_prog
+    n_steps = gl.cdiv(gl.minimum(rows_per_prog, n_rows - r0), BLOCK_R)
+    xb = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_R, D], x_desc.layout)
+    yb = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_R, D], y_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=1)
+    for s in gl.static_range(STAGES):
+        if s < n_steps:
+            mbarrier.expect(ready.index(s), x_desc.block_type.nbytes + y_desc.block_type.nbytes)
+            tma_load(x_desc, [r0 + s * BLOCK_R, 0], ready.index(s), xb.index(s))
+            tma_load(y_desc, [r0 + s * BLOCK_R, 0], ready.index(s), yb.index(s))
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [WARPS, 1], [1, 0])
+    acc = gl.zeros([BLOCK_R, D], gl.float32, layout)
+    st = 0
+    ph = 0
+    for i in range(n_steps):
+        mbarrier.wait(ready.index(st), ph)
+        if READ:
+            acc += (xb.index(st).load(layout).to(gl.float32)
+                    + yb.index(st).load(layout).to(gl.float32))
+        sync_warps()  # every warp is done with the slot before it is refilled
+        nxt = i + STAGES
+        if nxt < n_steps:
+            mbarrier.expect(ready.index(st), x_desc.block_type.nbytes + y_desc.block_type.nbytes)
+            tma_load(x_desc, [r0 + nxt * BLOCK_R, 0], ready.index(st), xb.index(st))
+            tma_load(y_desc, [r0 + nxt * BLOCK_R, 0], ready.index(st), yb.index(st))
+        st += 1
+        if st == STAGES:
+            st = 0
+            ph ^= 1
+    for s in gl.static_range(STAGES):
+        mbarrier.invalidate(ready.index(s))
+    gl.store(OUT + pid, gl.sum(gl.sum(acc, 1), 0))
+
+
+def _layout(block_r: int, d: int):
+    return gl.NVMMASharedLayout.get_default_for([block_r, d], gl.bfloat16)
+
+
+def tma_reader(x, y, programs: int, block_r: int, stages: int, read: bool = True,
+               warps: int = 4):
+    """A callable streaming x and y ((N, D) contiguous bf16 views of one layer's K and V) with
+    `programs` programs, returning per-program sums (float32)."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    n, d = x.shape
+    per = -(-n // programs)
+    per = -(-per // block_r) * block_r
+    progs = -(-n // per)
+    lay = _layout(block_r, d)
+    xd = TensorDescriptor(x, [n, d], [d, 1], [block_r, d], lay)
+    yd = TensorDescriptor(y, [n, d], [d, 1], [block_r, d], lay)
+
+    def read_():
+        out = torch.empty(progs, dtype=torch.float32, device=x.device)
+        _tma_read[(progs,)](xd, yd, out, per, n, STAGES=stages, READ=read, WARPS=warps,
+                            num_warps=warps)
+        return out
+    return read_
+
+
+def parse(text: str) -> tuple:
+    """BLOCK_R/STAGES/programs-per-SM[/noread][/wN]"""
+    r, s, x, *rest = text.split("/")
+    read, warps = "noread" not in rest, 4
+    for t in rest:
+        if t.startswith("w") and t[1:].isdigit():
+            warps = int(t[1:])
+        elif t != "noread":
+            raise SystemExit(f"--configs: {text!r}: {t!r} is not noread or wN")
+    return int(r), int(s), int(x), read, warps
+
+
+def compile_only(configs) -> None:
+    from codegen.aot import compile_for
+    for text in configs:
+        r, s, _, read, warps = parse(text)
+        ty = f"tensordesc<bf16[{r},128],{_layout(r, 128)!r}>"
+        out = compile_for(_tma_read, {"STAGES": s, "READ": read, "WARPS": warps}, "bfloat16",
+                          warps, 1, usage=True,
+                          types={"x_desc": ty, "y_desc": ty, "OUT": "*fp32",
+                                 "rows_per_prog": "i32", "n_rows": "i32"})
+        print(text, "smem", out["smem"], "regs", out.get("regs"), "spill", out.get("spill_bytes"))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default="tma_read.jsonl")
+    ap.add_argument("--cells", default="32768,131072", help="key counts (MQA 8/1, B=1, D=128)")
+    ap.add_argument("--configs", default="64/2/1,64/4/1,64/6/1,128/3/1,128/4/1,64/4/2,"
+                    "64/4/1/noread,128/4/1/noread,64/4/1/w8",
+                    help="BLOCK_R/STAGES/programs per SM[/noread][/wN],...")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--compile", action="store_true", help="compile each config for sm_90 only")
+    a = ap.parse_args()
+    configs = a.configs.split(",")
+    if a.compile:
+        compile_only(configs)
+        return
+    import decode_bench as db
+    from overlap_ceiling import reader
+    db.GRAPH, db.DEVICE = True, "cuda"
+    layers, d = 16, 128
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    f = open(a.out, "w")
+
+    def write(row):
+        f.write(json.dumps(row) + "\n")
+        f.flush()
+        print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()
+               if k != "ms_all"}, flush=True)
+    import triton
+    write({"kind": "env", "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+           "triton": triton.__version__})
+    for nk in (int(x) for x in a.cells.split(",")):
+        kcs = [torch.randn(nk, d, dtype=torch.bfloat16, device="cuda") for _ in range(layers)]
+        vcs = [torch.randn_like(k) for k in kcs]
+        kv_bytes = 2 * nk * d * 2
+        runs = {f"triton x{p} {sh}": (lambda p, sh: lambda i: reader(
+            kcs[i], vcs[i], sms * p, "plain", False, tuple(int(x) for x in sh.split("/"))))(p, sh)
+            for p, sh in ((1, "16/8192/2"), (2, "4/8192/3"), (4, "16/4096/3"))}
+        for text in configs:
+            r, s, x, read, warps = parse(text)
+            runs[f"tma {text}"] = (lambda r, s, x, rd, w: lambda i: tma_reader(
+                kcs[i], vcs[i], sms * x, r, s, rd, w))(r, s, x, read, warps)
+        want = kcs[0].double().sum().item() + vcs[0].double().sum().item()
+        times = {}
+        for label, make in runs.items():
+            try:
+                got = make(0)().double().sum().item()
+                torch.cuda.synchronize()
+                if "noread" not in label and abs(got - want) > 1e-3 * (abs(want) + nk):
+                    raise AssertionError(f"sum {got} != {want}")
+                times[label] = []
+            except Exception as e:  # noqa: BLE001 -- a config that cannot run is a row
+                write({"Nk": nk, "impl": label, "error": f"{type(e).__name__}: {e}"[:400]})
+        for _ in range(a.reps):
+            for label in times:
+                times[label].append(db.bench_ms(db.layered(
+                    lambda i, mk=runs[label]: mk(i), layers)) / layers)
+        for label, ts in times.items():
+            ms = statistics.median(ts)
+            write({"Nk": nk, "impl": label, "ms": ms, "ms_all": ts, "gbps": kv_bytes / ms / 1e6})
+        kcs = vcs = runs = None
+        torch.cuda.empty_cache()
+    f.close()
+
+
+if __name__ == "__main__":
+    main()

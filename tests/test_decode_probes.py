@@ -1,0 +1,86 @@
+"""Session 36's decode probes (bench/): their kernels give the right answer before their times
+are read. The overlap reader's sums against float64 (plain order in the interpreter, every
+order on the GPU); the Gluon TMA reader and the Gluon split-KV partial kernel compiled for sm_90
+here, and against float64 on the GPU (ragged split ends, splits without keys, a cache longer
+than the sequence)."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+sys.path.insert(0, str(BENCH))
+
+import overlap_ceiling as oc  # noqa: E402
+
+
+def _sums_match(got, x, y):
+    want = x.double().sum() + y.double().sum()
+    assert abs(got.double().sum().item() - want.item()) < 1e-3 * (abs(want.item()) + x.numel())
+
+
+def test_overlap_reader_plain_matches_float64(device):
+    if device == "cuda":
+        pytest.skip("the GPU test below runs every order")
+    x = torch.randn(300, 64, dtype=torch.float16)
+    y = torch.randn_like(x)
+    for programs, shape in ((4, (4, 256, 1)), (3, (2, 128, 2))):
+        _sums_match(oc.reader(x, y, programs, "plain", False, shape)(), x, y)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["plain", "wait", "l2", "early", "l2w", "l2w/4"])
+def test_overlap_reader_every_order_matches_float64(mode):
+    x = torch.randn(4096 + 37, 128, dtype=torch.bfloat16, device="cuda")
+    y = torch.randn_like(x)
+    for per_sm, shape in ((1, (8, 2048, 3)), (4, (4, 8192, 3))):
+        _sums_match(oc.reader(x, y, 132 * per_sm, mode, True, shape)(), x, y)
+
+
+@pytest.mark.parametrize("script,configs", [
+    ("tma_read_probe.py", "64/2/1,64/4/1,64/4/1/noread"),
+    ("gluon_decode_probe.py", "64/2/1,64/3/1/kv,32/4/1/kv,128/2/1/kv"),
+])
+def test_gluon_probes_compile_for_sm90(script, configs):
+    # in a process of its own: Gluon compiles nothing under the interpreter this one runs
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    r = subprocess.run([sys.executable, str(BENCH / script), "--compile", "--configs", configs],
+                       capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    rows = [ln for ln in r.stdout.splitlines() if " smem " in ln]
+    assert len(rows) == len(configs.split(",")), r.stdout
+    for ln in rows:  # fits the H100's 227 KB, no spills
+        smem = int(ln.split(" smem ")[1].split()[0])
+        assert 0 < smem <= 232448 and " spill 0" in ln, ln
+
+
+@pytest.mark.gpu
+def test_tma_reader_matches_float64():
+    import tma_read_probe as tr
+    for n in (4096, 8192 + 37):
+        x = torch.randn(n, 128, dtype=torch.bfloat16, device="cuda")
+        y = torch.randn_like(x)
+        for block_r, stages in ((64, 2), (64, 4)):
+            _sums_match(tr.tma_reader(x, y, 132, block_r, stages)(), x, y)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,splits", [(1000, 132), (4096, 7), (131072 - 37, 132)])
+@pytest.mark.parametrize("config", [(64, 2, False), (64, 3, True), (32, 4, True)])
+def test_gluon_partial_matches_float64(n, splits, config):
+    # 1000 keys over 132 splits of 64: 116 splits without keys; 7 splits: ragged ends
+    import gluon_decode_probe as gd
+    from flashtune.reference import reference
+    g, d = 8, 128
+    q = torch.randn(1, 1, g, d, dtype=torch.bfloat16, device="cuda")
+    k = torch.randn(1, n + 200, 1, d, dtype=torch.bfloat16, device="cuda")  # past the length
+    v = torch.randn_like(k)
+    block_n, stages, kv = config
+    o, lse = gd.GluonSplit(q, block_n, stages, splits, pdl=False, split_kv=kv).run(q, k, v, n)
+    kk, vv = (t[0, :n, 0].double().expand(1, g, n, d) for t in (k, v))
+    ref, ref_lse = reference(q.transpose(1, 2).double(), kk, vv, return_lse=True)
+    assert (o.double().reshape(g, d) - ref.reshape(g, d)).abs().max().item() < 2e-2
+    assert (lse.reshape(g).double() - ref_lse.reshape(g)).abs().max().item() < 1e-3
