@@ -40,11 +40,12 @@ from flashtune.gluon_compat import sync_warps, tma_load  # noqa: E402
 @gluon.jit
 def _gl_partial(Q, k_desc, v_desc, O, LSE, sm_scale, seqlen, num_splits, stride_qh,
                 GROUP: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
-                SPLIT_KV: gl.constexpr):
+                SPLIT_KV: gl.constexpr, MATH: gl.constexpr = 2):
     # SPLIT_KV: K and V of a stage complete on barriers of their own, K's slot refilled once
     # S = Q K^T's wait returns (V may still be landing), V's after P V; no CTA barrier before a
     # refill (one warpgroup: its wgmma wait returning means its reads of the slot are done).
-    # Else one barrier a stage, refilled after P V and a CTA barrier.
+    # Else one barrier a stage, refilled after P V and a CTA barrier. MATH (timing only; the
+    # output is wrong below 2): 2 the attention, 1 S = Q K^T alone, 0 no math (the ring alone).
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
     D: gl.constexpr = k_desc.block_type.shape[1]
     dtype: gl.constexpr = k_desc.dtype
@@ -102,32 +103,42 @@ def _gl_partial(Q, k_desc, v_desc, O, LSE, sm_scale, seqlen, num_splits, stride_
     ph = 0
     for i in range(n_steps):
         mbarrier.wait(ready.index(st), ph)
-        sc = warpgroup_mma(q_smem, k_bufs.index(st).permute((1, 0)), zero_s, use_acc=False,
-                           is_async=True)
-        sc = warpgroup_mma_wait(0, deps=(sc,))
         nxt = i + STAGES
-        if SPLIT_KV:
-            if nxt < n_steps:
-                mbarrier.expect(ready.index(st), k_desc.block_type.nbytes)
-                tma_load(k_desc, [lo + nxt * BLOCK_N, 0], ready.index(st), k_bufs.index(st))
-        ok = (lo + i * BLOCK_N + cols) < hi  # the split's last tile runs into the next split's
-        qk = gl.where(gl.expand_dims(ok, 0), sc * qk_scale, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(qk, 1))
-        p = gl.exp2(qk - gl.expand_dims(m_new, 1))  # a step has a key: m_new is finite
-        alpha = gl.exp2(m_i - m_new)
-        l_i = l_i * alpha + gl.sum(p, 1)
-        acc = acc * gl.expand_dims(gl.convert_layout(alpha, rows_o), 1)
-        p_op = gl.convert_layout(p.to(dtype), p_layout)
-        if SPLIT_KV:
-            mbarrier.wait(v_ready.index(st), ph)
-        acc = warpgroup_mma(p_op, v_bufs.index(st), acc, is_async=True)
-        acc = warpgroup_mma_wait(0, deps=(acc,))
-        m_i = m_new
-        if SPLIT_KV:
-            if nxt < n_steps:
-                mbarrier.expect(v_ready.index(st), v_desc.block_type.nbytes)
-                tma_load(v_desc, [lo + nxt * BLOCK_N, 0], v_ready.index(st), v_bufs.index(st))
-        else:
+        if MATH == 2:
+            sc = warpgroup_mma(q_smem, k_bufs.index(st).permute((1, 0)), zero_s, use_acc=False,
+                               is_async=True)
+            sc = warpgroup_mma_wait(0, deps=(sc,))
+            if SPLIT_KV:
+                if nxt < n_steps:
+                    mbarrier.expect(ready.index(st), k_desc.block_type.nbytes)
+                    tma_load(k_desc, [lo + nxt * BLOCK_N, 0], ready.index(st), k_bufs.index(st))
+            # the split's last tile runs into the next split's keys
+            ok = (lo + i * BLOCK_N + cols) < hi
+            qk = gl.where(gl.expand_dims(ok, 0), sc * qk_scale, float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(qk, 1))
+            p = gl.exp2(qk - gl.expand_dims(m_new, 1))  # a step has a key: m_new is finite
+            alpha = gl.exp2(m_i - m_new)
+            l_i = l_i * alpha + gl.sum(p, 1)
+            acc = acc * gl.expand_dims(gl.convert_layout(alpha, rows_o), 1)
+            p_op = gl.convert_layout(p.to(dtype), p_layout)
+            if SPLIT_KV:
+                mbarrier.wait(v_ready.index(st), ph)
+            acc = warpgroup_mma(p_op, v_bufs.index(st), acc, is_async=True)
+            acc = warpgroup_mma_wait(0, deps=(acc,))
+            m_i = m_new
+            if SPLIT_KV:
+                if nxt < n_steps:
+                    mbarrier.expect(v_ready.index(st), v_desc.block_type.nbytes)
+                    tma_load(v_desc, [lo + nxt * BLOCK_N, 0], v_ready.index(st),
+                             v_bufs.index(st))
+        elif MATH == 1:  # S = Q K^T alone (timing only)
+            sc = warpgroup_mma(q_smem, k_bufs.index(st).permute((1, 0)), zero_s, use_acc=False,
+                               is_async=True)
+            sc = warpgroup_mma_wait(0, deps=(sc,))
+            l_i = l_i + gl.sum(sc, 1)
+        else:  # no math: the ring alone (timing only)
+            l_i = l_i + 1.0
+        if not SPLIT_KV or MATH < 2:
             sync_warps()  # every warp's wgmmas are done with the slot before it is refilled
             if nxt < n_steps:
                 mbarrier.expect(ready.index(st),
@@ -164,17 +175,18 @@ class GluonSplit:
     alone)."""
 
     def __init__(self, q, block_n: int, stages: int, splits: int, combine: bool = True,
-                 pdl: bool = True, split_kv: bool = False):
+                 pdl: bool = True, split_kv: bool = False, math: int = 2):
         from flashtune.codegen import Variant, load
         from flashtune.launch_splitkv import combine_tile
         self.g, self.d = q.shape[2], q.shape[3]
         self.block_n, self.stages, self.splits = block_n, stages, splits
-        self.combine, self.pdl, self.split_kv = combine, pdl, split_kv
+        self.combine, self.pdl, self.split_kv, self.math = combine, pdl, split_kv, math
         self.mod = load(Variant("splitkv", block_m=64, block_n=64, num_warps=4, num_stages=3))
         self.block_s, self.chunk_d = combine_tile(splits, self.d)
         self.lay = _layout(block_n, self.d)
         self.descs = {}
-        self.name = f"gluon n{block_n} s{stages} sp{splits}" + (" kv" if split_kv else "")
+        self.name = (f"gluon n{block_n} s{stages} sp{splits}" + (" kv" if split_kv else "")
+                     + ("" if math == 2 else f" math{math}"))
 
     def _desc(self, t):
         from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
@@ -191,7 +203,7 @@ class GluonSplit:
         l_part = torch.empty((g, s), dtype=torch.float32, device=q.device)
         _gl_partial[(s,)](q, self._desc(k), self._desc(v), o_part, l_part, 1.0 / d ** 0.5, n, s,
                           q.stride(2), GROUP=g, BLOCK_M=64, STAGES=self.stages,
-                          SPLIT_KV=self.split_kv, num_warps=4)
+                          SPLIT_KV=self.split_kv, MATH=self.math, num_warps=4)
         o = torch.empty_like(q)
         lse = torch.empty((1, g, 1), dtype=torch.float32, device=q.device)
         if self.combine:
@@ -205,15 +217,15 @@ class GluonSplit:
 
 def compile_only(configs) -> None:
     from codegen.aot import compile_for
-    for bn, st, kv in configs:
+    for bn, st, kv, math in configs:
         ty = f"tensordesc<bf16[{bn},128],{_layout(bn, 128)!r}>"
         out = compile_for(_gl_partial, {"GROUP": 8, "BLOCK_M": 64, "STAGES": st,
-                                          "SPLIT_KV": kv}, "bfloat16",
+                                          "SPLIT_KV": kv, "MATH": math}, "bfloat16",
                           4, 1, usage=True,
                           types={"k_desc": ty, "v_desc": ty, "Q": "*bf16", "O": "*fp32",
                                  "LSE": "*fp32", "seqlen": "i32", "num_splits": "i32",
                                  "stride_qh": "i32"})
-        print(f"n{bn} s{st}" + (" kv" if kv else ""), "smem", out["smem"], "regs",
+        print(f"n{bn} s{st}" + (" kv" if kv else "") + f" math{math}", "smem", out["smem"], "regs",
               out.get("regs"), "spill", out.get("spill_bytes"), out.get("wgmma"))
 
 
@@ -249,9 +261,9 @@ def gpu(out: str, cells, configs, reps: int) -> None:
             plan.allow_early, plan.skip_combine = early, not comb
             runs[f"{var.name} {label}"] = (lambda p: lambda i: p.run(
                 q, kcs[i], vcs[i], sl, None, nk))(plan)
-        for bn, st, x, kv in configs:
-            for comb in (True, False):
-                gs = GluonSplit(q, bn, st, sms * x, combine=comb, split_kv=kv)
+        for bn, st, x, kv, math in configs:
+            for comb in ((True, False) if math == 2 else (False,)):
+                gs = GluonSplit(q, bn, st, sms * x, combine=comb, split_kv=kv, math=math)
                 runs[gs.name + ("" if comb else "+nocomb")] = (
                     lambda w: lambda i: w.run(q, kcs[i], vcs[i], nk))(gs)
         # float64 reference of layer 0 (MQA: every q head reads the one kv head)
@@ -265,7 +277,7 @@ def gpu(out: str, cells, configs, reps: int) -> None:
                 torch.cuda.synchronize()
                 err = (got.double().reshape(g, d) - ref).abs().max().item()
                 write({"Nk": nk, "impl": label, "max_err_vs_f64": err})
-                if "nocomb" in label or err < 2e-2:
+                if "nocomb" in label or err < 2e-2:  # (math0/1: nocomb, timed unchecked)
                     times[label] = []
             except Exception as e:  # noqa: BLE001 -- a config that cannot build is a row
                 write({"Nk": nk, "impl": label, "error": f"{type(e).__name__}: {e}"[:400]})
@@ -281,20 +293,29 @@ def gpu(out: str, cells, configs, reps: int) -> None:
     f.close()
 
 
+def parse(text: str) -> tuple:
+    """(BLOCK_N, STAGES, programs per SM, split K/V barriers, MATH) of one --configs entry."""
+    bn, st, x, *rest = text.split("/")
+    if set(rest) - {"kv", "m0", "m1"}:
+        raise SystemExit(f"--configs: {text!r}: flags are kv, m0, m1")
+    math = 0 if "m0" in rest else 1 if "m1" in rest else 2
+    return int(bn), int(st), int(x), "kv" in rest, math
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="gluon_decode.jsonl")
     ap.add_argument("--cells", default="32768,131072", help="key counts (MQA 8/1, B=1, D=128)")
     ap.add_argument("--configs", default="64/2/1,64/3/1,64/4/1,128/2/1",
-                    help="BLOCK_N/STAGES/programs per SM[/kv],... (kv: K and V on barriers of "
-                         "their own, K refilled after QK^T)")
+                    help="BLOCK_N/STAGES/programs per SM[/kv][/m0|/m1],... (kv: K and V on "
+                         "barriers of their own, K refilled after QK^T; m1: QK^T alone, m0: no "
+                         "math -- timed without the combine, unchecked)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--compile", action="store_true", help="compile for sm_90 only")
     a = ap.parse_args()
-    configs = [(*(int(x) for x in c.split("/")[:3]), c.endswith("/kv"))
-               for c in a.configs.split(",")]
+    configs = [parse(c) for c in a.configs.split(",")]
     if a.compile:
-        compile_only([(bn, st, kv) for bn, st, _, kv in configs])
+        compile_only([(bn, st, kv, m) for bn, st, _, kv, m in configs])
         return
     gpu(a.out, [int(x) for x in a.cells.split(",")], configs, a.reps)
 
