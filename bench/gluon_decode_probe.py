@@ -34,13 +34,19 @@ from triton.experimental.gluon import language as gl  # noqa: E402
 from triton.experimental.gluon.language.nvidia.hopper import (  # noqa: E402
     fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_wait)
 
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait  # noqa: E402
+
 from flashtune.gluon_compat import sync_warps, tma_load  # noqa: E402
 
 
 @gluon.jit
-def _gl_partial(Q, k_desc, v_desc, O, LSE, sm_scale, seqlen, num_splits, stride_qh,
-                GROUP: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
-                SPLIT_KV: gl.constexpr, MATH: gl.constexpr = 2):
+def _gl_partial(Q, K, V, k_desc, v_desc, O, LSE, sm_scale, seqlen, num_splits, stride_qh,
+                pf_rows, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+                SPLIT_KV: gl.constexpr, MATH: gl.constexpr = 2, EARLY: gl.constexpr = False):
+    # EARLY (a programmatic dependent launch, the shipped early_start's order): the first
+    # pf_rows rows of the split's K and V go to L2 (prefetches: a line the kernel before writes
+    # later is updated in L2, never stale), then the wait for the kernel before, then the
+    # combine may launch; TMA loads into shared memory only after the wait.
     # SPLIT_KV: K and V of a stage complete on barriers of their own, K's slot refilled once
     # S = Q K^T's wait returns (V may still be landing), V's after P V; no CTA barrier before a
     # refill (one warpgroup: its wgmma wait returning means its reads of the slot are done).
@@ -64,6 +70,20 @@ def _gl_partial(Q, k_desc, v_desc, O, LSE, sm_scale, seqlen, num_splits, stride_
     lo = gl.minimum(split * chunk, seqlen)
     hi = gl.minimum(lo + chunk, seqlen)
     n_steps = gl.cdiv(hi - lo, BLOCK_N)
+    if EARLY:
+        LINE: gl.constexpr = 64  # bf16 elements of a 128-byte line
+        pf_lay: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+        j = gl.arange(0, 128, layout=pf_lay)  # a line a thread a step
+        n_lines = gl.minimum(pf_rows, hi - lo) * (D // LINE)
+        for l0 in range(0, n_lines, 128):
+            jj = gl.minimum(l0 + j, n_lines - 1)
+            off = (lo + jj // (D // LINE)).to(gl.int64) * D + (jj % (D // LINE)) * LINE
+            gl.inline_asm_elementwise("prefetch.global.L2 [$1];\n mov.u32 $0, 0;", "=r,l",
+                                      [K + off], dtype=gl.int32, is_pure=False, pack=1)
+            gl.inline_asm_elementwise("prefetch.global.L2 [$1];\n mov.u32 $0, 0;", "=r,l",
+                                      [V + off], dtype=gl.int32, is_pure=False, pack=1)
+        gdc_wait()
+        gdc_launch_dependents()
     k_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], k_desc.layout)
     v_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], v_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -175,18 +195,23 @@ class GluonSplit:
     alone)."""
 
     def __init__(self, q, block_n: int, stages: int, splits: int, combine: bool = True,
-                 pdl: bool = True, split_kv: bool = False, math: int = 2):
+                 pdl: bool = True, split_kv: bool = False, math: int = 2,
+                 early: bool = False):
         from flashtune.codegen import Variant, load
         from flashtune.launch_splitkv import combine_tile
         self.g, self.d = q.shape[2], q.shape[3]
         self.block_n, self.stages, self.splits = block_n, stages, splits
         self.combine, self.pdl, self.split_kv, self.math = combine, pdl, split_kv, math
-        self.mod = load(Variant("splitkv", block_m=64, block_n=64, num_warps=4, num_stages=3))
+        self.early = early and pdl
+        # the shipped early start's budget: 2 MiB over all programs (launch_splitkv.PREFETCH_BYTES)
+        self.pf_rows = (2 << 20) // (splits * 2 * self.d * 2)
+        self.mod = load(Variant("splitkv", block_m=64, block_n=64, num_warps=4, num_stages=3,
+                                early_start=early))
         self.block_s, self.chunk_d = combine_tile(splits, self.d)
         self.lay = _layout(block_n, self.d)
         self.descs = {}
         self.name = (f"gluon n{block_n} s{stages} sp{splits}" + (" kv" if split_kv else "")
-                     + ("" if math == 2 else f" math{math}"))
+                     + ("" if math == 2 else f" math{math}") + (" early" if early else ""))
 
     def _desc(self, t):
         from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
@@ -201,9 +226,11 @@ class GluonSplit:
         g, d, s = self.g, self.d, self.splits
         o_part = torch.empty((g, s, d), dtype=torch.float32, device=q.device)
         l_part = torch.empty((g, s), dtype=torch.float32, device=q.device)
-        _gl_partial[(s,)](q, self._desc(k), self._desc(v), o_part, l_part, 1.0 / d ** 0.5, n, s,
-                          q.stride(2), GROUP=g, BLOCK_M=64, STAGES=self.stages,
-                          SPLIT_KV=self.split_kv, MATH=self.math, num_warps=4)
+        extra = {"launch_pdl": True} if self.early else {}
+        _gl_partial[(s,)](q, k, v, self._desc(k), self._desc(v), o_part, l_part,
+                          1.0 / d ** 0.5, n, s, q.stride(2), self.pf_rows, GROUP=g, BLOCK_M=64,
+                          STAGES=self.stages, SPLIT_KV=self.split_kv, MATH=self.math,
+                          EARLY=self.early, num_warps=4, **extra)
         o = torch.empty_like(q)
         lse = torch.empty((1, g, 1), dtype=torch.float32, device=q.device)
         if self.combine:
@@ -211,21 +238,23 @@ class GluonSplit:
             self.mod.attn_splitkv_combine[(g, triton.cdiv(d, self.chunk_d))](
                 o_part, l_part, o, lse, g, 1, s, o.stride(0), o.stride(1), o.stride(2),
                 HEAD_DIM=d, BLOCK_S=self.block_s, CHUNK_D=self.chunk_d, USE_PDL=self.pdl,
-                num_warps=4, **extra)
+                num_warps=4, **({"TRIGGER_FIRST": False} if self.early else {}), **extra)
         return o, lse
 
 
 def compile_only(configs) -> None:
     from codegen.aot import compile_for
-    for bn, st, kv, math in configs:
+    for bn, st, kv, math, early in configs:
         ty = f"tensordesc<bf16[{bn},128],{_layout(bn, 128)!r}>"
         out = compile_for(_gl_partial, {"GROUP": 8, "BLOCK_M": 64, "STAGES": st,
-                                          "SPLIT_KV": kv, "MATH": math}, "bfloat16",
+                                          "SPLIT_KV": kv, "MATH": math, "EARLY": early},
+                          "bfloat16",
                           4, 1, usage=True,
-                          types={"k_desc": ty, "v_desc": ty, "Q": "*bf16", "O": "*fp32",
-                                 "LSE": "*fp32", "seqlen": "i32", "num_splits": "i32",
-                                 "stride_qh": "i32"})
-        print(f"n{bn} s{st}" + (" kv" if kv else "") + f" math{math}", "smem", out["smem"], "regs",
+                          types={"k_desc": ty, "v_desc": ty, "Q": "*bf16", "K": "*bf16",
+                                 "V": "*bf16", "O": "*fp32", "LSE": "*fp32", "seqlen": "i32",
+                                 "num_splits": "i32", "stride_qh": "i32", "pf_rows": "i32"})
+        print(f"n{bn} s{st}" + (" kv" if kv else "") + f" math{math}"
+              + (" early" if early else ""), "smem", out["smem"], "regs",
               out.get("regs"), "spill", out.get("spill_bytes"), out.get("wgmma"))
 
 
@@ -261,9 +290,10 @@ def gpu(out: str, cells, configs, reps: int) -> None:
             plan.allow_early, plan.skip_combine = early, not comb
             runs[f"{var.name} {label}"] = (lambda p: lambda i: p.run(
                 q, kcs[i], vcs[i], sl, None, nk))(plan)
-        for bn, st, x, kv, math in configs:
+        for bn, st, x, kv, math, early in configs:
             for comb in ((True, False) if math == 2 else (False,)):
-                gs = GluonSplit(q, bn, st, sms * x, combine=comb, split_kv=kv, math=math)
+                gs = GluonSplit(q, bn, st, sms * x, combine=comb, split_kv=kv, math=math,
+                                early=early)
                 runs[gs.name + ("" if comb else "+nocomb")] = (
                     lambda w: lambda i: w.run(q, kcs[i], vcs[i], nk))(gs)
         # float64 reference of layer 0 (MQA: every q head reads the one kv head)
@@ -296,10 +326,10 @@ def gpu(out: str, cells, configs, reps: int) -> None:
 def parse(text: str) -> tuple:
     """(BLOCK_N, STAGES, programs per SM, split K/V barriers, MATH) of one --configs entry."""
     bn, st, x, *rest = text.split("/")
-    if set(rest) - {"kv", "m0", "m1"}:
-        raise SystemExit(f"--configs: {text!r}: flags are kv, m0, m1")
+    if set(rest) - {"kv", "m0", "m1", "e"}:
+        raise SystemExit(f"--configs: {text!r}: flags are kv, m0, m1, e")
     math = 0 if "m0" in rest else 1 if "m1" in rest else 2
-    return int(bn), int(st), int(x), "kv" in rest, math
+    return int(bn), int(st), int(x), "kv" in rest, math, "e" in rest
 
 
 def main() -> None:
@@ -307,15 +337,15 @@ def main() -> None:
     ap.add_argument("--out", default="gluon_decode.jsonl")
     ap.add_argument("--cells", default="32768,131072", help="key counts (MQA 8/1, B=1, D=128)")
     ap.add_argument("--configs", default="64/2/1,64/3/1,64/4/1,128/2/1",
-                    help="BLOCK_N/STAGES/programs per SM[/kv][/m0|/m1],... (kv: K and V on "
+                    help="BLOCK_N/STAGES/programs per SM[/kv][/m0|/m1][/e],... (kv: K and V on "
                          "barriers of their own, K refilled after QK^T; m1: QK^T alone, m0: no "
-                         "math -- timed without the combine, unchecked)")
+                         "math -- timed without the combine, unchecked; e: the early start)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--compile", action="store_true", help="compile for sm_90 only")
     a = ap.parse_args()
     configs = [parse(c) for c in a.configs.split(",")]
     if a.compile:
-        compile_only([(bn, st, kv, m) for bn, st, _, kv, m in configs])
+        compile_only([(bn, st, kv, m, e) for bn, st, _, kv, m, e in configs])
         return
     gpu(a.out, [int(x) for x in a.cells.split(",")], configs, a.reps)
 

@@ -42,7 +42,7 @@ def test_overlap_reader_every_order_matches_float64(mode):
 
 @pytest.mark.parametrize("script,configs", [
     ("tma_read_probe.py", "64/2/1,64/4/1,64/4/1/noread"),
-    ("gluon_decode_probe.py", "64/2/1,64/3/1/kv,32/4/1/kv,128/2/1/kv"),
+    ("gluon_decode_probe.py", "64/2/1,64/3/1/kv,32/4/1/kv,128/2/1/kv,64/2/1/e"),
 ])
 def test_gluon_probes_compile_for_sm90(script, configs):
     # in a process of its own: Gluon compiles nothing under the interpreter this one runs
@@ -69,17 +69,20 @@ def test_tma_reader_matches_float64():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("n,splits", [(1000, 132), (4096, 7), (131072 - 37, 132)])
-@pytest.mark.parametrize("config", [(64, 2, False), (64, 3, True), (32, 4, True)])
+@pytest.mark.parametrize("config", [(64, 2, False, False), (64, 3, True, False),
+                                    (32, 4, True, False), (64, 2, False, True)])
 def test_gluon_partial_matches_float64(n, splits, config):
-    # 1000 keys over 132 splits of 64: 116 splits without keys; 7 splits: ragged ends
+    # 1000 keys over 132 splits of 64: 116 splits without keys; 7 splits: ragged ends; the last
+    # config the early start (a dependent launch, its first rows prefetched before its wait)
     import gluon_decode_probe as gd
     from flashtune.reference import reference
     g, d = 8, 128
     q = torch.randn(1, 1, g, d, dtype=torch.bfloat16, device="cuda")
     k = torch.randn(1, n + 200, 1, d, dtype=torch.bfloat16, device="cuda")  # past the length
     v = torch.randn_like(k)
-    block_n, stages, kv = config
-    o, lse = gd.GluonSplit(q, block_n, stages, splits, pdl=False, split_kv=kv).run(q, k, v, n)
+    block_n, stages, kv, early = config
+    o, lse = gd.GluonSplit(q, block_n, stages, splits, pdl=early, split_kv=kv,
+                           early=early).run(q, k, v, n)
     kk, vv = (t[0, :n, 0].double().expand(1, g, n, d) for t in (k, v))
     ref, ref_lse = reference(q.transpose(1, 2).double(), kk, vv, return_lse=True)
     assert (o.double().reshape(g, d) - ref.reshape(g, d)).abs().max().item() < 2e-2
