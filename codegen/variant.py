@@ -70,6 +70,11 @@ class Variant:
     # structural, splitkv only: the KV cache is paged ((num_pages, page_size, Hk, D) addressed
     # through a block table) instead of one (B, Ncache, Hk, D) tensor
     paged: bool = False
+    # structural, splitkv only (sm_90, Gluon): the partial kernel streams K/V through a TMA ring
+    # and runs QK^T and PV on wgmma, one 64-row tile per (sequence, kv head); contiguous caches,
+    # no masks beyond causal (launch_splitkv.gluon_blocker; elsewhere the launch runs the same
+    # variant without it). Not searched yet (session 36: MQA B=1 +2-9%, bench/gluon_splitkv.py)
+    gluon: bool = False
     # hopper_fwd only (Gluon, sm_90): two consumer partitions with a Q tile each taking turns on
     # the tensor cores (structural); a persistent grid of one program per SM looping over tiles
     # (launch); the loader warp's registers (setmaxnreg; 0 = no loader partition: the consumers
@@ -219,6 +224,7 @@ class Variant:
         return {"causal_split": self.causal_split, "loads": self.loads, "dq": self.dq,
                 "dq_loads": self.dq_loads,
                 "varlen": self.varlen, "bnhd": self.bnhd, "paged": self.paged,
+                "gluon": self.gluon,
                 "pingpong": self.pingpong, "three_consumers": self.three_consumers,
                 "loader": self.loader_regs > 0, "l2_order": self.l2_order,
                 "head_order": self.head_order,

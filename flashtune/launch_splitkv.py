@@ -127,6 +127,83 @@ def descriptor_ok(k_cache: torch.Tensor, v_cache: torch.Tensor, paged: bool) -> 
     return True
 
 
+GLUON_ROWS = 64  # the gluon render's tile: one 4-warp wgmma's M
+
+
+def gluon_blocker(q, k_cache, variant: Variant) -> str:
+    """Why the gluon render cannot serve q (B, Nq, Hq, D) over k_cache ("" when it can): an
+    sm_90 GPU with Gluon (meta tensors pass: compile-ahead), bf16/fp16, D 64 or 128, the tile's
+    GROUP x Nq rows within 64, a contiguous cache (the TMA view is (B * Ncache, Hk * D))."""
+    b, nq, h, d = q.shape
+    hk = k_cache.shape[2]
+    if q.device.type == "cuda":
+        if torch.cuda.get_device_capability(q.device) != (9, 0):
+            return "not an sm_90 GPU"
+        from .gluon_compat import missing
+        if missing():
+            return missing()
+    elif q.device.type != "meta":
+        return "tensors are not on a GPU"
+    if q.dtype not in (torch.bfloat16, torch.float16) or d not in (64, 128):
+        return "bf16/fp16 with head dim 64 or 128 only"
+    if (h // hk) * nq > GLUON_ROWS:
+        return f"GROUP x Nq = {(h // hk) * nq} rows, more than one 64-row tile"
+    if not _contiguous(k_cache):
+        return "a cache that is not contiguous"
+    return ""
+
+
+def _contiguous(t) -> bool:
+    n, hk, d = t.shape[1:]
+    return t.stride() == (n * hk * d, hk * d, d, 1)
+
+
+@lru_cache(maxsize=None)
+def _gluon_layout(block_n: int, head_dim: int, dtype: torch.dtype):
+    from triton.experimental.gluon import language as gl
+    gdt = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
+    return gl.NVMMASharedLayout.get_default_for([block_n, head_dim], gdt)
+
+
+class GluonPartial:
+    """The gluon render's partial launch, called as the Triton kernel's launcher is (run's
+    arguments) and mapping them onto the Gluon kernel's: K and V as TMA descriptors over the
+    (B * Ncache, Hk * D) view, made per call (Gluon's checks once per shape: launcher.
+    gluon_desc). Caches a descriptor cannot address (a base or stride off 16 bytes, V laid out
+    unlike K) go to the Triton render's partial kernel, which takes the same grid."""
+    __slots__ = ("plan", "kernel", "uniform", "early", "fallback")
+
+    def __init__(self, plan, kernel, uniform: bool, early: bool):
+        self.plan, self.kernel, self.uniform, self.early = plan, kernel, uniform, early
+        self.fallback = None
+
+    def __call__(self, grid, q, k, v, bt, seqlens, o, lse, scale, sqb, sqm, sqh, skb, skn, skh,
+                 svb, svn, svh, sbt, sob, som, soh, sos, slb, slm, slh, sls, hk, nq, s,
+                 num_pages, max_keys, *early_args):
+        if (v.stride() != k.stride() or not _contiguous(k) or k.data_ptr() % 16
+                or v.data_ptr() % 16):
+            if self.fallback is None:
+                self.fallback = self.plan._triton_partial(self.uniform, self.early)
+            return self.fallback(grid, q, k, v, bt, seqlens, o, lse, scale, sqb, sqm, sqh, skb,
+                                 skn, skh, svb, svn, svh, sbt, sob, som, soh, sos, slb, slm,
+                                 slh, sls, hk, nq, s, num_pages, max_keys, *early_args)
+        from .launcher import gluon_desc
+        n, d = k.shape[1], k.shape[3]
+        bn = self.plan.variant.block_n
+        lay = _gluon_layout(bn, d, k.dtype)
+        kd, vd = (gluon_desc(t, [t.shape[0] * n, hk * d], [hk * d, 1], [bn, d], lay)
+                  for t in (k, v))
+        hint, rows = early_args[:2] if self.early else (0, 0)
+        extra = {"launch_pdl": True} if self.early and self.plan.pdl else {}
+        # uniform: SEQLENS is never read (any pointer will do)
+        self.kernel[grid](q, k, v, kd, vd, seqlens if seqlens is not None else o, o, lse, scale,
+                          sqb, sqm, sqh, skb, skn, skh, sob, som, soh, sos, slb, slm, slh, sls,
+                          hk, nq, s, n, max_keys, hint, rows,
+                          GROUP=self.plan.kwargs["GROUP"], STAGES=self.plan.variant.num_stages,
+                          IS_CAUSAL=self.plan.kwargs["IS_CAUSAL"], UNIFORM=self.uniform,
+                          num_warps=4, **extra)
+
+
 class SplitKVPlan:
     """One splitkv launch shape: q (B, Nq, Hq, D); caches (B, Ncache, Hk, D) or, paged,
     (num_pages, page_size, Hk, D) with block_table (B, max_pages) int32. Everything that depends
@@ -147,6 +224,10 @@ class SplitKVPlan:
             raise ValueError(f"{variant.name}: {why}")
         # window / softcap / block mask runtime arguments after sm_scale (launch.mask_args)
         self.mask_args = mask_args(masks, causal, "q", b, h)
+        # the gluon render where it can run; else the same variant without it (why: gluon_why)
+        self.gluon_why = gluon_blocker(q, k_cache, variant) if variant.gluon else ""
+        if self.gluon_why:
+            variant = dataclasses.replace(variant, gluon=False)
         self.variant = variant
         self.paged = variant.paged
         self._mods = {variant.early_start: load(variant)}
@@ -197,13 +278,10 @@ class SplitKVPlan:
             if len(self._launchers) > 64:
                 self._launchers.clear()
             mod = self._module(key[2])
-            if key[0] == "partial":
-                extra = {}
-                if key[2]:
-                    extra.update(early_consts(self.kwargs["BLOCK_D"], self.elsize))
-                    if self.pdl:
-                        extra["launch_pdl"] = True
-                got = Launcher(mod.attn_splitkv_partial, UNIFORM=key[1], **extra, **self.kwargs)
+            if key[0] == "partial" and self.variant.gluon:
+                got = GluonPartial(self, mod.attn_splitkv_partial, key[1], key[2])
+            elif key[0] == "partial":
+                got = self._triton_partial(key[1], key[2], mod)
             else:
                 block_s, chunk_d = combine_tile(key[1], self.kwargs["BLOCK_D"])
                 extra = {"TRIGGER_FIRST": key[3]} if key[2] else {}
@@ -214,6 +292,18 @@ class SplitKVPlan:
                                **extra)
             self._launchers[key] = got
         return got
+
+    def _triton_partial(self, uniform: bool, early: bool, mod=None):
+        """The Triton render's partial-kernel launcher (the gluon render's fallback: mod None
+        loads this variant without gluon)."""
+        if mod is None:
+            mod = load(dataclasses.replace(self.variant, gluon=False, early_start=early))
+        extra = {}
+        if early:
+            extra.update(early_consts(self.kwargs["BLOCK_D"], self.elsize))
+            if self.pdl:
+                extra["launch_pdl"] = True
+        return Launcher(mod.attn_splitkv_partial, UNIFORM=uniform, **extra, **self.kwargs)
 
     def early(self, num_splits: int) -> bool:
         """Whether a launch of num_splits splits takes the early_start render: the variant asks

@@ -43,7 +43,6 @@ def test_overlap_reader_every_order_matches_float64(mode):
 @pytest.mark.parametrize("script,configs,per_config", [
     ("tma_read_probe.py", "64/2/1,64/4/1,64/4/1/noread", 1),
     ("gluon_decode_probe.py", "64/2/1,64/3/1/kv,32/4/1/kv,128/2/1/kv,64/2/1/e", 1),
-    ("gluon_splitkv.py", "64/2,32/4", 4),  # each with and without causal and the early start
 ])
 def test_gluon_probes_compile_for_sm90(script, configs, per_config):
     # in a process of its own: Gluon compiles nothing under the interpreter this one runs
@@ -89,40 +88,3 @@ def test_gluon_partial_matches_float64(n, splits, config):
     assert (o.double().reshape(g, d) - ref.reshape(g, d)).abs().max().item() < 2e-2
     assert (lse.reshape(g).double() - ref_lse.reshape(g)).abs().max().item() < 1e-3
 
-
-# (B, Hq, Hk, Nq, D, cache capacity, lengths or None (uniform: the capacity), causal)
-GLUON_KV_CASES = [
-    (1, 8, 1, 1, 128, 4096, None, False),
-    (3, 32, 8, 1, 128, 2000, [1999, 5, 1500], False),   # a 5-key sequence: splits without keys
-    (2, 16, 4, 4, 128, 1024, [700, 1024], True),        # speculative tokens, bottom-right causal
-    (2, 8, 8, 2, 128, 512, [512, 100], True),
-    (2, 8, 2, 1, 64, 3000, [3000, 2047], False),
-]
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("case", GLUON_KV_CASES, ids=lambda c: "B{}-{}/{}-Nq{}-D{}-cap{}".format(
-    *c[:6]) + ("-ragged" if c[6] else "-uniform") + ("-causal" if c[7] else ""))
-@pytest.mark.parametrize("early", [False, True])
-def test_gluon_splitkv_plan_matches_float64(case, early):
-    # bench/gluon_splitkv.py's kernel through SplitKVPlan.run: every sequence against float64
-    import gluon_splitkv as gk
-    from flashtune.codegen import Variant
-    from flashtune.reference import reference
-    b, hq, hk, nq, d, cap, lengths, causal = case
-    q = torch.randn(b, nq, hq, d, dtype=torch.bfloat16, device="cuda")
-    k = torch.randn(b, cap, hk, d, dtype=torch.bfloat16, device="cuda")
-    v = torch.randn_like(k)
-    plan = gk.GluonKVPlan(q, k, causal, None, Variant("splitkv", block_m=64, block_n=64,
-                                                      num_warps=4, num_stages=2))
-    plan.allow_early = early
-    seqlens = None if lengths is None else torch.tensor(lengths, dtype=torch.int32,
-                                                         device="cuda")
-    o, lse = plan.run(q, k, v, seqlens, None, max(lengths or [cap]))
-    for i, n in enumerate(lengths or [cap] * b):
-        kk, vv = (t[i:i + 1, :n].transpose(1, 2).double().repeat_interleave(hq // hk, 1)
-                  for t in (k, v))
-        ref, ref_lse = reference(q[i:i + 1].transpose(1, 2).double(), kk, vv, causal=causal,
-                                 return_lse=True)
-        assert (o[i].double().transpose(0, 1) - ref[0]).abs().max().item() < 2e-2, i
-        assert (lse[i].double() - ref_lse[0]).abs().max().item() < 1e-3, i

@@ -15,7 +15,10 @@ FAMILY = Family(
     doc="Flash-Decoding: keys split over programs, exact combine; GQA heads share tile rows",
     template="attn_splitkv.py.tmpl",
     kernels=("attn_splitkv_partial", "attn_splitkv_combine"),
-    fields=("loads", "num_splits", "early_start", "paged", "window", "softcap", "block_sparse"),
+    fields=("loads", "num_splits", "early_start", "paged", "window", "softcap", "block_sparse",
+            "gluon"),
+    check="flashtune.families.splitkv:check",
+    mask_changes="flashtune.families.splitkv:mask_changes",
     defaults="flashtune.families.splitkv:default",
     measure="flashtune.measure_splitkv:OPS",
     compile_check="flashtune.families.splitkv:compile_check",
@@ -35,6 +38,25 @@ FAMILY = Family(
     adapt="flashtune.families.splitkv:adapt",
     seeds="flashtune.families.splitkv:seeds",
 )
+
+
+def check(variant) -> str:
+    """The gluon render's limits (its kernel: one 4-warp wgmma tile of 64 rows, pointer-free
+    TMA loads of a contiguous cache)."""
+    if not variant.gluon:
+        return ""
+    if variant.paged or variant.masks or variant.loads != "pointer":
+        return "gluon renders a contiguous cache without masks beyond causal, loads=pointer"
+    if variant.num_warps != 4 or variant.block_m != 64:
+        return "gluon's tile is one warpgroup's 64 rows: num_warps 4, block_m 64"
+    if variant.block_n not in (32, 64, 128) or not 2 <= variant.num_stages <= 4:
+        return "gluon takes block_n 32, 64 or 128 and 2-4 stages"
+    return ""
+
+
+def mask_changes(variant, kinds: tuple) -> dict:
+    """A masked call runs the Triton render: the gluon one has no mask code."""
+    return {"gluon": False} if variant.gluon and kinds else {}
 
 
 def seeds(head_dim: int, dtype: str, *, arch=None) -> list:
@@ -130,7 +152,10 @@ def compile_check(variant, head_dim: int, dtype: str, causal: bool, tails: bool,
                   usage: bool) -> dict:
     """Both kernels compiled for `cap` without a GPU, with the launcher's constexprs (tails: GQA
     4 and 3 query tokens, so the row masks are compiled in; a block_sparse render with
-    launch.example_masks' block sizes and an element mask)."""
+    launch.example_masks' block sizes and an element mask). The gluon render: sm_90, bf16/fp16,
+    D 64/128 only (nothing elsewhere)."""
+    if variant.gluon and (dtype == "float32" or cap != 90 or head_dim not in (64, 128)):
+        return {}  # the gluon render has no kernel there (launch_splitkv.gluon_blocker)
     import dataclasses
 
     import torch
@@ -157,6 +182,14 @@ def compile_check(variant, head_dim: int, dtype: str, causal: bool, tails: bool,
     mod = load(variant)
     # the partial kernel writes float32 scratch (O, LSE) when the keys are split
     ints = {"BLOCK_TABLE": "*i32", "SEQLENS": "*i32", "HK": "i32", "O": "*fp32"}
+    if variant.gluon:  # its own arguments: K/V descriptors (launch_splitkv.GluonPartial)
+        from ..codegen.aot import _PTR
+        from ..launch_splitkv import _gluon_layout
+        desc = (f"tensordesc<{_PTR[dtype][1:]}[{variant.block_n},{head_dim}],"
+                f"{_gluon_layout(variant.block_n, head_dim, dt)!r}>")
+        consts = {"GROUP": plan.kwargs["GROUP"], "STAGES": variant.num_stages,
+                  "IS_CAUSAL": causal, "UNIFORM": False}
+        ints.update(k_desc=desc, v_desc=desc)
     out = {"partial": compile_for(mod.attn_splitkv_partial, consts, dtype, variant.num_warps,
                                   variant.num_stages, capability=cap, usage=usage, types=ints)}
     block_s, chunk_d = combine_tile(64, block_d(head_dim))

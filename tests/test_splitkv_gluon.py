@@ -1,0 +1,149 @@
+"""The splitkv family's gluon render (Variant.gluon: the partial kernel in Gluon, sm_90): its
+variant rules, where the launch runs the Triton render instead (off sm_90, paged caches, masks,
+strided caches, too many rows), its sm_90 compile, and on the GPU its outputs against float64
+through flashtune.attention_with_kvcache."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import flashtune
+from flashtune.codegen import Variant
+from flashtune.launch_splitkv import SplitKVPlan, gluon_blocker
+
+from test_splitkv import check, make
+
+GLUON = "splitkv-m64-n64-w4-s2-gluon=true"
+
+
+@pytest.mark.parametrize("name,field", [
+    ("splitkv-m64-n64-w8-s2-gluon=true", "num_warps"),
+    ("splitkv-m16-n64-w4-s2-gluon=true", "block_m"),
+    ("splitkv-m64-n64-w4-s2-gluon=true-paged=true", "contiguous"),
+    ("splitkv-m64-n64-w4-s2-gluon=true-window=true", "masks"),
+    ("splitkv-m64-n64-w4-s2-gluon=true-loads=descriptor", "loads"),
+    ("splitkv-m64-n16-w4-s2-gluon=true", "block_n"),
+    ("splitkv-m64-n64-w4-s6-gluon=true", "stages"),
+])
+def test_gluon_variant_rules(name, field):
+    with pytest.raises(ValueError, match=field):
+        Variant.parse(name)
+    assert Variant.parse(GLUON).gluon and Variant.parse(GLUON).name == GLUON
+
+
+def _meta(b, nq, hq, hk, d, cap, dtype=torch.bfloat16):
+    return (torch.empty(b, nq, hq, d, dtype=dtype, device="meta"),
+            torch.empty(b, cap, hk, d, dtype=dtype, device="meta"))
+
+
+@pytest.mark.parametrize("shape,why", [
+    ((2, 1, 32, 8, 128, 4096, torch.bfloat16), ""),
+    ((2, 4, 16, 4, 64, 512, torch.float16), ""),
+    ((1, 16, 32, 4, 128, 512, torch.bfloat16), "rows"),          # 8 x 16 = 128 rows
+    ((1, 1, 8, 1, 128, 512, torch.float32), "bf16/fp16"),
+    ((1, 1, 8, 1, 256, 512, torch.bfloat16), "head dim"),
+])
+def test_gluon_blocker(shape, why):
+    q, k = _meta(*shape)
+    got = gluon_blocker(q, k, Variant.parse(GLUON))
+    assert (got == "") if not why else (why in got), got
+
+
+def test_gluon_blocker_strided_cache_and_cpu():
+    q, k = _meta(1, 1, 8, 2, 64, 256)
+    wide = torch.empty(1, 256, 4, 64, dtype=torch.bfloat16, device="meta")[:, :, :2]
+    assert "contiguous" in gluon_blocker(q, wide, Variant.parse(GLUON))
+    assert "GPU" in gluon_blocker(torch.empty(1, 1, 8, 64), torch.empty(1, 256, 2, 64),
+                                  Variant.parse(GLUON))
+
+
+def test_paged_and_masked_calls_run_the_triton_render():
+    from flashtune.dispatch import mask_twin
+    from flashtune.kvcache import fit_pages
+    from flashtune.masks import Masks
+    v = Variant.parse(GLUON)
+    paged = fit_pages(v, 64)
+    assert paged.paged and not paged.gluon
+    assert fit_pages(v, None) == v
+    twin = mask_twin(v, Masks((32, 0), None), 128, torch.bfloat16)
+    assert twin.window and not twin.gluon
+
+
+@pytest.mark.parametrize("nq,causal", [(1, False), (2, True)])
+def test_off_sm90_the_plan_runs_the_triton_render(nq, causal, device):
+    # here (the interpreter, or a GPU other than sm_90) the same tiles without gluon, exact
+    q, kc, vc = make(2, nq, 8, 2, 64, 200, torch.float16, device)
+    plan = SplitKVPlan(q, kc, causal, None, Variant.parse(GLUON))
+    on_sm90 = device == "cuda" and torch.cuda.get_device_capability() == (9, 0)
+    assert plan.variant.gluon == on_sm90 and bool(plan.gluon_why) != on_sm90
+    lengths = [200, 61]
+    seqlens = torch.tensor(lengths, dtype=torch.int32, device=device)
+    with flashtune.force(GLUON):
+        out, lse = flashtune.attention_with_kvcache(q, kc, vc, cache_seqlens=seqlens,
+                                                    causal=causal, return_lse=True)
+    check(q, kc, vc, lengths, out, causal=causal, lse=lse)
+
+
+def test_gluon_render_compiles_for_sm90():
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    r = subprocess.run([sys.executable, "-m", "flashtune.cli", "kernels", "check", "--gpu",
+                        "H100", "--head-dim", "64,128", GLUON,
+                        "splitkv-m64-n32-w4-s4-gluon=true-early_start=true"],
+                       capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    rows = [ln for ln in r.stdout.splitlines() if " partial " in ln]
+    assert len(rows) == 4 and all(" ok " in ln and "spills 0 B" in ln for ln in rows), r.stdout
+
+
+# (B, Hq, Hk, Nq, D, capacity, lengths (None: every sequence the capacity, an int), causal);
+# bench/gluon_splitkv.py's cases, which passed on the H100 (session 36, call 16)
+GPU_CASES = [
+    (1, 8, 1, 1, 128, 4096, None, False),
+    (3, 32, 8, 1, 128, 2000, [1999, 5, 1500], False),   # a 5-key sequence: splits without keys
+    (2, 16, 4, 4, 128, 1024, [700, 1024], True),        # speculative tokens, bottom-right causal
+    (2, 8, 8, 2, 128, 512, [512, 100], True),
+    (2, 8, 2, 1, 64, 3000, [3000, 2047], False),
+    (1, 8, 1, 1, 128, 131072 + 64, [131072], False),    # one wave: the early start
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: "B{}-{}/{}-Nq{}-D{}-cap{}".format(
+    *c[:6]) + ("-ragged" if c[6] else "-uniform") + ("-causal" if c[7] else ""))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gluon_matches_float64(case, dtype):
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the gluon render is sm_90's")
+    b, hq, hk, nq, d, cap, lengths, causal = case
+    q, kc, vc = make(b, nq, hq, hk, d, cap, dtype, "cuda")
+    seqlens = cap if lengths is None else torch.tensor(lengths, dtype=torch.int32,
+                                                       device="cuda")
+    assert SplitKVPlan(q, kc, causal, None, Variant.parse(GLUON)).variant.gluon
+    with flashtune.force(GLUON):
+        out, lse = flashtune.attention_with_kvcache(q, kc, vc, cache_seqlens=seqlens,
+                                                    causal=causal, return_lse=True)
+    check(q, kc, vc, lengths or [cap] * b, out, causal=causal, lse=lse)
+
+
+@pytest.mark.gpu
+def test_gluon_strided_and_paged_caches_fall_back():
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the gluon render is sm_90's")
+    q, kc, vc = make(2, 1, 8, 2, 128, 300, torch.bfloat16, "cuda")
+    wide_k, wide_v = (torch.randn(2, 300, 4, 128, dtype=torch.bfloat16, device="cuda")
+                      for _ in range(2))
+    k2, v2 = wide_k[:, :, 1:3], wide_v[:, :, 1:3]  # heads 1-2 of 4: not contiguous
+    with flashtune.force(GLUON):
+        out = flashtune.attention_with_kvcache(q, k2, v2, cache_seqlens=300)
+        check(q, k2, v2, [300, 300], out)
+        # a paged cache of 64-key pages, the pages shuffled
+        pages, vpages = (torch.randn(10, 64, 2, 128, dtype=torch.bfloat16, device="cuda")
+                         for _ in range(2))
+        bt = torch.randperm(10, device="cuda").reshape(2, 5).to(torch.int32)
+        out = flashtune.attention_with_kvcache(q, pages, vpages, cache_seqlens=300,
+                                               block_table=bt)
+    kk, vv = (torch.stack([t[bt[i]].reshape(-1, 2, 128) for i in range(2)])
+              for t in (pages, vpages))
+    check(q, kk, vv, [300, 300], out)
