@@ -260,8 +260,8 @@ print('torch', torch.cuda.get_device_name(0), targets.detect(0).slug)" 2>&1 | te
               # plan at MQA B=1, 16-layer steps (bench/gluon_decode_probe.py; GD_ARGS)
               timeout ${GD_TIMEOUT:-300} python3 bench/gluon_decode_probe.py --out "$OUT/gluon_decode.jsonl" \
                 ${GD_ARGS:-} 2>&1 | tee "$OUT/gluon_decode.log" | grep -v "leaked\|nanobind" | tail -40 ;;
-    gluonkv)  # issue 9 (session 36): bench/gluon_splitkv.py's Gluon partial kernel through SplitKVPlan
-              # beside the shipped plan, 16-layer steps (GKV_ARGS)
+    gluonkv)  # issue 9 (session 36): the dispatched splitkv variant beside its gluon render (Variant.gluon),
+              # 16-layer steps (bench/gluon_splitkv.py; GKV_ARGS); its tests: GPUTESTS_ARGS=tests/test_splitkv_gluon.py
               timeout ${GKV_TIMEOUT:-200} python3 bench/gluon_splitkv.py --out "$OUT/gluon_splitkv.jsonl" \
                 ${GKV_ARGS:-} 2>&1 | tee "$OUT/gluon_splitkv.log" | grep -v "leaked\|nanobind" | tail -40 ;;
     dsweep)   timeout ${DSWEEP_TIMEOUT:-330} python3 bench/decode_sweep.py --out "$OUT/decode_sweep.jsonl" ${DSWEEP_ARGS:-} \

@@ -19,8 +19,6 @@ the kernel before, which may append to the cache).
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -28,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
-import triton  # noqa: E402
+from probe_rows import Rows, time_steps  # noqa: E402
 from triton.experimental import gluon  # noqa: E402
 from triton.experimental.gluon import language as gl  # noqa: E402
 from triton.experimental.gluon.language.nvidia.hopper import (  # noqa: E402
@@ -231,15 +229,8 @@ class GluonSplit:
                           1.0 / d ** 0.5, n, s, q.stride(2), self.pf_rows, GROUP=g, BLOCK_M=64,
                           STAGES=self.stages, SPLIT_KV=self.split_kv, MATH=self.math,
                           EARLY=self.early, num_warps=4, **extra)
-        o = torch.empty_like(q)
-        lse = torch.empty((1, g, 1), dtype=torch.float32, device=q.device)
-        if self.combine:
-            extra = {"launch_pdl": True} if self.pdl else {}
-            self.mod.attn_splitkv_combine[(g, triton.cdiv(d, self.chunk_d))](
-                o_part, l_part, o, lse, g, 1, s, o.stride(0), o.stride(1), o.stride(2),
-                HEAD_DIM=d, BLOCK_S=self.block_s, CHUNK_D=self.chunk_d, USE_PDL=self.pdl,
-                num_warps=4, **({"TRIGGER_FIRST": False} if self.early else {}), **extra)
-        return o, lse
+        from warp_split_probe import combined
+        return combined(self, q, o_part, l_part, s, self.early)
 
 
 def compile_only(configs) -> None:
@@ -260,21 +251,12 @@ def compile_only(configs) -> None:
 
 def gpu(out: str, cells, configs, reps: int) -> None:
     import decode_bench as db
-    from flashtune import kvcache
-    from flashtune.launch_splitkv import SplitKVPlan
     from flashtune.reference import reference
+    from warp_split_probe import shipped_runs
     db.GRAPH, db.DEVICE = True, "cuda"
     layers, d, g = 16, 128, 8
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    f = open(out, "w")
-
-    def write(row):
-        f.write(json.dumps(row) + "\n")
-        f.flush()
-        print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()
-               if k != "ms_all"}, flush=True)
-    write({"kind": "env", "device": torch.cuda.get_device_name(), "torch": torch.__version__,
-           "triton": triton.__version__})
+    write = Rows(out)
     for nk in cells:
         q = torch.randn(1, 1, g, d, dtype=torch.bfloat16, device="cuda")
         kcs = [torch.randn(1, nk, 1, d, dtype=torch.bfloat16, device="cuda")
@@ -282,14 +264,7 @@ def gpu(out: str, cells, configs, reps: int) -> None:
         vcs = [torch.randn_like(k) for k in kcs]
         sl = torch.full((1,), nk, dtype=torch.int32, device="cuda")
         kv_bytes = 2 * nk * d * 2
-        var = kvcache._variant(q, kcs[0], vcs[0], False, False, nk)
-        runs = {}
-        for label, early, comb in (("shipped plain", False, True), ("shipped early", True, True),
-                                   ("shipped plain+nocomb", False, False)):
-            plan = SplitKVPlan(q, kcs[0], False, None, var)
-            plan.allow_early, plan.skip_combine = early, not comb
-            runs[f"{var.name} {label}"] = (lambda p: lambda i: p.run(
-                q, kcs[i], vcs[i], sl, None, nk))(plan)
+        var, runs = shipped_runs(q, kcs, vcs, sl, nk)
         for bn, st, x, kv, math, early in configs:
             for comb in ((True, False) if math == 2 else (False,)):
                 gs = GluonSplit(q, bn, st, sms * x, combine=comb, split_kv=kv, math=math,
@@ -311,16 +286,11 @@ def gpu(out: str, cells, configs, reps: int) -> None:
                     times[label] = []
             except Exception as e:  # noqa: BLE001 -- a config that cannot build is a row
                 write({"Nk": nk, "impl": label, "error": f"{type(e).__name__}: {e}"[:400]})
-        for _ in range(reps):
-            for label in times:
-                times[label].append(db.bench_ms(db.layered(
-                    lambda i, r=runs[label]: (lambda: r(i)), layers)) / layers)
-        for label, ts in times.items():
-            ms = statistics.median(ts)
-            write({"Nk": nk, "impl": label, "ms": ms, "ms_all": ts, "gbps": kv_bytes / ms / 1e6})
+        time_steps(write, {label: (lambda r: lambda i: lambda: r(i))(runs[label])
+                           for label in times}, layers, reps, kv_bytes, {"Nk": nk})
         q = kcs = vcs = runs = None
         torch.cuda.empty_cache()
-    f.close()
+    write.close()
 
 
 def parse(text: str) -> tuple:

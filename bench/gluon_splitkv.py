@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -19,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
-import triton  # noqa: E402
+from probe_rows import Rows, time_steps  # noqa: E402
 
 from flashtune.launch_splitkv import SplitKVPlan  # noqa: E402
 
@@ -32,15 +30,7 @@ def gpu(out: str, cells, configs, reps: int) -> None:
     from flashtune import kvcache
     db.GRAPH, db.DEVICE = True, "cuda"
     layers, d = 16, 128
-    f = open(out, "w")
-
-    def write(row):
-        f.write(json.dumps(row) + "\n")
-        f.flush()
-        print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()
-               if k != "ms_all"}, flush=True)
-    write({"kind": "env", "device": torch.cuda.get_device_name(), "torch": torch.__version__,
-           "triton": triton.__version__})
+    write = Rows(out)
     for cell in cells:
         b, hq, hk, nk = (int(x) for x in cell.split("/"))
         q = torch.randn(b, 1, hq, d, dtype=torch.bfloat16, device="cuda")
@@ -68,18 +58,12 @@ def gpu(out: str, cells, configs, reps: int) -> None:
                     times[label] = []
             except Exception as e:  # noqa: BLE001 -- a config that cannot run is a row
                 write({"cell": cell, "impl": label, "error": f"{type(e).__name__}: {e}"[:400]})
-        for _ in range(reps):
-            for label in times:
-                times[label].append(db.bench_ms(db.layered(
-                    lambda i, p=plans[label]: (lambda: p.run(q, kcs[i], vcs[i], sl, None, nk)),
-                    layers)) / layers)
-        for label, ts in times.items():
-            ms = statistics.median(ts)
-            write({"cell": cell, "impl": label, "ms": ms, "ms_all": ts,
-                   "gbps": kv_bytes / ms / 1e6})
+        time_steps(write, {label: (lambda p: lambda i: lambda: p.run(
+            q, kcs[i], vcs[i], sl, None, nk))(plans[label]) for label in times}, layers, reps,
+            kv_bytes, {"cell": cell})
         q = kcs = vcs = plans = ref = None
         torch.cuda.empty_cache()
-    f.close()
+    write.close()
 
 
 def main() -> None:

@@ -22,8 +22,6 @@ bf16). If `l2` cannot reach a rate, no kernel that keeps the dependency can.
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -31,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
+from probe_rows import Rows, time_steps  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
@@ -110,15 +109,7 @@ def main() -> None:
     layers, d = (16, 128) if cuda else (2, 64)
     dt = torch.bfloat16 if cuda else torch.float16
     sms = torch.cuda.get_device_properties(0).multi_processor_count if cuda else 2
-    f = open(a.out, "w")
-
-    def write(row):
-        f.write(json.dumps(row) + "\n")
-        f.flush()
-        print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()
-               if k != "ms_all"}, flush=True)
-    write({"kind": "env", "device": torch.cuda.get_device_name() if cuda else "cpu",
-           "torch": torch.__version__, "triton": triton.__version__})
+    write = Rows(a.out, "cuda" if cuda else "cpu")
     for cell in a.cells.split(","):
         hq, hk, nk = (int(x) for x in cell.split("/"))
         if not cuda:
@@ -150,18 +141,12 @@ def main() -> None:
                 times[label] = []
             except Exception as e:  # noqa: BLE001 -- a read that cannot run is a row
                 write({"cell": cell, "impl": label, "error": f"{type(e).__name__}: {e}"[:300]})
-        for _ in range(a.reps):
-            for label in times:
-                times[label].append(db.bench_ms(db.layered(
-                    lambda i, mk=runs[label]: mk(i), layers)) / layers)
-        for label, ts in times.items():
-            ms = statistics.median(ts)
-            write({"cell": cell, "impl": label, "ms": ms, "ms_all": ts,
-                   "gbps": kv_bytes / ms / 1e6})
+        time_steps(write, {label: runs[label] for label in times}, layers, a.reps, kv_bytes,
+                   {"cell": cell})
         q = kcs = vcs = runs = None
         if cuda:
             torch.cuda.empty_cache()
-    f.close()
+    write.close()
 
 
 if __name__ == "__main__":

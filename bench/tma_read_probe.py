@@ -15,8 +15,6 @@ CUDA-graph steps.
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -24,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
+from probe_rows import Rows, time_steps  # noqa: E402
 from triton.experimental import gluon  # noqa: E402
 from triton.experimental.gluon import language as gl  # noqa: E402
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier  # noqa: E402
@@ -145,16 +144,7 @@ def main() -> None:
     db.GRAPH, db.DEVICE = True, "cuda"
     layers, d = 16, 128
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    f = open(a.out, "w")
-
-    def write(row):
-        f.write(json.dumps(row) + "\n")
-        f.flush()
-        print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()
-               if k != "ms_all"}, flush=True)
-    import triton
-    write({"kind": "env", "device": torch.cuda.get_device_name(), "torch": torch.__version__,
-           "triton": triton.__version__})
+    write = Rows(a.out)
     for nk in (int(x) for x in a.cells.split(",")):
         kcs = [torch.randn(nk, d, dtype=torch.bfloat16, device="cuda") for _ in range(layers)]
         vcs = [torch.randn_like(k) for k in kcs]
@@ -177,16 +167,11 @@ def main() -> None:
                 times[label] = []
             except Exception as e:  # noqa: BLE001 -- a config that cannot run is a row
                 write({"Nk": nk, "impl": label, "error": f"{type(e).__name__}: {e}"[:400]})
-        for _ in range(a.reps):
-            for label in times:
-                times[label].append(db.bench_ms(db.layered(
-                    lambda i, mk=runs[label]: mk(i), layers)) / layers)
-        for label, ts in times.items():
-            ms = statistics.median(ts)
-            write({"Nk": nk, "impl": label, "ms": ms, "ms_all": ts, "gbps": kv_bytes / ms / 1e6})
+        time_steps(write, {label: runs[label] for label in times}, layers, a.reps, kv_bytes,
+                   {"Nk": nk})
         kcs = vcs = runs = None
         torch.cuda.empty_cache()
-    f.close()
+    write.close()
 
 
 if __name__ == "__main__":

@@ -20,9 +20,7 @@ output first, with and without the combine (`+nocomb`: the partial kernels alone
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import statistics
 import sys
 from pathlib import Path
 
@@ -30,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
+from probe_rows import Rows, time_steps  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
@@ -158,15 +157,42 @@ class WarpSplit:
                           W=self.warps, KB=self.kb, D=d, PER_WARP=self.per_warp,
                           USE_PDL=self.pdl, REG_PREFETCH=self.reg_prefetch,
                           num_warps=self.num_warps, num_stages=self.stages)
-        o = torch.empty_like(q)
-        lse = torch.empty((1, g, 1), dtype=torch.float32, device=q.device)
-        if self.combine:
-            extra = {"launch_pdl": True} if self.pdl else {}
-            self.mod.attn_splitkv_combine[(g, triton.cdiv(d, self.chunk_d))](
-                o_part, l_part, o, lse, g, 1, parts, o.stride(0), o.stride(1), o.stride(2),
-                HEAD_DIM=d, BLOCK_S=self.block_s, CHUNK_D=self.chunk_d, USE_PDL=self.pdl,
-                num_warps=4, **extra)
-        return o, lse
+        return combined(self, q, o_part, l_part, parts)
+
+
+def shipped_runs(q, kcs, vcs, seqlens, nk: int) -> tuple:
+    """(the dispatched variant, {label: run(i)}): its plan launched plainly, as dispatched (the
+    early start), and its partial kernels alone, over layer i's caches."""
+    from flashtune import kvcache
+    from flashtune.launch_splitkv import SplitKVPlan
+    var = kvcache._variant(q, kcs[0], vcs[0], False, False, nk)
+    runs = {}
+    for label, early, comb in (("shipped plain", False, True), ("shipped early", True, True),
+                               ("shipped plain+nocomb", False, False)):
+        plan = SplitKVPlan(q, kcs[0], False, None, var)
+        plan.allow_early, plan.skip_combine = early, not comb
+        runs[f"{var.name} {label}"] = (lambda p: lambda i: p.run(q, kcs[i], vcs[i], seqlens,
+                                                                  None, nk))(plan)
+    return var, runs
+
+
+def combined(proto, q, o_part, l_part, parts: int, early: bool = False):
+    """(O, LSE) of a prototype's partial outputs (G, parts, D) / (G, parts) for q (1, 1, G, D),
+    merged by the shipped combine of proto.mod (proto.combine False: left unmerged, the partial
+    kernels alone timed); early: the early_start render's combine (it lets the next kernel in
+    after its own wait)."""
+    g, d = q.shape[2], q.shape[3]
+    o = torch.empty_like(q)
+    lse = torch.empty((1, g, 1), dtype=torch.float32, device=q.device)
+    if proto.combine:
+        extra = {"launch_pdl": True} if proto.pdl else {}
+        if early:
+            extra["TRIGGER_FIRST"] = False
+        proto.mod.attn_splitkv_combine[(g, triton.cdiv(d, proto.chunk_d))](
+            o_part, l_part, o, lse, g, 1, parts, o.stride(0), o.stride(1), o.stride(2),
+            HEAD_DIM=d, BLOCK_S=proto.block_s, CHUNK_D=proto.chunk_d, USE_PDL=proto.pdl,
+            num_warps=4, **extra)
+    return o, lse
 
 
 # G, N, W, KB, splits, per_warp
@@ -207,21 +233,11 @@ def gpu(out: str, cells, configs, reps: int, device: str = "cuda") -> None:
     """device "cpu": a smoke run of this function in the interpreter (2 layers, float16, no
     graphs, 4 splits), so a device call does not find its bugs."""
     import decode_bench as db
-    from flashtune import kvcache
-    from flashtune.launch_splitkv import SplitKVPlan
     cuda = device == "cuda"
     db.GRAPH, db.DEVICE = cuda, device
     layers, d = (16, 128) if cuda else (2, 64)
     dt = torch.bfloat16 if cuda else torch.float16
-    f = open(out, "w")
-
-    def write(row):
-        f.write(json.dumps(row) + "\n")
-        f.flush()
-        print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()
-               if k != "ms_all"}, flush=True)
-    write({"kind": "env", "device": torch.cuda.get_device_name() if cuda else "cpu",
-           "torch": torch.__version__, "triton": triton.__version__})
+    write = Rows(out, device)
     sms = torch.cuda.get_device_properties(0).multi_processor_count if cuda else 4
     for nk in cells:
         q = torch.randn(1, 1, 8, d, dtype=dt, device=device)
@@ -229,14 +245,7 @@ def gpu(out: str, cells, configs, reps: int, device: str = "cuda") -> None:
         vcs = [torch.randn_like(k) for k in kcs]
         sl = torch.full((1,), nk, dtype=torch.int32, device=device)
         kv_bytes = 2 * nk * d * 2
-        var = kvcache._variant(q, kcs[0], vcs[0], False, False, nk)
-        runs = {}
-        for label, early, comb in (("shipped plain", False, True), ("shipped early", True, True),
-                                   ("shipped plain+nocomb", False, False)):
-            plan = SplitKVPlan(q, kcs[0], False, None, var)
-            plan.allow_early, plan.skip_combine = early, not comb
-            runs[f"{var.name} {label}"] = (lambda p: lambda i: p.run(q, kcs[i], vcs[i], sl, None,
-                                                                      nk))(plan)
+        var, runs = shipped_runs(q, kcs, vcs, sl, nk)
         for warps, kb, stages, flags in configs:
             for comb in (True, False):
                 ws = WarpSplit(q, kcs[0], warps, kb, stages, sms * flags["x"], pdl=cuda,
@@ -257,17 +266,12 @@ def gpu(out: str, cells, configs, reps: int, device: str = "cuda") -> None:
                     times[label] = []
             except Exception as e:  # noqa: BLE001 -- a config that cannot build is a row
                 write({"Nk": nk, "impl": label, "error": f"{type(e).__name__}: {e}"[:300]})
-        for _ in range(reps):
-            for label in times:
-                times[label].append(db.bench_ms(db.layered(
-                    lambda i, r=runs[label]: (lambda: r(i)), layers)) / layers)
-        for label, ts in times.items():
-            ms = statistics.median(ts)
-            write({"Nk": nk, "impl": label, "ms": ms, "ms_all": ts, "gbps": kv_bytes / ms / 1e6})
+        time_steps(write, {label: (lambda r: lambda i: lambda: r(i))(runs[label])
+                           for label in times}, layers, reps, kv_bytes, {"Nk": nk})
         q = kcs = vcs = runs = ref = None
         if cuda:
             torch.cuda.empty_cache()
-    f.close()
+    write.close()
 
 
 def parse_config(text: str) -> tuple:

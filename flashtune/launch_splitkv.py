@@ -171,10 +171,15 @@ class GluonPartial:
     (B * Ncache, Hk * D) view, made per call (Gluon's checks once per shape: launcher.
     gluon_desc). Caches a descriptor cannot address (a base or stride off 16 bytes, V laid out
     unlike K) go to the Triton render's partial kernel, which takes the same grid."""
-    __slots__ = ("plan", "kernel", "uniform", "early", "fallback")
+    __slots__ = ("plan", "launch", "uniform", "early", "fallback")
 
     def __init__(self, plan, kernel, uniform: bool, early: bool):
-        self.plan, self.kernel, self.uniform, self.early = plan, kernel, uniform, early
+        self.plan, self.uniform, self.early = plan, uniform, early
+        extra = {"launch_pdl": True} if early and plan.pdl else {}
+        self.launch = Launcher(kernel, GROUP=plan.kwargs["GROUP"],
+                               STAGES=plan.variant.num_stages,
+                               IS_CAUSAL=plan.kwargs["IS_CAUSAL"], UNIFORM=uniform, num_warps=4,
+                               **extra)
         self.fallback = None
 
     def __call__(self, grid, q, k, v, bt, seqlens, o, lse, scale, sqb, sqm, sqh, skb, skn, skh,
@@ -194,14 +199,10 @@ class GluonPartial:
         kd, vd = (gluon_desc(t, [t.shape[0] * n, hk * d], [hk * d, 1], [bn, d], lay)
                   for t in (k, v))
         hint, rows = early_args[:2] if self.early else (0, 0)
-        extra = {"launch_pdl": True} if self.early and self.plan.pdl else {}
         # uniform: SEQLENS is never read (any pointer will do)
-        self.kernel[grid](q, k, v, kd, vd, seqlens if seqlens is not None else o, o, lse, scale,
-                          sqb, sqm, sqh, skb, skn, skh, sob, som, soh, sos, slb, slm, slh, sls,
-                          hk, nq, s, n, max_keys, hint, rows,
-                          GROUP=self.plan.kwargs["GROUP"], STAGES=self.plan.variant.num_stages,
-                          IS_CAUSAL=self.plan.kwargs["IS_CAUSAL"], UNIFORM=self.uniform,
-                          num_warps=4, **extra)
+        self.launch(grid, q, k, v, kd, vd, seqlens if seqlens is not None else o, o, lse, scale,
+                    sqb, sqm, sqh, skb, skn, skh, sob, som, soh, sos, slb, slm, slh, sls,
+                    hk, nq, s, n, max_keys, hint, rows)
 
 
 class SplitKVPlan:

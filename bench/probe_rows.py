@@ -1,0 +1,42 @@
+"""What the decode probes (overlap_ceiling, tma_read_probe, warp_split_probe, gluon_decode_probe,
+gluon_splitkv) share: their JSON-lines rows, printed as they are written, and the timing of each
+candidate in 16-layer decode steps (decode_bench's timer: CUDA-graph replays, L2 flushed)."""
+from __future__ import annotations
+
+import json
+import statistics
+
+
+class Rows:
+    """Rows of a JSON-lines file, each also printed (floats rounded, ms_all left out); the first
+    names the device and the torch and triton versions."""
+
+    def __init__(self, path: str, device: str = "cuda"):
+        import torch
+        import triton
+        self.f = open(path, "w")
+        self({"kind": "env", "device": torch.cuda.get_device_name() if device == "cuda"
+              else device, "torch": torch.__version__, "triton": triton.__version__})
+
+    def __call__(self, row: dict) -> None:
+        self.f.write(json.dumps(row) + "\n")
+        self.f.flush()
+        print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()
+               if k != "ms_all"}, flush=True)
+
+    def close(self) -> None:
+        self.f.close()
+
+
+def time_steps(write, makes: dict, layers: int, reps: int, kv_bytes: int, where: dict) -> None:
+    """makes: label -> make(i), layer i's call (a callable of no arguments). `reps` rounds, each
+    timing every label's step once in turn, then a row per label: the median ms per layer (and
+    every round's), GB/s of K and V."""
+    import decode_bench as db
+    times = {label: [] for label in makes}
+    for _ in range(reps):
+        for label, make in makes.items():
+            times[label].append(db.bench_ms(db.layered(make, layers)) / layers)
+    for label, ts in times.items():
+        ms = statistics.median(ts)
+        write({**where, "impl": label, "ms": ms, "ms_all": ts, "gbps": kv_bytes / ms / 1e6})
