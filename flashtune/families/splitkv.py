@@ -4,7 +4,9 @@ the GROUP q heads of a kv head and the few query tokens of a step share one tile
 K/V element is read once per group. Template attn_splitkv.py.tmpl; launched by
 flashtune/launch_splitkv.py (SplitKVPlan, the auto num_splits rule, provisional defaults);
 measured by flashtune/measure_splitkv.py; space search_spaces/splitkv.json. Judged in GB/s of
-K and V read (DESIGN's decode convention)."""
+K and V read (DESIGN's decode convention). The `gluon` render (sm_90) is the partial kernel in
+Gluon, a TMA ring and wgmma (check, mask_changes, launch_splitkv.gluon_blocker say where it
+runs); not in the search space yet."""
 from __future__ import annotations
 
 from . import Family
