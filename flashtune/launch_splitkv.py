@@ -198,11 +198,11 @@ class GluonPartial:
         lay = _gluon_layout(bn, d, k.dtype)
         kd, vd = (gluon_desc(t, [t.shape[0] * n, hk * d], [hk * d, 1], [bn, d], lay)
                   for t in (k, v))
-        hint, rows = early_args[:2] if self.early else (0, 0)
+        hint, rows, trigger = early_args if self.early else (0, 0, 0)
         # uniform: SEQLENS is never read (any pointer will do)
         self.launch(grid, q, k, v, kd, vd, seqlens if seqlens is not None else o, o, lse, scale,
                     sqb, sqm, sqh, skb, skn, skh, sob, som, soh, sos, slb, slm, slh, sls,
-                    hk, nq, s, n, max_keys, hint, rows)
+                    hk, nq, s, n, max_keys, hint, rows, trigger)
 
 
 class SplitKVPlan:
