@@ -140,8 +140,9 @@ def gluon_blocker(q, k_cache, variant: Variant) -> str:
         if torch.cuda.get_device_capability(q.device) != (9, 0):
             return "not an sm_90 GPU"
         from .gluon_compat import missing
-        if missing():
-            return missing()
+        why = missing()
+        if why:
+            return why
     elif q.device.type != "meta":
         return "tensors are not on a GPU"
     if q.dtype not in (torch.bfloat16, torch.float16) or d not in (64, 128):
@@ -185,8 +186,7 @@ class GluonPartial:
     def __call__(self, grid, q, k, v, bt, seqlens, o, lse, scale, sqb, sqm, sqh, skb, skn, skh,
                  svb, svn, svh, sbt, sob, som, soh, sos, slb, slm, slh, sls, hk, nq, s,
                  num_pages, max_keys, *early_args):
-        if (v.stride() != k.stride() or not _contiguous(k) or k.data_ptr() % 16
-                or v.data_ptr() % 16):
+        if v.stride() != k.stride() or not _contiguous(k) or not descriptor_ok(k, v, False):
             if self.fallback is None:
                 self.fallback = self.plan._triton_partial(self.uniform, self.early)
             return self.fallback(grid, q, k, v, bt, seqlens, o, lse, scale, sqb, sqm, sqh, skb,
