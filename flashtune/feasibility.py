@@ -203,6 +203,8 @@ def _splitkv(variant, problem, target) -> Resources:
     D=128, which the space excludes). The combine kernel is tiny (<= 2 KiB, 56 registers)."""
     e = dtype_bytes(problem.dtype)
     bd = block_d(problem.head_dim)
+    if variant.gluon:
+        return _splitkv_gluon(variant, bd, e)
     m, n = _splitkv_rows(variant, problem), variant.block_n
     kv = 2 * n * bd * e
     stages = max(1, variant.num_stages)
@@ -216,6 +218,18 @@ def _splitkv(variant, problem, target) -> Resources:
     threads = 32 * variant.num_warps
     words = m * n + m * n * e // 4 + m * bd + 2 * n * bd * e // 4
     return Resources(smem, -(-words // threads) + _REG_OVERHEAD, threads)
+
+
+def _splitkv_gluon(variant, bd: int, e: int) -> Resources:
+    """The gluon render's partial kernel: a ring of num_stages K and V tiles (TMA), the 64-row Q
+    tile and one mbarrier per buffer in shared memory; S and O accumulate in one warpgroup's
+    registers (wgmma), P stays there as the second MMA's A operand. sm_90 compiles (D=128 bf16,
+    Triton 3.9, 2026-11-27): shared memory exact for n32-s4, n64-s2, n128-s2 and 8 B under for
+    n128-s3 (213,048 B); registers 117-202 against the model's 120-192."""
+    n, stages = variant.block_n, variant.num_stages
+    smem = 2 * stages * n * bd * e + 64 * bd * e + 16 * stages
+    words = 64 * n + 64 * n * e // 4 + 64 * bd  # S, P, O over the warpgroup's 128 threads
+    return Resources(smem, -(-words // 128) + _REG_OVERHEAD, 128)
 
 
 def splitkv_kernels(variant, problem, target) -> tuple:

@@ -138,6 +138,11 @@ def _decode(d=128, group=4, nq=1, nk=32768, batch=1):
     ("splitkv-m64-n32-w4-s5", 128, 70656),
     ("splitkv-m64-n64-w4-s2-loads=descriptor", 128, 55320),
     ("splitkv-m64-n128-w4-s4-loads=descriptor", 128, 237624),
+    # the gluon render (flashtune kernels check --gpu H100, Triton 3.9, 2026-11-27)
+    ("splitkv-m64-n64-w4-s2-gluon=true", 128, 81952),
+    ("splitkv-m64-n128-w4-s3-gluon=true", 128, 213048),
+    ("splitkv-m64-n32-w4-s4-gluon=true", 128, 81984),
+    ("splitkv-m64-n128-w4-s2-gluon=true", 128, 147488),
 ])
 def test_splitkv_shared_memory_model_matches_triton(name, d, shared):
     r = feasibility.resources(Variant.parse(name), _decode(d), H100)
@@ -153,6 +158,10 @@ def test_splitkv_model_prunes_what_the_h100_refused():
     small, big = (feasibility.resources(Variant.parse("splitkv-m64-n64-w4-s3"),
                                         _decode(group=8, nq=nq), H100) for nq in (1, 8))
     assert big.smem_bytes > small.smem_bytes
+    # the gluon ring at 4 x 128 keys (D=128) is over sm_90's 227 KiB; at D=64 it fits
+    g = Variant.parse("splitkv-m64-n128-w4-s4-gluon=true")
+    assert not feasibility.check(g, _decode(), H100).ok
+    assert feasibility.check(g, _decode(d=64), H100).ok
 
 
 @pytest.mark.parametrize("family,d,fits,too_big", [

@@ -147,3 +147,83 @@ def test_gluon_strided_and_paged_caches_fall_back():
     kk, vv = (torch.stack([t[bt[i]].reshape(-1, 2, 128) for i in range(2)])
               for t in (pages, vpages))
     check(q, kk, vv, [300, 300], out)
+
+
+def _problem(dtype="bfloat16", d=128, group=8, nq=1, nk=32768, **kw):
+    from flashtune.problem import Problem
+    return Problem("splitkv", dtype, d, False, group, 1, 8 * group, nq, nk, **kw)
+
+
+@pytest.mark.parametrize("target,problem,searched", [
+    ("H100", _problem(), True),                      # MQA 8/1, one token
+    ("H100", _problem(group=4, d=64), True),
+    ("H100", _problem(group=8, nq=16), False),       # 128 rows: more than one 64-row tile
+    ("H100", _problem(dtype="float32"), False),
+    ("H100", _problem(d=256), False),
+    ("H100", _problem(window=512), False),           # masks beyond causal: the Triton render
+    ("A100", _problem(), False),                     # no wgmma
+])
+def test_the_search_space_has_gluon_where_it_can_run(target, problem, searched):
+    from flashtune.search_space import Space
+    from flashtune.targets import get
+    space = Space.build("splitkv", get(target), problem)
+    gluon = [v for v in space.feasible if v.gluon]
+    assert bool(gluon) == searched
+    # every gluon point is one the family takes (Variant refuses the others) and fits sm_90
+    assert all(v.block_m == 64 and v.num_warps == 4 and v.loads == "pointer" for v in gluon)
+    if searched:  # both tile widths the H100 ran, 2 stages; 4 x 128 keys only under D=128
+        shapes = {(v.block_n, v.num_stages) for v in gluon}
+        assert {(64, 2), (128, 2), (32, 4)} <= shapes
+        assert ((128, 4) in shapes) == (problem.head_dim == 64)
+        # a gluon tile of 64 rows is allowed though the Triton render's is capped near the rows
+        assert not any(v.block_m == 64 and not v.gluon for v in space.feasible)
+
+
+def test_sm90_seeds_start_the_search_at_the_gluon_render():
+    from flashtune.families import get
+    from flashtune.search_space import Space
+    from flashtune.targets import get as target
+    fam = get("splitkv")
+    names = {v.name for v in fam.seed_variants(128, "bfloat16", arch="sm_90")}
+    assert {"splitkv-m64-n64-w4-s2-gluon=true", "splitkv-m64-n128-w4-s2-gluon=true"} <= names
+    for arch, dtype, d in (("sm_80", "bfloat16", 128), ("sm_90", "float32", 128),
+                           ("sm_90", "bfloat16", 256)):
+        assert not any(v.gluon for v in fam.seed_variants(d, dtype, arch=arch))
+    # projected into a bucket the render cannot serve, a gluon seed is no gluon point
+    space = Space.build("splitkv", target("H100"), _problem(nq=16))
+    assert all(not p.gluon for p in (space.project(v) for v in fam.seed_variants(
+        128, "bfloat16", arch="sm_90")) if p is not None)
+
+
+def test_compile_ahead_warms_the_gluon_kernel_with_descriptors(monkeypatch):
+    """The search's compile-ahead (meta tensors, kernel[grid] to the JIT's warm-up): the gluon
+    partial kernel gets its K/V TMA descriptors over the (B * Ncache, Hk * D) view."""
+    from types import SimpleNamespace
+
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from flashtune import launch_splitkv
+    from flashtune.measure_splitkv import SplitKVOps
+    calls = []
+
+    class Jit:
+        def __init__(self, name):
+            self.name = name
+
+        def warmup(self, *args, grid, **kw):
+            assert not any(isinstance(a, torch.Tensor) for a in args)  # nothing launches
+            calls.append(SimpleNamespace(name=self.name, args=args, kw=kw))
+            return SimpleNamespace(metadata=SimpleNamespace(shared=100 + len(calls)))
+
+    monkeypatch.setattr(launch_splitkv, "load", lambda v: SimpleNamespace(
+        attn_splitkv_partial=Jit("partial"), attn_splitkv_combine=Jit("combine")))
+    p = _problem(nk=4096)  # 8 kv heads: the view is (1 * 4096, 8 * 128)
+    assert SplitKVOps("cuda").compile_ahead(Variant.parse(GLUON), p) == 100 + len(calls)
+    partial = [c for c in calls if c.name == "partial"]
+    assert partial and all(c.kw["STAGES"] == 2 and c.kw["GROUP"] == 8 for c in partial)
+    for c in partial:
+        descs = [a for a in c.args if isinstance(a, TensorDescriptor)]
+        assert len(descs) == 2 and all(d.base.device.type == "meta" for d in descs)
+        shapes = [(list(d.shape), list(d.block_shape)) for d in descs]
+        assert shapes == [([4096, 8 * 128], [64, 128])] * 2
+
