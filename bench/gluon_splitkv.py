@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 from probe_rows import Rows, time_steps  # noqa: E402
 
-from flashtune.launch_splitkv import SplitKVPlan  # noqa: E402
+from flashtune.launch_splitkv import SplitKVPlan, default_variant  # noqa: E402
 
 
 def gpu(out: str, cells, configs, reps: int) -> None:
@@ -41,10 +41,26 @@ def gpu(out: str, cells, configs, reps: int) -> None:
         kv_bytes = 2 * b * nk * hk * d * 2
         var = kvcache._variant(q, kcs[0], vcs[0], False, False, nk)
         plans = {f"{var.name} shipped": SplitKVPlan(q, kcs[0], False, None, var)}
-        for bn, st in configs:
+        base = default_variant(d, "bfloat16")  # the built-in Triton variant: a fixed reference
+        if base != var:
+            plans[f"{base.name} default"] = SplitKVPlan(q, kcs[0], False, None, base)
+        for bn, st, splits, per_sm, pf_mib, tf in configs:
             gv = dataclasses.replace(var, block_m=64, block_n=bn, num_warps=4, num_stages=st,
                                      loads="pointer", gluon=True)
-            plans[gv.name] = SplitKVPlan(q, kcs[0], False, None, gv)
+            if splits:  # an explicit split count, started early whatever the wave rule says
+                gv = dataclasses.replace(gv, num_splits=splits, early_start=True)
+            plan = SplitKVPlan(q, kcs[0], False, None, gv)
+            label = gv.name
+            if per_sm > 1:  # grids up to per_sm programs an SM count as one wave (early
+                plan.sms *= per_sm  # trigger): what a residency-aware rule would say
+                label += f" wave{per_sm}"
+            if pf_mib >= 0:  # the early start's L2 prefetch, all programs together
+                plan.prefetch_bytes = pf_mib << 20
+                label += f" pf{pf_mib}"
+            if tf >= 0:  # the combine lets the next kernel launch before (1) / after (0) its wait
+                plan.trigger_first = bool(tf)
+                label += f" tf{tf}"
+            plans[label] = plan
         ref = plans[f"{var.name} shipped"].run(q, kcs[0], vcs[0], sl, None, nk)[0]
         times = {}
         for label, plan in plans.items():
@@ -71,10 +87,18 @@ def main() -> None:
     ap.add_argument("--out", default="gluon_splitkv.jsonl")
     ap.add_argument("--cells", default="1/8/1/32768,1/8/1/131072,1/32/8/32768,8/32/8/8192,"
                     "8/8/1/32768,32/32/8/8192", help="B/Hq/Hk/Nk,... (D=128, one query token)")
-    ap.add_argument("--configs", default="64/2", help="BLOCK_N/STAGES,...")
+    ap.add_argument("--configs", default="64/2", help="BLOCK_N/STAGES[/SPLITS[/PER_SM[/PF_MIB"
+                    "[/TF]]]],... (SPLITS: an explicit count, early start forced, 0: the rule's; "
+                    "PER_SM: programs an SM holds at once, for the early trigger's one-wave rule; "
+                    "PF_MIB: the early start's L2 prefetch; TF 1/0: the combine lets the next "
+                    "kernel in before/after its wait; -1: the launch's own choice)")
     ap.add_argument("--reps", type=int, default=3)
     a = ap.parse_args()
-    configs = [tuple(int(x) for x in c.split("/")) for c in a.configs.split(",")]
+    unset = (0, 0, 0, 1, -1, -1)  # SPLITS, PER_SM, PF_MIB and TF where a config stops short
+    configs = []
+    for c in a.configs.split(","):
+        given = [int(x) for x in c.split("/")]
+        configs.append(tuple(given + list(unset[len(given):])))
     gpu(a.out, a.cells.split(","), configs, a.reps)
 
 
