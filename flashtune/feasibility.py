@@ -221,14 +221,14 @@ def _splitkv(variant, problem, target) -> Resources:
 
 
 def _splitkv_gluon(variant, bd: int, e: int) -> Resources:
-    """The gluon render's partial kernel: a ring of num_stages K and V tiles (TMA) and one
-    mbarrier per buffer in shared memory; S and O accumulate in one warpgroup's registers
-    (wgmma), Q and P stay there as the MMAs' A operands. sm_90 compiles (Triton 3.9,
-    2026-11-27): shared memory exact for D=128 n32-s4, n64-s2, n128-s2 and D=64 n128-s2, 8 B
-    under for n64-s3 (98,360 B); registers 149-241 (D=128) against the model's 152-224."""
+    """The gluon render's partial kernel: a ring of num_stages K and V tiles (TMA), the 64-row Q
+    tile and one mbarrier per buffer in shared memory; S and O accumulate in one warpgroup's
+    registers (wgmma), P stays there as the second MMA's A operand. sm_90 compiles (D=128 bf16,
+    Triton 3.9, 2026-11-27): shared memory exact for n32-s4, n64-s2, n128-s2 and 8 B under for
+    n128-s3 (213,048 B); registers 117-202 against the model's 120-192."""
     n, stages = variant.block_n, variant.num_stages
-    smem = 2 * stages * n * bd * e + 16 * stages
-    words = 64 * n + 64 * n * e // 4 + 64 * bd + 64 * bd * e // 4  # S, P, O, Q: 128 threads
+    smem = 2 * stages * n * bd * e + 64 * bd * e + 16 * stages
+    words = 64 * n + 64 * n * e // 4 + 64 * bd  # S, P, O over the warpgroup's 128 threads
     return Resources(smem, -(-words // 128) + _REG_OVERHEAD, 128)
 
 
