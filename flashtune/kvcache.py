@@ -124,10 +124,10 @@ def fit_pages(variant, page: int | None):
     """variant for a paged cache of `page`-key pages (None: contiguous): Variant.paged follows
     the cache, and a key block lies in one page."""
     if variant.paged != (page is not None):
-        # (the gluon render reads a contiguous cache: a paged one runs the Triton render)
-        variant = dataclasses.replace(variant, paged=page is not None,
-                                      gluon=variant.gluon and page is None)
+        variant = dataclasses.replace(variant, paged=page is not None)
     if page is not None and page % variant.block_n:
+        # the gluon render's tile lies in one page and keeps its width: the Triton render here
+        variant = dataclasses.replace(variant, gluon=False)
         # a k times shorter step pipelines k times deeper, keeping the bytes in flight and the
         # shared memory the record was tuned with (the H100's n128-s1 records ran as n64-s1 at
         # 0.90x of contiguous, B=32, GQA). page & -page: the largest power of two dividing it

@@ -133,7 +133,8 @@ GLUON_ROWS = 64  # the gluon render's tile: one 4-warp wgmma's M
 def gluon_blocker(q, k_cache, variant: Variant) -> str:
     """Why the gluon render cannot serve q (B, Nq, Hq, D) over k_cache ("" when it can): an
     sm_90 GPU with Gluon (meta tensors pass: compile-ahead), bf16/fp16, D 64 or 128, the tile's
-    GROUP x Nq rows within 64, a contiguous cache (the TMA view is (B * Ncache, Hk * D))."""
+    GROUP x Nq rows within 64, a contiguous cache (the TMA view is (B * Ncache, Hk * D); paged,
+    (num_pages * page size, Hk * D): the pages one block of memory)."""
     b, nq, h, d = q.shape
     hk = k_cache.shape[2]
     if q.device.type == "cuda":
@@ -177,6 +178,8 @@ class GluonPartial:
     def __init__(self, plan, kernel, uniform: bool, early: bool):
         self.plan, self.uniform, self.early = plan, uniform, early
         extra = {"launch_pdl": True} if early and plan.pdl else {}
+        if plan.paged:
+            extra["PAGE"] = plan.kwargs["PAGE"]
         self.launch = Launcher(kernel, GROUP=plan.kwargs["GROUP"],
                                STAGES=plan.variant.num_stages,
                                IS_CAUSAL=plan.kwargs["IS_CAUSAL"], UNIFORM=uniform, num_warps=4,
@@ -193,15 +196,18 @@ class GluonPartial:
                                  skn, skh, svb, svn, svh, sbt, sob, som, soh, sos, slb, slm,
                                  slh, sls, hk, nq, s, num_pages, max_keys, *early_args)
         from .launcher import gluon_desc
-        n, d = k.shape[1], k.shape[3]
+        n, d = k.shape[1], k.shape[3]  # paged: n is the page size
         bn = self.plan.variant.block_n
         lay = _gluon_layout(bn, d, k.dtype)
         kd, vd = (gluon_desc(t, [t.shape[0] * n, hk * d], [hk * d, 1], [bn, d], lay)
                   for t in (k, v))
+        paged = ()
+        if self.plan.paged:  # run passes the splits' placement before the early arguments
+            paged, early_args = (bt, sbt, num_pages, *early_args[:2]), early_args[2:]
         hint, rows, trigger = early_args if self.early else (0, 0, 0)
         # uniform: SEQLENS is never read (any pointer will do)
         self.launch(grid, q, k, v, kd, vd, seqlens if seqlens is not None else o, o, lse, scale,
-                    sqb, sqm, sqh, skb, skn, skh, sob, som, soh, sos, slb, slm, slh, sls,
+                    *paged, sqb, sqm, sqh, skb, skn, skh, sob, som, soh, sos, slb, slm, slh, sls,
                     hk, nq, s, n, max_keys, hint, rows, trigger)
 
 

@@ -174,8 +174,9 @@ def test_early_start_touches_nothing_before_its_wait():
              "splitkv-m64-n64-w4-s3-early_start=true-paged=true",
              "splitkv-m64-n64-w4-s3-loads=descriptor-early_start=true",
              "splitkv-m64-n64-w4-s3-early_start=true-window=true-softcap=true",
-             # the gluon render: its TMA loads and Q only after the wait
-             "splitkv-m64-n64-w4-s2-early_start=true-gluon=true"]
+             # the gluon render: its TMA loads and Q only after the wait, contiguous and paged
+             "splitkv-m64-n64-w4-s2-early_start=true-gluon=true",
+             "splitkv-m64-n64-w4-s2-early_start=true-gluon=true-paged=true"]
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     r = subprocess.run([sys.executable, "-c", _BEFORE_WAIT, *names], capture_output=True,
                        text=True, env=env, timeout=600)

@@ -1,7 +1,7 @@
 """The splitkv family's gluon render (Variant.gluon: the partial kernel in Gluon, sm_90): its
-variant rules, where the launch runs the Triton render instead (off sm_90, paged caches, masks,
-strided caches, too many rows), its sm_90 compile, and on the GPU its outputs against float64
-through flashtune.attention_with_kvcache."""
+variant rules, where the launch runs the Triton render instead (off sm_90, pages narrower than
+its tile, masks, strided caches, too many rows), its sm_90 compile, and on the GPU its outputs
+against float64 through flashtune.attention_with_kvcache, contiguous and paged."""
 import os
 import subprocess
 import sys
@@ -21,7 +21,6 @@ GLUON = "splitkv-m64-n64-w4-s2-gluon=true"
 @pytest.mark.parametrize("name,field", [
     ("splitkv-m64-n64-w8-s2-gluon=true", "num_warps"),
     ("splitkv-m16-n64-w4-s2-gluon=true", "block_m"),
-    ("splitkv-m64-n64-w4-s2-gluon=true-paged=true", "contiguous"),
     ("splitkv-m64-n64-w4-s2-gluon=true-window=true", "masks"),
     ("splitkv-m64-n64-w4-s2-gluon=true-loads=descriptor", "loads"),
     ("splitkv-m64-n16-w4-s2-gluon=true", "block_n"),
@@ -31,6 +30,7 @@ def test_gluon_variant_rules(name, field):
     with pytest.raises(ValueError, match=field):
         Variant.parse(name)
     assert Variant.parse(GLUON).gluon and Variant.parse(GLUON).name == GLUON
+    assert Variant.parse(GLUON + "-paged=true").paged  # a paged cache: the same render
 
 
 def _meta(b, nq, hq, hk, d, cap, dtype=torch.bfloat16):
@@ -59,14 +59,22 @@ def test_gluon_blocker_strided_cache_and_cpu():
                                   Variant.parse(GLUON))
 
 
-def test_paged_and_masked_calls_run_the_triton_render():
+def test_pages_the_tile_fits_keep_the_gluon_render_and_masks_drop_it():
     from flashtune.dispatch import mask_twin
     from flashtune.kvcache import fit_pages
     from flashtune.masks import Masks
     v = Variant.parse(GLUON)
-    paged = fit_pages(v, 64)
-    assert paged.paged and not paged.gluon
+    for page in (64, 256):  # a 64-key tile lies in one page
+        paged = fit_pages(v, page)
+        assert paged.paged and paged.gluon and paged.block_n == 64
+    # 16- and 32-key pages: the Triton render at the page's width, as deep in bytes
+    assert fit_pages(v, 32) == Variant.parse("splitkv-m64-n32-w4-s4-paged=true")
+    assert fit_pages(v, 16) == Variant.parse("splitkv-m64-n16-w4-s8-paged=true")
     assert fit_pages(v, None) == v
+    # a paged cache's pages are the TMA view's rows: its shape passes the blocker
+    pages = torch.empty(20, 64, 2, 64, dtype=torch.bfloat16, device="meta")
+    q, _ = _meta(2, 1, 8, 2, 64, 256)
+    assert gluon_blocker(q, pages, fit_pages(v, 64)) == ""
     twin = mask_twin(v, Masks((32, 0), None), 128, torch.bfloat16)
     assert twin.window and not twin.gluon
 
@@ -127,8 +135,76 @@ def test_gluon_matches_float64(case, dtype):
     check(q, kc, vc, lengths or [cap] * b, out, causal=causal, lse=lse)
 
 
+def _paged(kc, vc, page, seed=0):
+    """kc, vc (B, N, Hk, D) as a paged cache of `page`-key pages in shuffled order, with spare
+    pages no sequence owns: (k_pages, v_pages, block_table)."""
+    b, n, hk, d = kc.shape
+    per = -(-n // page)
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    order = torch.randperm(b * per + 3, generator=g)[:b * per].to(kc.device)
+    kp, vp = (torch.randn(b * per + 3, page, hk, d, dtype=kc.dtype, device=kc.device)
+              for _ in range(2))
+    for t, src in ((kp, kc), (vp, vc)):
+        padded = torch.zeros(b, per * page, hk, d, dtype=kc.dtype, device=kc.device)
+        padded[:, :n] = src
+        t[order] = padded.reshape(b * per, page, hk, d)
+    return kp, vp, order.reshape(b, per).to(torch.int32)
+
+
+# (B, Hq, Hk, Nq, D, capacity, page, lengths, causal)
+PAGED_CASES = [
+    (1, 8, 1, 1, 128, 131072, 256, None, False),      # one wave: the early start, paged
+    (3, 32, 8, 1, 128, 2000, 64, [1999, 5, 1500], False),
+    (2, 16, 4, 4, 128, 1024, 128, [700, 1024], True),
+    (2, 8, 2, 1, 64, 3000, 256, [3000, 2047], False),
+]
+
+
 @pytest.mark.gpu
-def test_gluon_strided_and_paged_caches_fall_back():
+@pytest.mark.parametrize("case", PAGED_CASES,
+                         ids=lambda c: "B{}-{}/{}-Nq{}-D{}-cap{}-page{}".format(*c[:7]))
+def test_gluon_paged_matches_float64(case):
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the gluon render is sm_90's")
+    b, hq, hk, nq, d, cap, page, lengths, causal = case
+    q, kc, vc = make(b, nq, hq, hk, d, cap, torch.bfloat16, "cuda")
+    kp, vp, bt = _paged(kc, vc, page)
+    lengths = lengths or [cap] * b
+    seqlens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    from flashtune.kvcache import fit_pages
+    assert SplitKVPlan(q, kp, causal, None, fit_pages(Variant.parse(GLUON), page)).variant.gluon
+    with flashtune.force(GLUON):
+        out, lse = flashtune.attention_with_kvcache(q, kp, vp, cache_seqlens=seqlens,
+                                                    block_table=bt, causal=causal,
+                                                    return_lse=True)
+    check(q, kc, vc, lengths, out, causal=causal, lse=lse)
+
+
+@pytest.mark.gpu
+def test_gluon_paged_graph_replay_with_longer_sequences():
+    """A step captured at one length and replayed at longer ones (a serving loop's graph): the
+    splits were placed by the captured length; a longer sequence is split by its own."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the gluon render is sm_90's")
+    q, kc, vc = make(2, 1, 8, 1, 128, 4096, torch.bfloat16, "cuda")
+    kp, vp, bt = _paged(kc, vc, 256)
+    seqlens = torch.tensor([1000, 300], dtype=torch.int32, device="cuda")
+    plan = SplitKVPlan(q, kp, False, None, Variant.parse(GLUON + "-paged=true"))
+    assert plan.variant.gluon
+    plan.run(q, kp, vp, seqlens, bt, 1000)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = plan.run(q, kp, vp, seqlens, bt, 1000)
+    for lengths in ([1000, 300], [4096, 2500], [3000, 4000]):
+        seqlens.copy_(torch.tensor(lengths, dtype=torch.int32))
+        graph.replay()
+        torch.cuda.synchronize()
+        check(q, kc, vc, lengths, out, lse=lse)
+
+
+@pytest.mark.gpu
+def test_gluon_strided_caches_and_narrow_pages_fall_back():
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the gluon render is sm_90's")
     q, kc, vc = make(2, 1, 8, 2, 128, 300, torch.bfloat16, "cuda")
@@ -138,10 +214,11 @@ def test_gluon_strided_and_paged_caches_fall_back():
     with flashtune.force(GLUON):
         out = flashtune.attention_with_kvcache(q, k2, v2, cache_seqlens=300)
         check(q, k2, v2, [300, 300], out)
-        # a paged cache of 64-key pages, the pages shuffled
-        pages, vpages = (torch.randn(10, 64, 2, 128, dtype=torch.bfloat16, device="cuda")
+        # a paged cache of 32-key pages (narrower than the 64-key tile: the Triton render),
+        # the pages shuffled
+        pages, vpages = (torch.randn(20, 32, 2, 128, dtype=torch.bfloat16, device="cuda")
                          for _ in range(2))
-        bt = torch.randperm(10, device="cuda").reshape(2, 5).to(torch.int32)
+        bt = torch.randperm(20, device="cuda").reshape(2, 10).to(torch.int32)
         out = flashtune.attention_with_kvcache(q, pages, vpages, cache_seqlens=300,
                                                block_table=bt)
     kk, vv = (torch.stack([t[bt[i]].reshape(-1, 2, 128) for i in range(2)])

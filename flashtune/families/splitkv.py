@@ -5,8 +5,8 @@ K/V element is read once per group. Template attn_splitkv.py.tmpl; launched by
 flashtune/launch_splitkv.py (SplitKVPlan, the auto num_splits rule, provisional defaults);
 measured by flashtune/measure_splitkv.py; space search_spaces/splitkv.json. Judged in GB/s of
 K and V read (DESIGN's decode convention). The `gluon` render (sm_90) is the partial kernel in
-Gluon, a TMA ring and wgmma (check, mask_changes, launch_splitkv.gluon_blocker say where it
-runs); not in the search space yet."""
+Gluon, a TMA ring and wgmma over a contiguous or paged cache (check, mask_changes,
+launch_splitkv.gluon_blocker, kvcache.fit_pages say where it runs)."""
 from __future__ import annotations
 
 from . import Family
@@ -44,11 +44,11 @@ FAMILY = Family(
 
 def check(variant) -> str:
     """The gluon render's limits (its kernel: one 4-warp wgmma tile of 64 rows, pointer-free
-    TMA loads of a contiguous cache)."""
+    TMA loads of a contiguous or paged cache)."""
     if not variant.gluon:
         return ""
-    if variant.paged or variant.masks or variant.loads != "pointer":
-        return "gluon renders a contiguous cache without masks beyond causal, loads=pointer"
+    if variant.masks or variant.loads != "pointer":
+        return "gluon renders no masks beyond causal, and its loads are TMA's: loads=pointer"
     if variant.num_warps != 4 or variant.block_m != 64:
         return "gluon's tile is one warpgroup's 64 rows: num_warps 4, block_m 64"
     if variant.block_n not in (32, 64, 128) or not 2 <= variant.num_stages <= 4:
@@ -195,6 +195,8 @@ def compile_check(variant, head_dim: int, dtype: str, causal: bool, tails: bool,
                 f"{_gluon_layout(variant.block_n, head_dim, dt)!r}>")
         consts = {"GROUP": plan.kwargs["GROUP"], "STAGES": variant.num_stages,
                   "IS_CAUSAL": causal, "UNIFORM": False}
+        if variant.paged:
+            consts["PAGE"] = plan.kwargs["PAGE"]
         ints.update(k_desc=desc, v_desc=desc)
     out = {"partial": compile_for(mod.attn_splitkv_partial, consts, dtype, variant.num_warps,
                                   variant.num_stages, capability=cap, usage=usage, types=ints)}
