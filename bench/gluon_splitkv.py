@@ -44,7 +44,8 @@ def gpu(out: str, cells, configs, reps: int) -> None:
         base = default_variant(d, "bfloat16")  # the built-in Triton variant: a fixed reference
         if base != var:
             plans[f"{base.name} default"] = SplitKVPlan(q, kcs[0], False, None, base)
-        for bn, st, splits, per_sm, pf_mib, tf in configs:
+        lens = {}  # a plan's lengths argument: the tensor, or None (every sequence nk keys)
+        for bn, st, splits, per_sm, pf_mib, tf, uniform in configs:
             gv = dataclasses.replace(var, block_m=64, block_n=bn, num_warps=4, num_stages=st,
                                      loads="pointer", gluon=True)
             if splits:  # an explicit split count, started early whatever the wave rule says
@@ -60,12 +61,15 @@ def gpu(out: str, cells, configs, reps: int) -> None:
             if tf >= 0:  # the combine lets the next kernel launch before (1) / after (0) its wait
                 plan.trigger_first = bool(tf)
                 label += f" tf{tf}"
+            if uniform:  # no lengths tensor: the kernels read no length before their first load
+                label += " uniform"
+                lens[label] = None
             plans[label] = plan
         ref = plans[f"{var.name} shipped"].run(q, kcs[0], vcs[0], sl, None, nk)[0]
         times = {}
         for label, plan in plans.items():
             try:
-                got = plan.run(q, kcs[0], vcs[0], sl, None, nk)[0]
+                got = plan.run(q, kcs[0], vcs[0], lens.get(label, sl), None, nk)[0]
                 torch.cuda.synchronize()
                 diff = (got.float() - ref.float()).abs().max().item()
                 write({"cell": cell, "impl": label, "splits": plan.num_splits(nk),
@@ -74,9 +78,9 @@ def gpu(out: str, cells, configs, reps: int) -> None:
                     times[label] = []
             except Exception as e:  # noqa: BLE001 -- a config that cannot run is a row
                 write({"cell": cell, "impl": label, "error": f"{type(e).__name__}: {e}"[:400]})
-        time_steps(write, {label: (lambda p: lambda i: lambda: p.run(
-            q, kcs[i], vcs[i], sl, None, nk))(plans[label]) for label in times}, layers, reps,
-            kv_bytes, {"cell": cell})
+        time_steps(write, {label: (lambda p, lens_: lambda i: lambda: p.run(
+            q, kcs[i], vcs[i], lens_, None, nk))(plans[label], lens.get(label, sl))
+            for label in times}, layers, reps, kv_bytes, {"cell": cell})
         q = kcs = vcs = plans = ref = None
         torch.cuda.empty_cache()
     write.close()
@@ -88,13 +92,14 @@ def main() -> None:
     ap.add_argument("--cells", default="1/8/1/32768,1/8/1/131072,1/32/8/32768,8/32/8/8192,"
                     "8/8/1/32768,32/32/8/8192", help="B/Hq/Hk/Nk,... (D=128, one query token)")
     ap.add_argument("--configs", default="64/2", help="BLOCK_N/STAGES[/SPLITS[/PER_SM[/PF_MIB"
-                    "[/TF]]]],... (SPLITS: an explicit count, early start forced, 0: the rule's; "
+                    "[/TF[/UNIFORM]]]]],... (SPLITS: an explicit count, early start forced, 0: the "
+                    "rule's; UNIFORM 1: no lengths tensor; "
                     "PER_SM: programs an SM holds at once, for the early trigger's one-wave rule; "
                     "PF_MIB: the early start's L2 prefetch; TF 1/0: the combine lets the next "
                     "kernel in before/after its wait; -1: the launch's own choice)")
     ap.add_argument("--reps", type=int, default=3)
     a = ap.parse_args()
-    unset = (0, 0, 0, 1, -1, -1)  # SPLITS, PER_SM, PF_MIB and TF where a config stops short
+    unset = (0, 0, 0, 1, -1, -1, 0)  # SPLITS, PER_SM, PF_MIB, TF, UNIFORM where a config stops
     configs = []
     for c in a.configs.split(","):
         given = [int(x) for x in c.split("/")]

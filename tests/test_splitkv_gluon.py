@@ -181,22 +181,26 @@ def test_gluon_paged_matches_float64(case):
 
 
 @pytest.mark.gpu
-def test_gluon_paged_graph_replay_with_longer_sequences():
-    """A step captured at one length and replayed at longer ones (a serving loop's graph): the
-    splits were placed by the captured length; a longer sequence is split by its own."""
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("early", [False, True])
+def test_gluon_graph_replay_with_longer_sequences(paged, early):
+    """A step captured at one length and replayed at others (a serving loop's graph): the
+    splits were placed by the captured length; a longer sequence is split by its own, a shorter
+    one keeps the placement (the early start's: its first tiles go out before its length)."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the gluon render is sm_90's")
     q, kc, vc = make(2, 1, 8, 1, 128, 4096, torch.bfloat16, "cuda")
-    kp, vp, bt = _paged(kc, vc, 256)
+    kp, vp, bt = _paged(kc, vc, 256) if paged else (kc, vc, None)
     seqlens = torch.tensor([1000, 300], dtype=torch.int32, device="cuda")
-    plan = SplitKVPlan(q, kp, False, None, Variant.parse(GLUON + "-paged=true"))
-    assert plan.variant.gluon
+    plan = SplitKVPlan(q, kp, False, None, Variant.parse(GLUON + ("-paged=true" if paged else "")))
+    plan.allow_early = early  # a one-wave grid: the launch takes the early start unless told
+    assert plan.variant.gluon and plan.early(plan.num_splits(1000)) == early
     plan.run(q, kp, vp, seqlens, bt, 1000)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out, lse = plan.run(q, kp, vp, seqlens, bt, 1000)
-    for lengths in ([1000, 300], [4096, 2500], [3000, 4000]):
+    for lengths in ([1000, 300], [4096, 2500], [3000, 4000], [999, 0], [1, 1000]):
         seqlens.copy_(torch.tensor(lengths, dtype=torch.int32))
         graph.replay()
         torch.cuda.synchronize()
