@@ -184,9 +184,9 @@ def test_gluon_paged_matches_float64(case):
 @pytest.mark.parametrize("paged", [False, True])
 @pytest.mark.parametrize("early", [False, True])
 def test_gluon_graph_replay_with_longer_sequences(paged, early):
-    """A step captured at one length and replayed at others (a serving loop's graph): the
-    splits were placed by the captured length; a longer sequence is split by its own, a shorter
-    one keeps the placement (the early start's: its first tiles go out before its length)."""
+    """A step captured at one length and replayed at others (a serving loop's graph), with and
+    without the early start: contiguous, each sequence is split by its own length; paged, by the
+    captured one (split_keys), a longer sequence by its own; an empty one writes zeros."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the gluon render is sm_90's")
     q, kc, vc = make(2, 1, 8, 1, 128, 4096, torch.bfloat16, "cuda")
