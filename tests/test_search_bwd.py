@@ -203,24 +203,13 @@ def test_gpu_backend_measures_bwd():
 def test_compile_ahead_compiles_every_kernel_of_the_variant(monkeypatch):
     """The launcher runs on meta tensors and each kernel goes to the JIT's warmup (stood in
     for here: warmup needs a GPU driver); the largest shared memory is what is judged."""
-    from types import SimpleNamespace
+    from _warmup import stub_load
 
     from flashtune import launch_bwd
     from flashtune.measure_bwd import BwdOps
 
-    calls = []
-
-    class Jit:
-        def __init__(self, name):
-            self.name = name
-
-        def warmup(self, *args, grid, **kw):
-            assert not any(isinstance(a, torch.Tensor) for a in args)  # nothing launches
-            calls.append((self.name, kw["num_warps"], kw.get("BLOCK_M")))
-            return SimpleNamespace(metadata=SimpleNamespace(shared=1000 * len(calls)))
-
-    monkeypatch.setattr(launch_bwd, "load", lambda v: SimpleNamespace(
-        **{k: Jit(k) for k in ("attn_bwd_preprocess", "attn_bwd_dkdv", "attn_bwd_dq")}))
+    calls = stub_load(monkeypatch, launch_bwd,
+                      ("attn_bwd_preprocess", "attn_bwd_dkdv", "attn_bwd_dq"))
     p = _p(64, causal=True, n=1024)
     sep = default_variant("bwd", 64, "bfloat16", dq="separate")
     # the timed problem's kernels, then the gate's (one batch: the real JIT finds those in its
@@ -228,10 +217,10 @@ def test_compile_ahead_compiles_every_kernel_of_the_variant(monkeypatch):
     assert BwdOps().compile_ahead(sep, p) == 6000
     kernels = [("attn_bwd_preprocess", 4, None), ("attn_bwd_dkdv", sep.num_warps, sep.block_m),
                ("attn_bwd_dq", sep.num_warps2, sep.block_m2)]
-    assert calls == kernels + kernels
+    assert [(c.name, c.kw["num_warps"], c.kw.get("BLOCK_M")) for c in calls] == kernels * 2
     calls.clear()
     assert BwdOps().compile_ahead(default_variant("bwd", 64, "bfloat16", dq="atomic"), p) == 4000
-    assert [c[0] for c in calls] == ["attn_bwd_preprocess", "attn_bwd_dkdv"] * 2
+    assert [c.name for c in calls] == ["attn_bwd_preprocess", "attn_bwd_dkdv"] * 2
 
 
 def test_bwd_measuring_ops_in_the_interpreter():

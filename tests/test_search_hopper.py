@@ -8,34 +8,18 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
-import torch
 
 from flashtune.codegen import Variant
 from flashtune.gluon_compat import missing
 from flashtune.search_plan import standard_problem
 
+from _warmup import Warmup, stub_load
+
 pytestmark = pytest.mark.skipif(bool(missing()), reason="this Triton has no Gluon")
 
 
-class _Jit:
-    def __init__(self, name, calls):
-        self.name, self.calls = name, calls
-
-    def warmup(self, *args, grid, **kw):
-        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-        assert not any(isinstance(a, torch.Tensor) for a in args)  # nothing launches
-        descs = [a for a in args if isinstance(a, TensorDescriptor)]
-        assert descs and all(d.base.device.type == "meta" for d in descs)
-        self.calls.append(SimpleNamespace(name=self.name, args=args, grid=grid, kw=kw,
-                                          blocks=[d.block_shape for d in descs]))
-        return SimpleNamespace(metadata=SimpleNamespace(shared=1000 * len(self.calls)))
-
-
 def _stub(monkeypatch, module, names):
-    calls = []
-    monkeypatch.setattr(module, "load", lambda v: SimpleNamespace(
-        **{n: _Jit(n, calls) for n in names}))
-    return calls
+    return stub_load(monkeypatch, module, names, gluon=True)
 
 
 @pytest.mark.parametrize("persistent", [False, True])
@@ -68,19 +52,13 @@ def test_hopper_bwd_separate_compile_ahead_warms_the_generic_dq_kernel(monkeypat
     from flashtune.measure_hopper_bwd import OPS
     calls = []
 
-    class Plain:  # a Triton (not Gluon) kernel's warm-up: no descriptors
-        def __init__(self, name):
-            self.name = name
-
-        def warmup(self, *args, grid, **kw):
-            assert not any(isinstance(a, torch.Tensor) for a in args)  # nothing launches
-            calls.append(SimpleNamespace(name=self.name, kw=kw))
-            return SimpleNamespace(metadata=SimpleNamespace(shared=0))
+    def plain(name):  # a Triton (not Gluon) kernel's warm-up: no descriptors
+        return Warmup(name, calls, step=0)
     monkeypatch.setattr(launch_hopper_bwd, "load", lambda v: SimpleNamespace(
-        attn_bwd_hopper=_Jit("attn_bwd_hopper", calls),
-        attn_bwd_preprocess=Plain("attn_bwd_preprocess")))
+        attn_bwd_hopper=Warmup("attn_bwd_hopper", calls, gluon=True),
+        attn_bwd_preprocess=plain("attn_bwd_preprocess")))
     monkeypatch.setattr(launch_bwd, "load", lambda v: SimpleNamespace(
-        **{n: Plain(n) for n in ("attn_bwd_preprocess", "attn_bwd_dkdv", "attn_bwd_dq")}))
+        **{n: plain(n) for n in ("attn_bwd_preprocess", "attn_bwd_dkdv", "attn_bwd_dq")}))
     v = Variant("hopper_bwd", block_m=64, block_n=128, num_warps=8, num_stages=2,
                 dq="separate", window=masked, softcap=masked)
     p = standard_problem("bwd", "bfloat16", 128, True, 1024)
@@ -102,16 +80,9 @@ def test_hopper_bwd_compile_ahead_warms_the_preprocess_and_the_kernel(monkeypatc
 
     def load(v):  # the Gluon kernel stood in for; the generic preprocess is a Triton kernel
         if v.family == "hopper_bwd":
-            return SimpleNamespace(attn_bwd_hopper=_Jit("attn_bwd_hopper", calls))
-        fn = getattr(real(v), "attn_bwd_preprocess")
-
-        class Pre:
-            def warmup(self, *args, grid, **kw):
-                assert not any(isinstance(a, torch.Tensor) for a in args)
-                calls.append(SimpleNamespace(name="attn_bwd_preprocess", kw=kw))
-                return SimpleNamespace(metadata=SimpleNamespace(shared=0))
-        assert fn is not None
-        return SimpleNamespace(attn_bwd_preprocess=Pre())
+            return SimpleNamespace(attn_bwd_hopper=Warmup("attn_bwd_hopper", calls, gluon=True))
+        assert getattr(real(v), "attn_bwd_preprocess") is not None
+        return SimpleNamespace(attn_bwd_preprocess=Warmup("attn_bwd_preprocess", calls, step=0))
     monkeypatch.setattr(launch_hopper_bwd, "load", load)
     v = Variant("hopper_bwd", block_m=64, block_n=128, num_warps=8, num_stages=2)
     p = standard_problem("bwd", "bfloat16", 64, False, 1024)

@@ -279,28 +279,16 @@ def test_sm90_seeds_start_the_search_at_the_gluon_render():
 def test_compile_ahead_warms_the_gluon_kernel_with_descriptors(monkeypatch):
     """The search's compile-ahead (meta tensors, kernel[grid] to the JIT's warm-up): the gluon
     partial kernel gets its K/V TMA descriptors over the (B * Ncache, Hk * D) view."""
-    from types import SimpleNamespace
-
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+    from _warmup import stub_load
     from flashtune import launch_splitkv
     from flashtune.measure_splitkv import SplitKVOps
-    calls = []
-
-    class Jit:
-        def __init__(self, name):
-            self.name = name
-
-        def warmup(self, *args, grid, **kw):
-            assert not any(isinstance(a, torch.Tensor) for a in args)  # nothing launches
-            calls.append(SimpleNamespace(name=self.name, args=args, kw=kw))
-            return SimpleNamespace(metadata=SimpleNamespace(shared=100 + len(calls)))
-
-    monkeypatch.setattr(launch_splitkv, "load", lambda v: SimpleNamespace(
-        attn_splitkv_partial=Jit("partial"), attn_splitkv_combine=Jit("combine")))
+    calls = stub_load(monkeypatch, launch_splitkv, ("attn_splitkv_partial",
+                                                    "attn_splitkv_combine"))
     p = _problem(nk=4096)  # 8 kv heads: the view is (1 * 4096, 8 * 128)
-    assert SplitKVOps("cuda").compile_ahead(Variant.parse(GLUON), p) == 100 + len(calls)
-    partial = [c for c in calls if c.name == "partial"]
+    assert SplitKVOps("cuda").compile_ahead(Variant.parse(GLUON), p) == 1000 * len(calls)
+    partial = [c for c in calls if c.name == "attn_splitkv_partial"]
     assert partial and all(c.kw["STAGES"] == 2 and c.kw["GROUP"] == 8 for c in partial)
     for c in partial:
         descs = [a for a in c.args if isinstance(a, TensorDescriptor)]
