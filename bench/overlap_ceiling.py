@@ -29,9 +29,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
-from probe_rows import Rows, time_steps  # noqa: E402
+from probe_rows import Rows, sum_checked, time_steps  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
+
+from flashtune.bench.read_ceiling import read_sum  # noqa: E402
 
 MODES = {"plain": 0, "wait": 1, "l2": 2, "early": 3, "l2w": 4}
 LINE = 64  # bf16 elements in a 128-byte line
@@ -58,12 +60,7 @@ def _pdl_read(X, Y, OUT, n, per_prog, pf_len, BLOCK: tl.constexpr, MODE: tl.cons
         tl.extra.cuda.gdc_wait()
     if MODE == 4:
         tl.extra.cuda.gdc_launch_dependents()
-    acc = tl.zeros([BLOCK], dtype=tl.float32)
-    for off in range(start, start + per_prog, BLOCK):
-        idx = off + tl.arange(0, BLOCK)
-        ok = idx < n
-        acc += (tl.load(X + idx, mask=ok, other=0.0).to(tl.float32)
-                + tl.load(Y + idx, mask=ok, other=0.0).to(tl.float32))
+    acc = read_sum(X, Y, start, per_prog, n, BLOCK)
     if MODE == 3:
         tl.extra.cuda.gdc_wait()
     tl.store(OUT + tl.program_id(0), tl.sum(acc, 0))
@@ -130,19 +127,9 @@ def main() -> None:
                         kcs[i], vcs[i], sms * p, m, cuda, h))(mode, per_sm, shape)
         want = (sum(k.double().sum().item() + v.double().sum().item()
                     for k, v in zip(kcs[:1], vcs[:1])))
-        times = {}
-        for label, make in runs.items():
-            try:
-                got = make(0)()
-                if label != "flashtune":  # the read's sums are its check
-                    s = got.double().sum().item()
-                    if abs(s - want) > 1e-3 * (abs(want) + nk):
-                        raise AssertionError(f"sum {s} != {want}")
-                times[label] = []
-            except Exception as e:  # noqa: BLE001 -- a read that cannot run is a row
-                write({"cell": cell, "impl": label, "error": f"{type(e).__name__}: {e}"[:300]})
-        time_steps(write, {label: runs[label] for label in times}, layers, a.reps, kv_bytes,
-                   {"cell": cell})
+        # the reads' sums are their check (flashtune's output is attention)
+        ok = sum_checked(write, runs, want, nk, {"cell": cell}, lambda l: l == "flashtune")
+        time_steps(write, ok, layers, a.reps, kv_bytes, {"cell": cell})
         q = kcs = vcs = runs = None
         if cuda:
             torch.cuda.empty_cache()

@@ -40,3 +40,23 @@ def time_steps(write, makes: dict, layers: int, reps: int, kv_bytes: int, where:
     for label, ts in times.items():
         ms = statistics.median(ts)
         write({**where, "impl": label, "ms": ms, "ms_all": ts, "gbps": kv_bytes / ms / 1e6})
+
+
+def sum_checked(write, runs: dict, want: float, slack: float, where: dict,
+                unchecked=lambda label: False) -> dict:
+    """The reads of `runs` (label -> make(i)) whose layer-0 call returns partial sums adding up
+    to `want` (every element of K and V; within 1e-3 of |want| + slack), and those `unchecked`
+    says return something else; a row with the error for each that fails or cannot run."""
+    ok = {}
+    for label, make in runs.items():
+        try:
+            got = make(0)()
+            if not unchecked(label):
+                s = got.double().sum().item()
+                if abs(s - want) > 1e-3 * (abs(want) + slack):
+                    raise AssertionError(f"sum {s} != {want}")
+            ok[label] = make
+        except Exception as e:  # noqa: BLE001 -- a read that cannot run is a row
+            write({**where, "impl": label, "error": f"{type(e).__name__}: {e}"[:400]})
+    return ok
+

@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
-from probe_rows import Rows, time_steps  # noqa: E402
+from probe_rows import Rows, sum_checked, time_steps  # noqa: E402
 from triton.experimental import gluon  # noqa: E402
 from triton.experimental.gluon import language as gl  # noqa: E402
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier  # noqa: E402
@@ -157,18 +157,8 @@ def main() -> None:
             runs[f"tma {text}"] = (lambda r, s, x, rd, w: lambda i: tma_reader(
                 kcs[i], vcs[i], sms * x, r, s, rd, w))(r, s, x, read, warps)
         want = kcs[0].double().sum().item() + vcs[0].double().sum().item()
-        times = {}
-        for label, make in runs.items():
-            try:
-                got = make(0)().double().sum().item()
-                torch.cuda.synchronize()
-                if "noread" not in label and abs(got - want) > 1e-3 * (abs(want) + nk):
-                    raise AssertionError(f"sum {got} != {want}")
-                times[label] = []
-            except Exception as e:  # noqa: BLE001 -- a config that cannot run is a row
-                write({"Nk": nk, "impl": label, "error": f"{type(e).__name__}: {e}"[:400]})
-        time_steps(write, {label: runs[label] for label in times}, layers, a.reps, kv_bytes,
-                   {"Nk": nk})
+        ok = sum_checked(write, runs, want, nk, {"Nk": nk}, lambda l: "noread" in l)
+        time_steps(write, ok, layers, a.reps, kv_bytes, {"Nk": nk})
         kcs = vcs = runs = None
         torch.cuda.empty_cache()
     write.close()

@@ -12,17 +12,23 @@ PER_SM = (1, 2, 4, 8)         # programs per SM tried; the fastest is the ceilin
 
 
 @triton.jit
-def _stream_read(X, Y, OUT, n, per_prog, BLOCK: tl.constexpr):
-    # every element of X and Y read once, as a decode step reads K and V
-    # 64-bit offsets: a GQA B=64 128k cell holds 8.6e9 elements of each cache
-    start = tl.program_id(0).to(tl.int64) * per_prog
+def read_sum(X, Y, start, per_prog, n, BLOCK: tl.constexpr):
+    """Elements [start, start + per_prog) of X and of Y (below n), each read once as a decode
+    step reads K and V, summed in float32 BLOCK lanes (the sum checks the read)."""
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for off in range(start, start + per_prog, BLOCK):
         idx = off + tl.arange(0, BLOCK)
         ok = idx < n
         acc += (tl.load(X + idx, mask=ok, other=0.0).to(tl.float32)
                 + tl.load(Y + idx, mask=ok, other=0.0).to(tl.float32))
-    tl.store(OUT + tl.program_id(0), tl.sum(acc, 0))
+    return acc
+
+
+@triton.jit
+def _stream_read(X, Y, OUT, n, per_prog, BLOCK: tl.constexpr):
+    # 64-bit offsets: a GQA B=64 128k cell holds 8.6e9 elements of each cache
+    start = tl.program_id(0).to(tl.int64) * per_prog
+    tl.store(OUT + tl.program_id(0), tl.sum(read_sum(X, Y, start, per_prog, n, BLOCK), 0))
 
 
 def split(n: int, programs: int, block: int = BLOCK) -> tuple[int, int]:
