@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 from probe_rows import Rows, time_steps  # noqa: E402
+from tma_read_probe import load_pair  # noqa: E402
 from triton.experimental import gluon  # noqa: E402
 from triton.experimental.gluon import language as gl  # noqa: E402
 from triton.experimental.gluon.language.nvidia.hopper import (  # noqa: E402
@@ -97,10 +98,8 @@ def _gl_partial(Q, K, V, k_desc, v_desc, O, LSE, sm_scale, seqlen, num_splits, s
                 mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
                 tma_load(v_desc, [lo + s * BLOCK_N, 0], v_ready.index(s), v_bufs.index(s))
             else:
-                mbarrier.expect(ready.index(s),
-                                k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-                tma_load(k_desc, [lo + s * BLOCK_N, 0], ready.index(s), k_bufs.index(s))
-                tma_load(v_desc, [lo + s * BLOCK_N, 0], ready.index(s), v_bufs.index(s))
+                load_pair(k_desc, v_desc, lo + s * BLOCK_N, ready.index(s), k_bufs.index(s),
+                          v_bufs.index(s))
     # Q: the GROUP q heads of the one kv head, rows padded to the wgmma's 64
     qr = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, q_lay))
     qc = gl.arange(0, D, layout=gl.SliceLayout(0, q_lay))
@@ -159,10 +158,8 @@ def _gl_partial(Q, K, V, k_desc, v_desc, O, LSE, sm_scale, seqlen, num_splits, s
         if not SPLIT_KV or MATH < 2:
             sync_warps()  # every warp's wgmmas are done with the slot before it is refilled
             if nxt < n_steps:
-                mbarrier.expect(ready.index(st),
-                                k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-                tma_load(k_desc, [lo + nxt * BLOCK_N, 0], ready.index(st), k_bufs.index(st))
-                tma_load(v_desc, [lo + nxt * BLOCK_N, 0], ready.index(st), v_bufs.index(st))
+                load_pair(k_desc, v_desc, lo + nxt * BLOCK_N, ready.index(st), k_bufs.index(st),
+                          v_bufs.index(st))
         st += 1
         if st == STAGES:
             st = 0

@@ -31,6 +31,14 @@ from flashtune.gluon_compat import sync_warps, tma_load  # noqa: E402
 
 
 @gluon.jit
+def load_pair(x_desc, y_desc, row, bar, x_buf, y_buf):
+    # a tile of X and one of Y at `row` into one ring slot, both completing one barrier
+    mbarrier.expect(bar, x_desc.block_type.nbytes + y_desc.block_type.nbytes)
+    tma_load(x_desc, [row, 0], bar, x_buf)
+    tma_load(y_desc, [row, 0], bar, y_buf)
+
+
+@gluon.jit
 def _tma_read(x_desc, y_desc, OUT, rows_per_prog, n_rows, STAGES: gl.constexpr,
               READ: gl.constexpr, WARPS: gl.constexpr):
     # program p streams rows [p * rows_per_prog, ...) of X and Y (n_rows x D), rows_per_prog a
@@ -49,9 +57,7 @@ def _tma_read(x_desc, y_desc, OUT, rows_per_prog, n_rows, STAGES: gl.constexpr,
         mbarrier.init(ready.index(s), count=1)
     for s in gl.static_range(STAGES):
         if s < n_steps:
-            mbarrier.expect(ready.index(s), x_desc.block_type.nbytes + y_desc.block_type.nbytes)
-            tma_load(x_desc, [r0 + s * BLOCK_R, 0], ready.index(s), xb.index(s))
-            tma_load(y_desc, [r0 + s * BLOCK_R, 0], ready.index(s), yb.index(s))
+            load_pair(x_desc, y_desc, r0 + s * BLOCK_R, ready.index(s), xb.index(s), yb.index(s))
     layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [WARPS, 1], [1, 0])
     acc = gl.zeros([BLOCK_R, D], gl.float32, layout)
     st = 0
@@ -64,9 +70,8 @@ def _tma_read(x_desc, y_desc, OUT, rows_per_prog, n_rows, STAGES: gl.constexpr,
         sync_warps()  # every warp is done with the slot before it is refilled
         nxt = i + STAGES
         if nxt < n_steps:
-            mbarrier.expect(ready.index(st), x_desc.block_type.nbytes + y_desc.block_type.nbytes)
-            tma_load(x_desc, [r0 + nxt * BLOCK_R, 0], ready.index(st), xb.index(st))
-            tma_load(y_desc, [r0 + nxt * BLOCK_R, 0], ready.index(st), yb.index(st))
+            load_pair(x_desc, y_desc, r0 + nxt * BLOCK_R, ready.index(st), xb.index(st),
+                      yb.index(st))
         st += 1
         if st == STAGES:
             st = 0
