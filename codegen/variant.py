@@ -71,9 +71,10 @@ class Variant:
     # through a block table) instead of one (B, Ncache, Hk, D) tensor
     paged: bool = False
     # structural, splitkv only (sm_90, Gluon): the partial kernel streams K/V through a TMA ring
-    # and runs QK^T and PV on wgmma, one 64-row tile per (sequence, kv head); contiguous caches,
-    # no masks beyond causal (launch_splitkv.gluon_blocker; elsewhere the launch runs the same
-    # variant without it). Not searched yet (session 36: MQA B=1 +2-9%, bench/gluon_splitkv.py)
+    # and runs QK^T and PV on wgmma, one 64-row tile per (sequence, kv head); contiguous or paged
+    # caches, no masks beyond causal (launch_splitkv.gluon_blocker, kvcache.fit_pages; elsewhere
+    # the launch runs the same variant without it). Searched where the family takes it
+    # (search_spaces/splitkv.json's `when`)
     gluon: bool = False
     # hopper_fwd only (Gluon, sm_90): two consumer partitions with a Q tile each taking turns on
     # the tensor cores (structural); a persistent grid of one program per SM looping over tiles

@@ -170,9 +170,10 @@ def _gluon_layout(block_n: int, head_dim: int, dtype: torch.dtype):
 class GluonPartial:
     """The gluon render's partial launch, called as the Triton kernel's launcher is (run's
     arguments) and mapping them onto the Gluon kernel's: K and V as TMA descriptors over the
-    (B * Ncache, Hk * D) view, made per call (Gluon's checks once per shape: launcher.
-    gluon_desc). Caches a descriptor cannot address (a base or stride off 16 bytes, V laid out
-    unlike K) go to the Triton render's partial kernel, which takes the same grid."""
+    (B * Ncache, Hk * D) view, paged (num_pages * page size, Hk * D), made per call (Gluon's
+    checks once per shape: launcher.gluon_desc). Caches a descriptor cannot address (a base or
+    stride off 16 bytes, V laid out unlike K) go to the Triton render's partial kernel, which
+    takes the same grid and arguments."""
     __slots__ = ("plan", "launch", "uniform", "early", "fallback")
 
     def __init__(self, plan, kernel, uniform: bool, early: bool):
