@@ -182,17 +182,21 @@ def test_gluon_paged_matches_float64(case):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("paged", [False, True])
-@pytest.mark.parametrize("early", [False, True])
+@pytest.mark.parametrize("early", [False, True, "preload"])
 def test_gluon_graph_replay_with_longer_sequences(paged, early):
     """A step captured at one length and replayed at others (a serving loop's graph), with and
-    without the early start: contiguous, each sequence is split by its own length; paged, by the
-    captured one (split_keys), a longer sequence by its own; an empty one writes zeros."""
+    without the early start (and its tiles loaded before the wait, placed by the captured
+    length: a replay at another length moves them): contiguous, each sequence is split by its own
+    length; paged, by the captured one (split_keys), a longer sequence by its own; an empty one
+    writes zeros."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the gluon render is sm_90's")
     q, kc, vc = make(2, 1, 8, 1, 128, 4096, torch.bfloat16, "cuda")
     kp, vp, bt = _paged(kc, vc, 256) if paged else (kc, vc, None)
     seqlens = torch.tensor([1000, 300], dtype=torch.int32, device="cuda")
     plan = SplitKVPlan(q, kp, False, None, Variant.parse(GLUON + ("-paged=true" if paged else "")))
+    plan.preload = early == "preload"
+    early = bool(early)
     plan.allow_early = early  # a one-wave grid: the launch takes the early start unless told
     assert plan.variant.gluon and plan.early(plan.num_splits(1000)) == early
     plan.run(q, kp, vp, seqlens, bt, 1000)
