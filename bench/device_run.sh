@@ -264,6 +264,10 @@ print('torch', torch.cuda.get_device_name(0), targets.detect(0).slug)" 2>&1 | te
               # 16-layer steps (bench/gluon_splitkv.py; GKV_ARGS); its tests: GPUTESTS_ARGS=tests/test_splitkv_gluon.py
               timeout ${GKV_TIMEOUT:-200} python3 bench/gluon_splitkv.py --out "$OUT/gluon_splitkv.jsonl" \
                 ${GKV_ARGS:-} 2>&1 | tee "$OUT/gluon_splitkv.log" | grep -v "leaked\|nanobind" | tail -40 ;;
+    timeline) # issue 9 (session 38): %globaltimer stamps of the gluon partial kernel's programs over
+              # 16-layer steps, beside the unstamped step (bench/splitkv_timeline.py; TL_ARGS)
+              timeout ${TL_TIMEOUT:-240} python3 bench/splitkv_timeline.py --out "$OUT/timeline.jsonl" \
+                ${TL_ARGS:-} 2>&1 | tee "$OUT/timeline.log" | grep -v "leaked\|nanobind" | tail -30 ;;
     dsweep)   timeout ${DSWEEP_TIMEOUT:-330} python3 bench/decode_sweep.py --out "$OUT/decode_sweep.jsonl" ${DSWEEP_ARGS:-} \
                 --budget ${DSWEEP_BUDGET:-300} 2>&1 | tee "$OUT/decode_sweep.log" | tail -20 ;;
     hopperncu) # issue 10: one launch of each worst-bucket kernel (and a good bucket) under Nsight Compute,

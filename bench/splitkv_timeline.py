@@ -1,0 +1,202 @@
+"""Where a decode step's time goes (issue 9, session 38): the splitkv gluon render's early-start
+partial kernel with %globaltimer stamps -- at its entry, its wait's return, its first K tile's
+arrival, its loop's end and its exit, and its SM -- for every program of every layer of a
+16-layer step replayed as one CUDA graph (L2 flushed before each replay, as the bench), beside
+the same step's time without the stamps. The stamps are put into the rendered source here (the
+product's kernel is not changed); a summary row per config gives the steady-state layer's parts.
+
+    python3 bench/splitkv_timeline.py --out tl.jsonl [--cells 1/8/1/131072,...]
+        [--configs BLOCK_N/STAGES/PRE/TF/PF_MIB,...]
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+from probe_rows import Rows  # noqa: E402
+
+SLOTS = 8  # stamps a program: entry, wait, first tile, loop end, exit, SM
+STAMP = ("    _t = gl.inline_asm_elementwise(\"mov.u64 $0, %globaltimer;\", \"=l,r\", [pid], "
+         "dtype=gl.int64, is_pure=False, pack=1)\n"
+         "    gl.store(TS + (pid * num_splits + split) * {slots} + {k}, _t)\n")
+SMID = ("    _s = gl.inline_asm_elementwise(\"mov.u32 $0, %smid;\", \"=r,r\", [pid], "
+        "dtype=gl.int32, is_pure=False, pack=1)\n"
+        "    gl.store(TS + (pid * num_splits + split) * {slots} + 5, _s.to(gl.int64))\n")
+
+
+def _stamp(k: int, indent: str = "") -> str:
+    return "".join(indent + ln + "\n" for ln in STAMP.format(slots=SLOTS, k=k).splitlines())
+
+
+def stamped_source(variant) -> str:
+    """The early-start render of `variant` with the stamps (TS: an int64 pointer after
+    early_trigger)."""
+    from flashtune.codegen.render import render
+    src = render(dataclasses.replace(variant, early_start=True))
+    edits = [
+        ("                         early_trigger,\n",
+         "                         early_trigger, TS,\n"),
+        ("    split = gl.program_id(1)\n",
+         "    split = gl.program_id(1)\n" + _stamp(0) + SMID.format(slots=SLOTS)),
+        ("    gdc_wait()\n    if early_trigger:\n        gdc_launch_dependents()\n",
+         "    gdc_wait()\n    if early_trigger:\n        gdc_launch_dependents()\n" + _stamp(1)),
+        ("        mbarrier.wait(k_ready.index(st), ph)\n",
+         "        mbarrier.wait(k_ready.index(st), ph)\n        if i == 0:\n"
+         + _stamp(2, "        ")),
+        ("    seen = l_i > 0.0", _stamp(3) + "    seen = l_i > 0.0"),
+        ("             mask=gl.expand_dims(ro < GROUP * Nq, 1))\n",
+         "             mask=gl.expand_dims(ro < GROUP * Nq, 1))\n" + _stamp(4)),
+    ]
+    for old, new in edits:
+        if src.count(old) != 1:
+            raise RuntimeError(f"the render changed: {old.strip()!r} found {src.count(old)}x")
+        src = src.replace(old, new)
+    return src
+
+
+def load_source(src: str, name: str):
+    path = Path(tempfile.mkdtemp()) / f"{name}.py"
+    path.write_text(src)
+    spec = importlib.util.spec_from_file_location(f"flashtune_generated.{name}", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # triton reads the source back through inspect/linecache
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def summary(ts, programs: int) -> dict:
+    """ts (layers, programs * splits, SLOTS) int64 ns: the steady-state layer (layers 2..) in us.
+    A program with no keys has no first-tile stamp (0)."""
+    t = ts.double()
+    origin = t[0, :, 0].min()
+    t = (t - origin) / 1e3
+    rows = []
+    for layer in range(t.shape[0]):
+        x = t[layer]
+        busy = x[:, 2] > 0
+        rows.append({
+            "start_min": x[:, 0].min().item(), "start_max": x[:, 0].max().item(),
+            "wait_min": x[:, 1].min().item(), "wait_max": x[:, 1].max().item(),
+            "first_tile_after_wait": (x[busy, 2] - x[busy, 1]).median().item(),
+            "loop_end_med": x[busy, 3].median().item(), "loop_end_max": x[busy, 3].max().item(),
+            "exit_max": x[:, 4].max().item(), "exit_med": x[:, 4].median().item(),
+            "sms": len(set(ts[layer, :, 5].tolist()))})
+    steady = rows[2:]
+    per = [(rows[i]["exit_max"] - rows[i - 1]["exit_max"]) for i in range(3, len(rows))]
+
+    def avg(f):
+        return statistics.mean(f(i) for i in range(3, len(rows)))
+    return {
+        "layer_us": statistics.mean(per),
+        # the wait returns once the layer before's combine ends
+        "last_exit_to_next_wait_us": avg(lambda i: rows[i]["wait_min"] - rows[i - 1]["exit_max"]),
+        "start_before_prev_exit_us": avg(lambda i: rows[i - 1]["exit_max"] - rows[i]["start_min"]),
+        "wait_to_first_tile_us": statistics.mean(r["first_tile_after_wait"] for r in steady),
+        "wait_to_median_loop_end_us": avg(lambda i: rows[i]["loop_end_med"] - rows[i]["wait_min"]),
+        "median_to_last_exit_us": avg(lambda i: rows[i]["exit_max"] - rows[i]["loop_end_med"]),
+        "layers": rows}
+
+
+def gpu(out: str, cells, configs, reps: int) -> None:
+    import decode_bench as db
+    from flashtune import kvcache
+    from flashtune.bench.timing import graphed
+    from flashtune.launch_splitkv import SplitKVPlan
+    db.GRAPH, db.DEVICE = True, "cuda"
+    layers, d = 16, 128
+    write = Rows(out)
+    raw = open(out + ".raw", "w")  # the rows with every layer's parts and every stamp
+    made = [0]
+    for cell in cells:
+        b, hq, hk, nk = (int(x) for x in cell.split("/"))
+        q = torch.randn(b, 1, hq, d, dtype=torch.bfloat16, device="cuda")
+        kcs = [torch.randn(b, nk, hk, d, dtype=torch.bfloat16, device="cuda")
+               for _ in range(layers)]
+        vcs = [torch.randn_like(k) for k in kcs]
+        sl = torch.full((b,), nk, dtype=torch.int32, device="cuda")
+        kv_bytes = 2 * b * nk * hk * d * 2
+        var = kvcache._variant(q, kcs[0], vcs[0], False, False, nk)
+        for bn, st, pre, tf, pf in configs:
+            gv = dataclasses.replace(var, block_m=64, block_n=bn, num_warps=4, num_stages=st,
+                                     loads="pointer", gluon=True)
+            label = f"{gv.name} pre{pre} tf{tf} pf{pf}"
+            try:
+                plain = SplitKVPlan(q, kcs[0], False, None, gv)
+                stamped = SplitKVPlan(q, kcs[0], False, None, gv)
+                for p in (plain, stamped):
+                    p.preload, p.trigger_first = bool(pre), (None if tf < 0 else bool(tf))
+                    if pf >= 0:
+                        p.prefetch_bytes = pf << 20
+                s = plain.num_splits(nk)
+                if not plain.early(s):
+                    raise RuntimeError("not an early-start launch")
+                made[0] += 1
+                stamped._mods[True] = load_source(stamped_source(gv), f"timeline_{made[0]}")
+                ts = torch.zeros(layers, stamped.programs * s, SLOTS, dtype=torch.int64,
+                                 device="cuda")
+                cur = [ts[0]]
+                gp = stamped._launcher(("partial", False, True))
+                orig = gp.launch
+                gp.launch = lambda grid, *a, **k: orig(grid, *a, cur[0], **k)
+                ref = plain.run(q, kcs[0], vcs[0], sl, None, nk)[0]
+                got = stamped.run(q, kcs[0], vcs[0], sl, None, nk)[0]
+                diff = (got.float() - ref.float()).abs().max().item()
+
+                def step(p, stamp):
+                    def run():
+                        for i in range(layers):
+                            if stamp:
+                                cur[0] = ts[i]
+                            p.run(q, kcs[i], vcs[i], sl, None, nk)
+                    return run
+                ms = {}
+                for name, p, stamp in (("plain", plain, False), ("stamped", stamped, True)):
+                    ms[name] = statistics.median(db.bench_ms(step(p, stamp)) / layers
+                                                 for _ in range(reps))
+                # one more replay of the stamped graph after an L2 flush: its stamps
+                g = graphed(step(stamped, True))
+                flush = torch.empty(128 << 20, dtype=torch.uint8, device="cuda")
+                flush.zero_()
+                g()
+                torch.cuda.synchronize()
+                row = {"cell": cell, "impl": label, "splits": s, "max_diff": diff,
+                       "ms_plain": ms["plain"], "gbps_plain": kv_bytes / ms["plain"] / 1e6,
+                       "ms_stamped": ms["stamped"],
+                       "gbps_stamped": kv_bytes / ms["stamped"] / 1e6,
+                       **summary(ts.cpu(), stamped.programs)}
+                raw.write(json.dumps({**row, "raw": ts.cpu().tolist()}) + "\n")
+                raw.flush()
+                row.pop("layers")
+                write(row)
+            except Exception as e:  # noqa: BLE001 -- a config that cannot run is a row
+                write({"cell": cell, "impl": label, "error": f"{type(e).__name__}: {e}"[:600]})
+        q = kcs = vcs = None
+        torch.cuda.empty_cache()
+    write.close()
+    raw.close()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default="splitkv_timeline.jsonl")
+    ap.add_argument("--cells", default="1/8/1/131072,1/8/1/32768")
+    ap.add_argument("--configs", default="64/2/0/-1/-1,128/2/1/1/0",
+                    help="BLOCK_N/STAGES/PRE/TF/PF_MIB,... (TF, PF_MIB -1: the launch's own)")
+    ap.add_argument("--reps", type=int, default=3)
+    a = ap.parse_args()
+    configs = [tuple(int(x) for x in c.split("/")) for c in a.configs.split(",")]
+    gpu(a.out, a.cells.split(","), configs, a.reps)
+
+
+if __name__ == "__main__":
+    main()
