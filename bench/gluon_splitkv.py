@@ -61,8 +61,8 @@ def gpu(out: str, cells, configs, reps: int) -> None:
             if tf >= 0:  # the combine lets the next kernel launch before (1) / after (0) its wait
                 plan.trigger_first = bool(tf)
                 label += f" tf{tf}"
-            if pre >= 0:  # the ring's first tiles loaded before (1) / after (0) the wait
-                plan.preload = bool(pre)
+            if pre >= 0:  # the ring's first PRE tiles loaded before the wait
+                plan.preload = pre
                 label += f" pre{pre}"
             if uniform:  # no lengths tensor: the kernels read no length before their first load
                 label += " uniform"
@@ -95,12 +95,12 @@ def main() -> None:
     ap.add_argument("--cells", default="1/8/1/32768,1/8/1/131072,1/32/8/32768,8/32/8/8192,"
                     "8/8/1/32768,32/32/8/8192", help="B/Hq/Hk/Nk,... (D=128, one query token)")
     ap.add_argument("--configs", default="64/2", help="BLOCK_N/STAGES[/SPLITS[/PER_SM[/PF_MIB"
-                    "[/TF[/UNIFORM[/PRE]]]]]],... (SPLITS: an explicit count, early start forced, 0: the "
-                    "rule's; UNIFORM 1: no lengths tensor; "
+                    "[/TF[/UNIFORM[/PRE]]]]]],... (SPLITS: an explicit count, early start "
+                    "forced, 0: the rule's; UNIFORM 1: no lengths tensor; "
                     "PER_SM: programs an SM holds at once, for the early trigger's one-wave rule; "
                     "PF_MIB: the early start's L2 prefetch; TF 1/0: the combine lets the next "
-                    "kernel in before/after its wait; PRE 1/0: the early start loads the ring's first "
-                    "tiles before its wait or not; -1: the launch's own choice)")
+                    "kernel in before/after its wait; PRE: the ring's tiles the early start loads "
+                    "before its wait; -1: the launch's own choice)")
     ap.add_argument("--reps", type=int, default=3)
     a = ap.parse_args()
     unset = (0, 0, 0, 1, -1, -1, 0, -1)  # SPLITS .. PRE where a config stops

@@ -26,6 +26,11 @@ import torch  # noqa: E402
 from probe_rows import Rows  # noqa: E402
 
 SLOTS = 8  # stamps a program: entry, wait, first tile, loop end, exit, SM
+CSLOTS = 4  # the combine's: entry, wait, exit
+CSTAMP = ("    _c = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)\n"
+          "    _t = tl.inline_asm_elementwise(\"mov.u64 $0, %globaltimer;\", \"=l,r\", [_c], "
+          "dtype=tl.int64, is_pure=False, pack=1)\n"
+          "    tl.store(TS2 + _c * {slots} + {k}, _t)\n")
 STAMP = ("    _t = gl.inline_asm_elementwise(\"mov.u64 $0, %globaltimer;\", \"=l,r\", [pid], "
          "dtype=gl.int64, is_pure=False, pack=1)\n"
          "    gl.store(TS + (pid * num_splits + split) * {slots} + {k}, _t)\n")
@@ -56,6 +61,16 @@ def stamped_source(variant) -> str:
         ("    seen = l_i > 0.0", _stamp(3) + "    seen = l_i > 0.0"),
         ("             mask=gl.expand_dims(ro < GROUP * Nq, 1))\n",
          "             mask=gl.expand_dims(ro < GROUP * Nq, 1))\n" + _stamp(4)),
+        ("    if USE_PDL:\n        # launched before the partial kernel ends",
+         CSTAMP.format(slots=CSLOTS, k=0)
+         + "    if USE_PDL:\n        # launched before the partial kernel ends"),
+        ("                         stride_ob, stride_om, stride_oh,\n",
+         "                         stride_ob, stride_om, stride_oh, TS2,\n"),
+        ("    row = tl.program_id(0).to(tl.int64)\n",
+         CSTAMP.format(slots=CSLOTS, k=1) + "    row = tl.program_id(0).to(tl.int64)\n"),
+        ("             acc.to(O.dtype.element_ty), mask=d_ok)\n",
+         "             acc.to(O.dtype.element_ty), mask=d_ok)\n"
+         + CSTAMP.format(slots=CSLOTS, k=2)),
     ]
     for old, new in edits:
         if src.count(old) != 1:
@@ -74,12 +89,13 @@ def load_source(src: str, name: str):
     return mod
 
 
-def summary(ts, programs: int) -> dict:
-    """ts (layers, programs * splits, SLOTS) int64 ns: the steady-state layer (layers 2..) in us.
-    A program with no keys has no first-tile stamp (0)."""
+def summary(ts, cs) -> dict:
+    """ts (layers, programs * splits, SLOTS), cs (layers, combine programs, CSLOTS) int64 ns: the
+    steady-state layer (layers 3..) in us. A program with no keys has no first-tile stamp (0)."""
     t = ts.double()
     origin = t[0, :, 0].min()
     t = (t - origin) / 1e3
+    c = (cs.double() - origin) / 1e3
     rows = []
     for layer in range(t.shape[0]):
         x = t[layer]
@@ -90,7 +106,11 @@ def summary(ts, programs: int) -> dict:
             "first_tile_after_wait": (x[busy, 2] - x[busy, 1]).median().item(),
             "loop_end_med": x[busy, 3].median().item(), "loop_end_max": x[busy, 3].max().item(),
             "exit_max": x[:, 4].max().item(), "exit_med": x[:, 4].median().item(),
-            "sms": len(set(ts[layer, :, 5].tolist()))})
+            "sms": len(set(ts[layer, :, 5].tolist())),
+            "comb_start_min": c[layer, :, 0].min().item(),
+            "comb_wait_min": c[layer, :, 1].min().item(),
+            "comb_wait_max": c[layer, :, 1].max().item(),
+            "comb_exit_max": c[layer, :, 2].max().item()})
     steady = rows[2:]
     per = [(rows[i]["exit_max"] - rows[i - 1]["exit_max"]) for i in range(3, len(rows))]
 
@@ -104,6 +124,12 @@ def summary(ts, programs: int) -> dict:
         "wait_to_first_tile_us": statistics.mean(r["first_tile_after_wait"] for r in steady),
         "wait_to_median_loop_end_us": avg(lambda i: rows[i]["loop_end_med"] - rows[i]["wait_min"]),
         "median_to_last_exit_us": avg(lambda i: rows[i]["exit_max"] - rows[i]["loop_end_med"]),
+        # partial's last exit -> the combine's first wait return -> its last exit -> the next
+        # partial's first wait return
+        "exit_to_comb_wait_us": avg(lambda i: rows[i]["comb_wait_min"] - rows[i]["exit_max"]),
+        "comb_work_us": avg(lambda i: rows[i]["comb_exit_max"] - rows[i]["comb_wait_min"]),
+        "comb_exit_to_next_wait_us": avg(lambda i: rows[i]["wait_min"]
+                                         - rows[i - 1]["comb_exit_max"]),
         "layers": rows}
 
 
@@ -134,7 +160,7 @@ def gpu(out: str, cells, configs, reps: int) -> None:
                 plain = SplitKVPlan(q, kcs[0], False, None, gv)
                 stamped = SplitKVPlan(q, kcs[0], False, None, gv)
                 for p in (plain, stamped):
-                    p.preload, p.trigger_first = bool(pre), (None if tf < 0 else bool(tf))
+                    p.preload, p.trigger_first = pre, (None if tf < 0 else bool(tf))
                     if pf >= 0:
                         p.prefetch_bytes = pf << 20
                 s = plain.num_splits(nk)
@@ -144,10 +170,17 @@ def gpu(out: str, cells, configs, reps: int) -> None:
                 stamped._mods[True] = load_source(stamped_source(gv), f"timeline_{made[0]}")
                 ts = torch.zeros(layers, stamped.programs * s, SLOTS, dtype=torch.int64,
                                  device="cuda")
-                cur = [ts[0]]
+                from flashtune.launch_splitkv import combine_tile
+                chunks = -(-d // combine_tile(s, 128)[1])
+                cs = torch.zeros(layers, b * hq * chunks, CSLOTS, dtype=torch.int64,
+                                 device="cuda")
+                cur = [ts[0], cs[0]]
                 gp = stamped._launcher(("partial", False, True))
                 orig = gp.launch
                 gp.launch = lambda grid, *a, **k: orig(grid, *a, cur[0], **k)
+                ckey = ("combine", s, True, stamped.first_trigger(nk))
+                corig = stamped._launcher(ckey)
+                stamped._launchers[ckey] = lambda grid, *a, **k: corig(grid, *a, cur[1], **k)
                 ref = plain.run(q, kcs[0], vcs[0], sl, None, nk)[0]
                 got = stamped.run(q, kcs[0], vcs[0], sl, None, nk)[0]
                 diff = (got.float() - ref.float()).abs().max().item()
@@ -156,7 +189,7 @@ def gpu(out: str, cells, configs, reps: int) -> None:
                     def run():
                         for i in range(layers):
                             if stamp:
-                                cur[0] = ts[i]
+                                cur[0], cur[1] = ts[i], cs[i]
                             p.run(q, kcs[i], vcs[i], sl, None, nk)
                     return run
                 ms = {}
@@ -173,8 +206,9 @@ def gpu(out: str, cells, configs, reps: int) -> None:
                        "ms_plain": ms["plain"], "gbps_plain": kv_bytes / ms["plain"] / 1e6,
                        "ms_stamped": ms["stamped"],
                        "gbps_stamped": kv_bytes / ms["stamped"] / 1e6,
-                       **summary(ts.cpu(), stamped.programs)}
-                raw.write(json.dumps({**row, "raw": ts.cpu().tolist()}) + "\n")
+                       **summary(ts.cpu(), cs.cpu())}
+                raw.write(json.dumps({**row, "raw": ts.cpu().tolist(),
+                                      "raw_combine": cs.cpu().tolist()}) + "\n")
                 raw.flush()
                 row.pop("layers")
                 write(row)

@@ -35,9 +35,9 @@ DEFAULTS = {
 # 4% at MQA 32k (16.8 MB, a third of the L2; the decode grid, session 35's call 4, where the
 # probe read +3%: not resolved), hence a quarter of the L2 (first_trigger).
 PREFETCH_BYTES = 2 << 20
-# the gluon render's early start: its ring's first tiles loaded before its wait, not only sent
-# to L2 (not yet measured: off)
-PRELOAD_TILES = False
+# the gluon render's early start: the tiles of its ring loaded before its wait, not only sent
+# to L2 (not yet measured: none)
+PRELOAD_TILES = 0
 PREFETCH_BYTES_FIRST = 4 << 20
 MIN_BLOCKS_PER_SPLIT = 1   # a split streams at least this many BLOCK_N blocks (see auto_num_splits)
 MAX_SPLITS = 256
@@ -183,7 +183,8 @@ class GluonPartial:
         self.plan, self.uniform, self.early = plan, uniform, early
         extra = {"launch_pdl": True} if early and plan.pdl else {}
         if early:
-            extra["PRELOAD"] = PRELOAD_TILES if plan.preload is None else plan.preload
+            pre = PRELOAD_TILES if plan.preload is None else plan.preload
+            extra["PRELOAD"] = max(0, min(int(pre), plan.variant.num_stages))
         if plan.paged:
             extra["PAGE"] = plan.kwargs["PAGE"]
         self.launch = Launcher(kernel, GROUP=plan.kwargs["GROUP"],
@@ -260,9 +261,9 @@ class SplitKVPlan:
         # before its own wait (None: the rules in _early_args, first_trigger); the probe sets them
         self.prefetch_bytes: int | None = None
         self.trigger_first: bool | None = None
-        # the gluon render's early start loads its ring's first tiles before its wait (PRELOAD;
-        # None: PRELOAD_TILES); the probe sets it
-        self.preload: bool | None = None
+        # the tiles of its ring the gluon render's early start loads before its wait (PRELOAD,
+        # at most its stages; None: PRELOAD_TILES); the probe sets it
+        self.preload: int | None = None
         self.skip_combine = False  # the probe's partial kernels alone (their outputs unmerged)
         self.elsize = k_cache.element_size()
         self.step_bytes_per_key = 2 * b * hk * d * self.elsize  # K and V of one key position

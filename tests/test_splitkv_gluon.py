@@ -195,7 +195,7 @@ def test_gluon_graph_replay_with_longer_sequences(paged, early):
     kp, vp, bt = _paged(kc, vc, 256) if paged else (kc, vc, None)
     seqlens = torch.tensor([1000, 300], dtype=torch.int32, device="cuda")
     plan = SplitKVPlan(q, kp, False, None, Variant.parse(GLUON + ("-paged=true" if paged else "")))
-    plan.preload = early == "preload"
+    plan.preload = 2 if early == "preload" else 0
     early = bool(early)
     plan.allow_early = early  # a one-wave grid: the launch takes the early start unless told
     assert plan.variant.gluon and plan.early(plan.num_splits(1000)) == early
