@@ -232,6 +232,12 @@ def _splitkv_gluon(variant, bd: int, e: int) -> Resources:
     return Resources(smem, -(-words // 128) + _REG_OVERHEAD, 128)
 
 
+def splitkv_gluon_smem(variant, head_dim: int, elsize: int) -> int:
+    """Shared memory of the gluon render's partial kernel (its launch's rules ask whether two
+    fit on an SM)."""
+    return _splitkv_gluon(variant, head_dim, elsize).smem_bytes
+
+
 def splitkv_kernels(variant, problem, target) -> tuple:
     """(kernel, Resources) of the splitkv family: the partial kernel (the combine always fits)."""
     return (("attn_splitkv_partial", _splitkv(variant, problem, target)),)

@@ -35,9 +35,17 @@ DEFAULTS = {
 # 4% at MQA 32k (16.8 MB, a third of the L2; the decode grid, session 35's call 4, where the
 # probe read +3%: not resolved), hence a quarter of the L2 (first_trigger).
 PREFETCH_BYTES = 2 << 20
-# the gluon render's early start: the tiles of its ring loaded before its wait, not only sent
-# to L2 (not yet measured: none)
-PRELOAD_TILES = 0
+# The gluon render's early start where its ring holds an SM alone (ring_alone: n128-s2, n64-s4
+# at D=128): one tile loaded before its wait (PRELOAD), and its combine lets the next kernel in
+# before its own wait, so the next layer's programs take each SM as this layer's leave it and
+# load while this layer's last programs, its combine and the handoffs run. H100, MQA B=1,
+# 16-layer steps (bench/splitkv_timeline.py, docs/benchmarks.md session 38): n128-s2 with one
+# tile 32k 1,676 -> 1,764 GB/s, 64k 2,124 -> 2,350, 128k 2,451 -> 2,536 against the n64-s2
+# record; two tiles were slower (the combine's reads wait behind them: 1.6 -> 2.1-5.5 us), and
+# rings two programs share an SM with lost (the next layer's loads start beside this layer's
+# first: n64-s2 GQA B=1 2k 1,152 -> 985).
+PRELOAD_TILES = 1
+SM90_SMEM = 233472  # shared memory of an sm_90 SM; a block reserves 1 KiB of it
 PREFETCH_BYTES_FIRST = 4 << 20
 MIN_BLOCKS_PER_SPLIT = 1   # a split streams at least this many BLOCK_N blocks (see auto_num_splits)
 MAX_SPLITS = 256
@@ -183,8 +191,7 @@ class GluonPartial:
         self.plan, self.uniform, self.early = plan, uniform, early
         extra = {"launch_pdl": True} if early and plan.pdl else {}
         if early:
-            pre = PRELOAD_TILES if plan.preload is None else plan.preload
-            extra["PRELOAD"] = max(0, min(int(pre), plan.variant.num_stages))
+            extra["PRELOAD"] = plan.preload_tiles()
         if plan.paged:
             extra["PAGE"] = plan.kwargs["PAGE"]
         self.launch = Launcher(kernel, GROUP=plan.kwargs["GROUP"],
@@ -261,8 +268,8 @@ class SplitKVPlan:
         # before its own wait (None: the rules in _early_args, first_trigger); the probe sets them
         self.prefetch_bytes: int | None = None
         self.trigger_first: bool | None = None
-        # the tiles of its ring the gluon render's early start loads before its wait (PRELOAD,
-        # at most its stages; None: PRELOAD_TILES); the probe sets it
+        # the tiles of its ring the gluon render's early start loads before its wait (None: the
+        # rule in preload_tiles); the probe sets it
         self.preload: int | None = None
         self.skip_combine = False  # the probe's partial kernels alone (their outputs unmerged)
         self.elsize = k_cache.element_size()
@@ -336,7 +343,26 @@ class SplitKVPlan:
         (PREFETCH_BYTES' comment has the measurements)."""
         if self.trigger_first is not None:
             return self.trigger_first
+        if self.ring_alone():  # PRELOAD_TILES' comment
+            return True
         return 4 * keys * self.step_bytes_per_key <= self.l2_bytes
+
+    def ring_alone(self) -> bool:
+        """Whether the gluon render's partial kernel holds its SM alone: two of its shared
+        memory (the ring, Q) do not fit on one."""
+        if not self.variant.gluon:
+            return False
+        from .feasibility import splitkv_gluon_smem
+        smem = splitkv_gluon_smem(self.variant, self.kwargs["BLOCK_D"], self.elsize)
+        return 2 * (smem + 1024) > SM90_SMEM
+
+    def preload_tiles(self) -> int:
+        """The tiles of its ring the gluon render's early start loads before its wait (the
+        probe's `preload`, else PRELOAD_TILES where the ring holds an SM alone), at most its
+        stages."""
+        pre = self.preload if self.preload is not None else (
+            PRELOAD_TILES if self.ring_alone() else 0)
+        return max(0, min(int(pre), self.variant.num_stages))
 
     def _early_args(self, keys: int, num_splits: int, first: bool) -> tuple:
         """early_start's (hint_keys, prefetch_rows, early_trigger): the keys the splits are

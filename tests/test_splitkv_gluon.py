@@ -180,9 +180,27 @@ def test_gluon_paged_matches_float64(case):
     check(q, kc, vc, lengths, out, causal=causal, lse=lse)
 
 
+@pytest.mark.parametrize("name,d,alone", [
+    (GLUON, 128, False),
+    ("splitkv-m64-n64-w4-s3-gluon=true", 128, False),   # 112 KiB: two share an SM
+    ("splitkv-m64-n128-w4-s2-gluon=true", 128, True),   # 144 KiB
+    ("splitkv-m64-n64-w4-s4-gluon=true", 128, True),
+    ("splitkv-m64-n128-w4-s2-gluon=true", 64, False),
+    ("splitkv-m64-n128-w4-s2", 128, False),             # the Triton render: no ring to preload
+])
+def test_a_ring_that_holds_its_sm_alone_preloads_and_lets_the_next_layer_in(name, d, alone):
+    q, k = _meta(1, 1, 8, 1, d, 32768)
+    plan = SplitKVPlan(q, k, False, None, Variant.parse(name))
+    assert plan.ring_alone() == alone
+    assert plan.preload_tiles() == (1 if alone else 0)
+    assert plan.first_trigger(32768) == alone  # (meta tensors: no L2, so no L2 rule says yes)
+    plan.preload = 7  # the probe's count, at most the ring
+    assert plan.preload_tiles() == plan.variant.num_stages
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("paged", [False, True])
-@pytest.mark.parametrize("early", [False, True, "preload"])
+@pytest.mark.parametrize("early", [False, True, "preload", "alone"])
 def test_gluon_graph_replay_with_longer_sequences(paged, early):
     """A step captured at one length and replayed at others (a serving loop's graph), with and
     without the early start (and its tiles loaded before the wait, placed by the captured
@@ -194,8 +212,12 @@ def test_gluon_graph_replay_with_longer_sequences(paged, early):
     q, kc, vc = make(2, 1, 8, 1, 128, 4096, torch.bfloat16, "cuda")
     kp, vp, bt = _paged(kc, vc, 256) if paged else (kc, vc, None)
     seqlens = torch.tensor([1000, 300], dtype=torch.int32, device="cuda")
-    plan = SplitKVPlan(q, kp, False, None, Variant.parse(GLUON + ("-paged=true" if paged else "")))
-    plan.preload = 2 if early == "preload" else 0
+    # "alone": a 128-key ring (holds its SM alone) whose launch preloads one tile by its rule
+    name = GLUON.replace("-n64-", "-n128-") if early == "alone" else GLUON
+    plan = SplitKVPlan(q, kp, False, None, Variant.parse(name + ("-paged=true" if paged else "")))
+    if early != "alone":
+        plan.preload = 2 if early == "preload" else 0
+    assert plan.preload_tiles() == {False: 0, True: 0, "preload": 2, "alone": 1}[early]
     early = bool(early)
     plan.allow_early = early  # a one-wave grid: the launch takes the early start unless told
     assert plan.variant.gluon and plan.early(plan.num_splits(1000)) == early
