@@ -6,7 +6,7 @@ the same step's time without the stamps. The stamps are put into the rendered so
 product's kernel is not changed); a summary row per config gives the steady-state layer's parts.
 
     python3 bench/splitkv_timeline.py --out tl.jsonl [--cells 1/8/1/131072,...]
-        [--configs BLOCK_N/STAGES/PRE/TF/PF_MIB[/FUSE],...]
+        [--configs BLOCK_N/STAGES/PRE/TF/PF_MIB,...]
 """
 from __future__ import annotations
 
@@ -93,7 +93,6 @@ def summary(ts, cs) -> dict:
     """ts (layers, programs * splits, SLOTS), cs (layers, combine programs, CSLOTS) int64 ns: the
     steady-state layer (layers 3..) in us. A program with no keys has no first-tile stamp (0)."""
     t = ts.double()
-    fused = not cs.any()  # the partial kernel merged the splits: no combine ran
     origin = t[0, :, 0].min()
     t = (t - origin) / 1e3
     c = (cs.double() - origin) / 1e3
@@ -112,10 +111,6 @@ def summary(ts, cs) -> dict:
             "comb_wait_min": c[layer, :, 1].min().item(),
             "comb_wait_max": c[layer, :, 1].max().item(),
             "comb_exit_max": c[layer, :, 2].max().item()})
-    if fused:  # no combine: its stamps are the partial's last exit
-        for r in rows:
-            r.update({k: r["exit_max"] for k in ("comb_start_min", "comb_wait_min",
-                                                  "comb_wait_max", "comb_exit_max")})
     steady = rows[2:]
     per = [(rows[i]["exit_max"] - rows[i - 1]["exit_max"]) for i in range(3, len(rows))]
 
@@ -129,9 +124,8 @@ def summary(ts, cs) -> dict:
         "wait_to_first_tile_us": statistics.mean(r["first_tile_after_wait"] for r in steady),
         "wait_to_median_loop_end_us": avg(lambda i: rows[i]["loop_end_med"] - rows[i]["wait_min"]),
         "median_to_last_exit_us": avg(lambda i: rows[i]["exit_max"] - rows[i]["loop_end_med"]),
-        "fused": fused,
         # partial's last exit -> the combine's first wait return -> its last exit -> the next
-        # partial's first wait return (fused: the first two are 0, the third is the whole gap)
+        # partial's first wait return
         "exit_to_comb_wait_us": avg(lambda i: rows[i]["comb_wait_min"] - rows[i]["exit_max"]),
         "comb_work_us": avg(lambda i: rows[i]["comb_exit_max"] - rows[i]["comb_wait_min"]),
         "comb_exit_to_next_wait_us": avg(lambda i: rows[i]["wait_min"]
@@ -158,16 +152,15 @@ def gpu(out: str, cells, configs, reps: int) -> None:
         sl = torch.full((b,), nk, dtype=torch.int32, device="cuda")
         kv_bytes = 2 * b * nk * hk * d * 2
         var = kvcache._variant(q, kcs[0], vcs[0], False, False, nk)
-        for bn, st, pre, tf, pf, fuse in configs:
+        for bn, st, pre, tf, pf in configs:
             gv = dataclasses.replace(var, block_m=64, block_n=bn, num_warps=4, num_stages=st,
                                      loads="pointer", gluon=True)
-            label = f"{gv.name} pre{pre} tf{tf} pf{pf} fuse{fuse}"
+            label = f"{gv.name} pre{pre} tf{tf} pf{pf}"
             try:
                 plain = SplitKVPlan(q, kcs[0], False, None, gv)
                 stamped = SplitKVPlan(q, kcs[0], False, None, gv)
                 for p in (plain, stamped):
                     p.preload, p.trigger_first = pre, (None if tf < 0 else bool(tf))
-                    p.fuse = None if fuse < 0 else bool(fuse)
                     if pf >= 0:
                         p.prefetch_bytes = pf << 20
                 s = plain.num_splits(nk)
@@ -182,7 +175,7 @@ def gpu(out: str, cells, configs, reps: int) -> None:
                 cs = torch.zeros(layers, b * hq * chunks, CSLOTS, dtype=torch.int64,
                                  device="cuda")
                 cur = [ts[0], cs[0]]
-                gp = stamped._launcher(("partial", False, True, stamped.fused(s, True)))
+                gp = stamped._launcher(("partial", False, True))
                 orig = gp.launch
                 gp.launch = lambda grid, *a, **k: orig(grid, *a, cur[0], **k)
                 ckey = ("combine", s, True, stamped.first_trigger(nk))
@@ -232,10 +225,10 @@ def main() -> None:
     ap.add_argument("--out", default="splitkv_timeline.jsonl")
     ap.add_argument("--cells", default="1/8/1/131072,1/8/1/32768")
     ap.add_argument("--configs", default="64/2/0/-1/-1,128/2/1/1/0",
-                    help="BLOCK_N/STAGES/PRE/TF/PF_MIB[/FUSE],... (-1: the launch's own)")
+                    help="BLOCK_N/STAGES/PRE/TF/PF_MIB,... (TF, PF_MIB -1: the launch's own)")
     ap.add_argument("--reps", type=int, default=3)
     a = ap.parse_args()
-    configs = [tuple([int(x) for x in c.split("/")] + [-1])[:6] for c in a.configs.split(",")]
+    configs = [tuple(int(x) for x in c.split("/")) for c in a.configs.split(",")]
     gpu(a.out, a.cells.split(","), configs, a.reps)
 
 

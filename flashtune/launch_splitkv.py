@@ -45,9 +45,6 @@ PREFETCH_BYTES = 2 << 20
 # rings two programs share an SM with lost (the next layer's loads start beside this layer's
 # first: n64-s2 GQA B=1 2k 1,152 -> 985).
 PRELOAD_TILES = 1
-# The gluon render's early start merges the splits itself (FUSED: the last programs to finish
-# combine, launch_splitkv's combine kernel and its handoff gone); see fused()
-FUSE_COMBINE = True
 SM90_SMEM = 233472  # shared memory of an sm_90 SM; a block reserves 1 KiB of it
 PREFETCH_BYTES_FIRST = 4 << 20
 MIN_BLOCKS_PER_SPLIT = 1   # a split streams at least this many BLOCK_N blocks (see auto_num_splits)
@@ -188,14 +185,13 @@ class GluonPartial:
     checks once per shape: launcher.gluon_desc). Caches a descriptor cannot address (a base or
     stride off 16 bytes, V laid out unlike K) go to the Triton render's partial kernel, which
     takes the same grid and arguments."""
-    __slots__ = ("plan", "launch", "uniform", "early", "fused", "fallback")
+    __slots__ = ("plan", "launch", "uniform", "early", "fallback")
 
-    def __init__(self, plan, kernel, uniform: bool, early: bool, fused: bool = False):
-        self.plan, self.uniform, self.early, self.fused = plan, uniform, early, fused
+    def __init__(self, plan, kernel, uniform: bool, early: bool):
+        self.plan, self.uniform, self.early = plan, uniform, early
         extra = {"launch_pdl": True} if early and plan.pdl else {}
         if early:
             extra["PRELOAD"] = plan.preload_tiles()
-            extra["FUSED"] = fused
         if plan.paged:
             extra["PAGE"] = plan.kwargs["PAGE"]
         self.launch = Launcher(kernel, GROUP=plan.kwargs["GROUP"],
@@ -206,10 +202,7 @@ class GluonPartial:
 
     def __call__(self, grid, q, k, v, bt, seqlens, o, lse, scale, sqb, sqm, sqh, skb, skn, skh,
                  svb, svn, svh, sbt, sob, som, soh, sos, slb, slm, slh, sls, hk, nq, s,
-                 num_pages, max_keys, *early_args, final=None):
-        """final: (O, LSE, counters, O's three strides, heads) of the call, which a FUSED launch
-        writes. Returns True where the launch merged the splits itself (the caller launches no
-        combine)."""
+                 num_pages, max_keys, *early_args):
         if v.stride() != k.stride() or not _contiguous(k) or not descriptor_ok(k, v, False):
             if self.fallback is None:
                 self.fallback = self.plan._triton_partial(self.uniform, self.early)
@@ -226,13 +219,10 @@ class GluonPartial:
         if self.plan.paged:  # run passes the splits' placement before the early arguments
             paged, early_args = (bt, sbt, num_pages, *early_args[:2]), early_args[2:]
         hint, rows, trigger = early_args if self.early else (0, 0, 0)
-        # the early render's final-output arguments (read only where FUSED)
-        fin = (final or (o, lse, o, 0, 0, 0, 0)) if self.early else ()
         # uniform: SEQLENS is never read (any pointer will do)
         self.launch(grid, q, k, v, kd, vd, seqlens if seqlens is not None else o, o, lse, scale,
                     *paged, sqb, sqm, sqh, skb, skn, skh, sob, som, soh, sos, slb, slm, slh, sls,
-                    hk, nq, s, n, max_keys, hint, rows, trigger, *fin)
-        return self.fused
+                    hk, nq, s, n, max_keys, hint, rows, trigger)
 
 
 class SplitKVPlan:
@@ -281,10 +271,6 @@ class SplitKVPlan:
         # the tiles of its ring the gluon render's early start loads before its wait (None: the
         # rule in preload_tiles); the probe sets it
         self.preload: int | None = None
-        # whether an early gluon launch merges its splits itself (None: FUSE_COMBINE); the probe
-        # sets it. Its counters: one pair per (sequence, kv head) and CUDA stream (_counters)
-        self.fuse: bool | None = None
-        self._counters: dict = {}
         self.skip_combine = False  # the probe's partial kernels alone (their outputs unmerged)
         self.elsize = k_cache.element_size()
         self.step_bytes_per_key = 2 * b * hk * d * self.elsize  # K and V of one key position
@@ -308,16 +294,16 @@ class SplitKVPlan:
         return mod
 
     def _launcher(self, key):
-        """key: ("partial", UNIFORM, early, fused) or ("combine", num_splits, early, first);
-        early: the early_start render (its combine lets the next kernel start: before its wait
-        where first); fused: the gluon render merges the splits itself."""
+        """key: ("partial", UNIFORM, early) or ("combine", num_splits, early, first); early:
+        the early_start render (its combine lets the next kernel start: before its wait where
+        first)."""
         got = self._launchers.get(key)
         if got is None:
             if len(self._launchers) > 64:
                 self._launchers.clear()
             mod = self._module(key[2])
             if key[0] == "partial" and self.variant.gluon:
-                got = GluonPartial(self, mod.attn_splitkv_partial, key[1], key[2], key[3])
+                got = GluonPartial(self, mod.attn_splitkv_partial, key[1], key[2])
             elif key[0] == "partial":
                 got = self._triton_partial(key[1], key[2], mod)
             else:
@@ -360,25 +346,6 @@ class SplitKVPlan:
         if self.ring_alone():  # PRELOAD_TILES' comment
             return True
         return 4 * keys * self.step_bytes_per_key <= self.l2_bytes
-
-    def fused(self, num_splits: int, early: bool) -> bool:
-        """Whether a launch of num_splits splits merges them in the partial kernel (the gluon
-        render's early start; FUSE_COMBINE unless the probe says)."""
-        if not (early and self.variant.gluon and num_splits > 1) or self.skip_combine:
-            return False
-        if self.programs * num_splits > self.sms:  # its mergers wait only on a running wave
-            return False
-        return FUSE_COMBINE if self.fuse is None else self.fuse
-
-    def counters(self, device) -> torch.Tensor:
-        """The FUSED launches' arrival and merge counters of this CUDA stream: (2, programs)
-        int32, zero between launches (each launch's last merger sets them back)."""
-        key = torch.cuda.current_stream(device).cuda_stream
-        got = self._counters.get(key)
-        if got is None:
-            got = self._counters[key] = torch.zeros(2, self.programs, dtype=torch.int32,
-                                                    device=device)
-        return got
 
     def ring_alone(self) -> bool:
         """Whether the gluon render's partial kernel holds its SM alone: two of its shared
@@ -455,12 +422,7 @@ class SplitKVPlan:
         early = self.early(s)
         keys = min(max_seqlen, capacity)
         first = early and self.first_trigger(keys)
-        fused = self.fused(s, early)
-        final = {}
-        if self.variant.gluon:
-            final["final"] = (o, lse, self.counters(q.device) if fused else o,
-                              *o.stride()[:3], h)
-        merged = self._launcher(("partial", uniform, early, fused))(
+        self._launcher(("partial", uniform, early))(
             (self.programs, s),
             q, k_cache, v_cache, bt, seqlens, o_dst, l_dst, self.scale, *self.mask_args,
             q.stride(0), q.stride(1), q.stride(2),
@@ -471,8 +433,8 @@ class SplitKVPlan:
             hk, nq, s, k_cache.shape[0] if self.paged else 0,
             keys if uniform else capacity,
             *(self._split_args(keys, s) if self.paged else ()),
-            *(self._early_args(keys, s, first) if early else ()), **final)
-        if s > 1 and not self.skip_combine and merged is not True:
+            *(self._early_args(keys, s, first) if early else ()))
+        if s > 1 and not self.skip_combine:
             chunk_d = combine_tile(s, self.kwargs["BLOCK_D"])[1]
             self._launcher(("combine", s, early, first))(
                 (b * h * nq, triton.cdiv(d, chunk_d)),
