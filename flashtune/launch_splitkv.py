@@ -36,14 +36,15 @@ DEFAULTS = {
 # probe read +3%: not resolved), hence a quarter of the L2 (first_trigger).
 PREFETCH_BYTES = 2 << 20
 # The gluon render's early start where its ring holds an SM alone (ring_alone: n128-s2, n64-s4
-# at D=128): one tile loaded before its wait (PRELOAD), and its combine lets the next kernel in
-# before its own wait, so the next layer's programs take each SM as this layer's leave it and
-# load while this layer's last programs, its combine and the handoffs run. H100, MQA B=1,
-# 16-layer steps (bench/splitkv_timeline.py, docs/benchmarks.md session 38): n128-s2 with one
-# tile 32k 1,676 -> 1,764 GB/s, 64k 2,124 -> 2,350, 128k 2,451 -> 2,536 against the n64-s2
-# record; two tiles were slower (the combine's reads wait behind them: 1.6 -> 2.1-5.5 us), and
-# rings two programs share an SM with lost (the next layer's loads start beside this layer's
-# first: n64-s2 GQA B=1 2k 1,152 -> 985).
+# at D=128): one tile loaded before its wait (PRELOAD), its combine letting the next kernel in
+# before its own wait, and 2 MiB (not 4) sent to L2, so the next layer's programs take each SM
+# as this layer's leave it and load while this layer's last programs, its combine and the
+# handoffs run. H100, MQA B=1, 16-layer steps (bench/splitkv_timeline.py, docs/benchmarks.md
+# session 38, calls 5-7): n128-s2 so, 32k 1,676 -> 1,785 GB/s, 64k 2,124 -> 2,352, 128k
+# 2,451 -> 2,571 against the n64-s2 record; two tiles were slower (the combine's reads wait
+# behind them: 1.2 -> 2.1-5.5 us), 4 MiB to L2 -1.5% at 32k, +0.3% at 128k; rings that two
+# programs share an SM with lose (the next layer's loads start beside this layer's first:
+# n64-s2 GQA B=1 2k 1,152 -> 985).
 PRELOAD_TILES = 1
 SM90_SMEM = 233472  # shared memory of an sm_90 SM; a block reserves 1 KiB of it
 PREFETCH_BYTES_FIRST = 4 << 20
@@ -371,8 +372,8 @@ class SplitKVPlan:
         start beside this one (one wave: every program of this one is already running)."""
         ctas = self.programs * num_splits
         budget = self.prefetch_bytes
-        if budget is None:
-            budget = PREFETCH_BYTES_FIRST if first else PREFETCH_BYTES
+        if budget is None:  # a ring alone on its SM: PRELOAD_TILES' comment
+            budget = PREFETCH_BYTES_FIRST if first and not self.ring_alone() else PREFETCH_BYTES
         rows = budget // max(1, ctas * 2 * self.shape[3] * self.elsize)
         return keys, rows, int(ctas <= self.sms)
 
