@@ -67,7 +67,8 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             if paged and block_table.stride(1) != 1:
                 block_table = block_table.contiguous()
             plan = _plan(q, k_cache, v_cache, paged, causal, scale, max_total, masks)
-            o, lse = plan.run(q, k_cache, v_cache, total, block_table, max_total)
+            o, lse = plan.run(q, k_cache, v_cache, total, block_table, max_total,
+                              appended=k.shape[1] if k is not None else 0)
         else:
             o = torch.empty_like(q)
             lse = torch.empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32,

@@ -203,7 +203,9 @@ class GluonPartial:
 
     def __call__(self, grid, q, k, v, bt, seqlens, o, lse, scale, sqb, sqm, sqh, skb, skn, skh,
                  svb, svn, svh, sbt, sob, som, soh, sos, slb, slm, slh, sls, hk, nq, s,
-                 num_pages, max_keys, *early_args):
+                 num_pages, max_keys, *early_args, fresh: int = 1):
+        """fresh: the keys at the end of each sequence the kernel before may still be writing
+        (the early start never keeps a tile of them loaded before its wait)."""
         if v.stride() != k.stride() or not _contiguous(k) or not descriptor_ok(k, v, False):
             if self.fallback is None:
                 self.fallback = self.plan._triton_partial(self.uniform, self.early)
@@ -223,7 +225,8 @@ class GluonPartial:
         # uniform: SEQLENS is never read (any pointer will do)
         self.launch(grid, q, k, v, kd, vd, seqlens if seqlens is not None else o, o, lse, scale,
                     *paged, sqb, sqm, sqh, skb, skn, skh, sob, som, soh, sos, slb, slm, slh, sls,
-                    hk, nq, s, n, max_keys, hint, rows, trigger)
+                    hk, nq, s, n, max_keys, hint, rows, trigger,
+                    *((fresh,) if self.early else ()))
 
 
 class SplitKVPlan:
@@ -394,12 +397,14 @@ class SplitKVPlan:
         block_n = self.kwargs["BLOCK_N"]
         return split_keys, triton.cdiv(triton.cdiv(split_keys, num_splits), block_n) * block_n
 
-    def run(self, q, k_cache, v_cache, seqlens, block_table=None, max_seqlen: int = 0):
+    def run(self, q, k_cache, v_cache, seqlens, block_table=None, max_seqlen: int = 0,
+            appended: int = 0):
         """Returns O (q's shape, dtype and layout) and LSE (B, Hq, Nq) float32.
         seqlens (B,) int32 on q's device: the keys each sequence attends to (at most the cache's
         capacity, which the kernel clamps to); or None where every sequence holds max_seqlen
         keys (UNIFORM: no lengths tensor is read, made or kept). max_seqlen: a host int, their
-        maximum; it sizes the splits."""
+        maximum; it sizes the splits. appended: the keys the call appended to each sequence just
+        before (they, and at least the last Nq, are never read before the kernel's wait)."""
         b, nq, h, d = self.shape
         hk = k_cache.shape[2]
         s = self.num_splits(max_seqlen)
@@ -434,7 +439,8 @@ class SplitKVPlan:
             hk, nq, s, k_cache.shape[0] if self.paged else 0,
             keys if uniform else capacity,
             *(self._split_args(keys, s) if self.paged else ()),
-            *(self._early_args(keys, s, first) if early else ()))
+            *(self._early_args(keys, s, first) if early else ()),
+            **({"fresh": max(nq, appended)} if self.variant.gluon else {}))
         if s > 1 and not self.skip_combine:
             chunk_d = combine_tile(s, self.kwargs["BLOCK_D"])[1]
             self._launcher(("combine", s, early, first))(

@@ -234,6 +234,37 @@ def test_gluon_graph_replay_with_longer_sequences(paged, early):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("nq,n_new,causal", [(1, 1, False), (1, 3, False), (2, 2, True)])
+def test_gluon_preloaded_tiles_never_hold_the_appended_keys(paged, nq, n_new, causal):
+    """A ring that holds its SM alone loads its first tile before its wait; a tile holding keys
+    the call appends just before (an index_put a kernel ahead) is loaded again after the wait:
+    the new keys are attended to. One wave (8 and 4 splits of 128 keys), the last split's first
+    tile holding them; paged over shuffled pages."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the gluon render is sm_90's")
+    name = GLUON.replace("-n64-", "-n128-")
+    q, kc, vc = make(2, nq, 8, 1, 128, 2048, torch.bfloat16, "cuda")
+    lengths = [1000 - n_new, 500 - n_new]
+    kn, vn = (torch.randn(2, n_new, 1, 128, dtype=torch.bfloat16, device="cuda")
+              for _ in range(2))
+    kp, vp, bt = _paged(kc, vc, 256) if paged else (kc, vc, None)
+    from flashtune.kvcache import fit_pages
+    plan = SplitKVPlan(q, kp, causal, None, fit_pages(Variant.parse(name), 256 if paged else None))
+    assert plan.ring_alone() and plan.preload_tiles() == 1 and plan.early(plan.num_splits(1000))
+    seqlens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    with flashtune.force(name):
+        out, lse = flashtune.attention_with_kvcache(q, kp, vp, cache_seqlens=seqlens, k=kn, v=vn,
+                                                    block_table=bt, causal=causal,
+                                                    return_lse=True)
+    if paged:  # the appended keys, read back through the table
+        kc, vc = (torch.stack([t[bt[i]].reshape(-1, 1, 128) for i in range(2)]) for t in (kp, vp))
+    for i, n in enumerate(lengths):
+        assert torch.equal(kc[i, n:n + n_new], kn[i]) and torch.equal(vc[i, n:n + n_new], vn[i])
+    check(q, kc, vc, [n + n_new for n in lengths], out, causal=causal, lse=lse)
+
+
+@pytest.mark.gpu
 def test_gluon_strided_caches_and_narrow_pages_fall_back():
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the gluon render is sm_90's")
