@@ -133,6 +133,22 @@ def summary(ts, cs) -> dict:
         "layers": rows}
 
 
+def read_flush_ms(replay, reps: int = 40) -> float:
+    """Median ms of `replay` (a graph's replay), each after a flush that reads 256 MiB (the L2
+    left clean) instead of triton's do_bench, which writes it."""
+    buf = torch.ones(256 << 20, dtype=torch.uint8, device="cuda")
+    times = []
+    for _ in range(reps):
+        buf.sum(dtype=torch.int32)
+        start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+        start.record()
+        replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
 def gpu(out: str, cells, configs, reps: int) -> None:
     import decode_bench as db
     from flashtune import kvcache
@@ -196,6 +212,9 @@ def gpu(out: str, cells, configs, reps: int) -> None:
                 for name, p, stamp in (("plain", plain, False), ("stamped", stamped, True)):
                     ms[name] = statistics.median(db.bench_ms(step(p, stamp)) / layers
                                                  for _ in range(reps))
+                # the plain step after a flush that reads 256 MiB (the timer's own flush writes
+                # it: up to the L2's worth of dirty lines are written back during the step)
+                ms["read_flush"] = read_flush_ms(graphed(step(plain, False))) / layers
                 # one more replay of the stamped graph after an L2 flush: its stamps
                 g = graphed(step(stamped, True))
                 flush = torch.empty(128 << 20, dtype=torch.uint8, device="cuda")
@@ -205,6 +224,7 @@ def gpu(out: str, cells, configs, reps: int) -> None:
                 row = {"cell": cell, "impl": label, "splits": s, "max_diff": diff,
                        "ms_plain": ms["plain"], "gbps_plain": kv_bytes / ms["plain"] / 1e6,
                        "ms_stamped": ms["stamped"],
+                       "gbps_read_flush": kv_bytes / ms["read_flush"] / 1e6,
                        "gbps_stamped": kv_bytes / ms["stamped"] / 1e6,
                        **summary(ts.cpu(), cs.cpu())}
                 raw.write(json.dumps({**row, "raw": ts.cpu().tolist(),
