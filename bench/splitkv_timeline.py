@@ -44,13 +44,13 @@ def _stamp(k: int, indent: str = "") -> str:
 
 
 def stamped_source(variant) -> str:
-    """The early-start render of `variant` with the stamps (TS: an int64 pointer after
-    early_trigger)."""
+    """The early-start render of `variant` with the stamps (TS: an int64 pointer, the last
+    argument before the constexprs)."""
     from flashtune.codegen.render import render
     src = render(dataclasses.replace(variant, early_start=True))
     edits = [
-        ("                         early_trigger,\n",
-         "                         early_trigger, TS,\n"),
+        ("                         fresh,\n",
+         "                         fresh, TS,\n"),
         ("    split = gl.program_id(1)\n",
          "    split = gl.program_id(1)\n" + _stamp(0) + SMID.format(slots=SLOTS)),
         ("    gdc_wait()\n    if early_trigger:\n        gdc_launch_dependents()\n",
