@@ -247,9 +247,28 @@ def main() -> None:
     ap.add_argument("--configs", default="64/2/0/-1/-1,128/2/1/1/0",
                     help="BLOCK_N/STAGES/PRE/TF/PF_MIB,... (TF, PF_MIB -1: the launch's own)")
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--combine", default="",
+                    help="TILE/WARPS: the combine kernel's tile (launch_splitkv.COMBINE_TILE) "
+                    "and warps for every config (a probe of the combine's share)")
     a = ap.parse_args()
+    if a.combine:
+        combine_shape(*(int(x) for x in a.combine.split("/")))
     configs = [tuple(int(x) for x in c.split("/")) for c in a.configs.split(",")]
     gpu(a.out, a.cells.split(","), configs, a.reps)
+
+
+def combine_shape(tile: int, warps: int) -> None:
+    """The combine kernel launched with another tile (its programs: rows x D / CHUNK_D) and
+    number of warps."""
+    from flashtune import launch_splitkv as ls
+    ls.COMBINE_TILE = tile
+    base = ls.Launcher
+
+    def launcher(kernel, **kw):
+        if getattr(kernel, "__name__", "") == "attn_splitkv_combine" or "BLOCK_S" in kw:
+            kw["num_warps"] = warps
+        return base(kernel, **kw)
+    ls.Launcher = launcher
 
 
 if __name__ == "__main__":
