@@ -62,8 +62,7 @@ def gpu(out: str, cells, configs, reps: int) -> None:
                 plan.trigger_first = bool(tf)
                 label += f" tf{tf}"
             if pre >= 0:  # the ring's first PRE tiles loaded before the wait
-                plan.preload = pre % 10  # PRE >= 10: PRE - 10 tiles, K alone before the wait
-                plan.preload_v = None if pre < 10 else False
+                plan.preload = pre
                 label += f" pre{pre}"
             if uniform:  # no lengths tensor: the kernels read no length before their first load
                 label += " uniform"

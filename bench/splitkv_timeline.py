@@ -176,9 +176,7 @@ def gpu(out: str, cells, configs, reps: int) -> None:
                 plain = SplitKVPlan(q, kcs[0], False, None, gv)
                 stamped = SplitKVPlan(q, kcs[0], False, None, gv)
                 for p in (plain, stamped):
-                    # PRE >= 10: PRE - 10 tiles, K alone before the wait
-                    p.preload, p.trigger_first = pre % 10, (None if tf < 0 else bool(tf))
-                    p.preload_v = None if pre < 10 else False
+                    p.preload, p.trigger_first = pre, (None if tf < 0 else bool(tf))
                     if pf >= 0:
                         p.prefetch_bytes = pf << 20
                 s = plain.num_splits(nk)

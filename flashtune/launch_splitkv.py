@@ -46,7 +46,6 @@ PREFETCH_BYTES = 2 << 20
 # programs share an SM with lose (the next layer's loads start beside this layer's first:
 # n64-s2 GQA B=1 2k 1,152 -> 985).
 PRELOAD_TILES = 1
-PRELOAD_V = True
 SM90_SMEM = 233472  # shared memory of an sm_90 SM; a block reserves 1 KiB of it
 PREFETCH_BYTES_FIRST = 4 << 20
 MIN_BLOCKS_PER_SPLIT = 1   # a split streams at least this many BLOCK_N blocks (see auto_num_splits)
@@ -194,7 +193,6 @@ class GluonPartial:
         extra = {"launch_pdl": True} if early and plan.pdl else {}
         if early:
             extra["PRELOAD"] = plan.preload_tiles()
-            extra["PRELOAD_V"] = PRELOAD_V if plan.preload_v is None else plan.preload_v
         if plan.paged:
             extra["PAGE"] = plan.kwargs["PAGE"]
         self.launch = Launcher(kernel, GROUP=plan.kwargs["GROUP"],
@@ -277,7 +275,6 @@ class SplitKVPlan:
         # the tiles of its ring the gluon render's early start loads before its wait (None: the
         # rule in preload_tiles); the probe sets it
         self.preload: int | None = None
-        self.preload_v: bool | None = None  # and their V too (None: PRELOAD_V)
         self.skip_combine = False  # the probe's partial kernels alone (their outputs unmerged)
         self.elsize = k_cache.element_size()
         self.step_bytes_per_key = 2 * b * hk * d * self.elsize  # K and V of one key position

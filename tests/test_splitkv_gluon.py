@@ -200,7 +200,7 @@ def test_a_ring_that_holds_its_sm_alone_preloads_and_lets_the_next_layer_in(name
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("paged", [False, True])
-@pytest.mark.parametrize("early", [False, True, "preload", "alone", "konly"])
+@pytest.mark.parametrize("early", [False, True, "preload", "alone"])
 def test_gluon_graph_replay_with_longer_sequences(paged, early):
     """A step captured at one length and replayed at others (a serving loop's graph), with and
     without the early start (and its tiles loaded before the wait, placed by the captured
@@ -212,14 +212,12 @@ def test_gluon_graph_replay_with_longer_sequences(paged, early):
     q, kc, vc = make(2, 1, 8, 1, 128, 4096, torch.bfloat16, "cuda")
     kp, vp, bt = _paged(kc, vc, 256) if paged else (kc, vc, None)
     seqlens = torch.tensor([1000, 300], dtype=torch.int32, device="cuda")
-    # "alone": a 128-key ring (holds its SM alone) whose launch preloads one tile by its rule;
-    # "konly": that tile's K alone before the wait, its V after
-    name = GLUON.replace("-n64-", "-n128-") if early in ("alone", "konly") else GLUON
+    # "alone": a 128-key ring (holds its SM alone) whose launch preloads one tile by its rule
+    name = GLUON.replace("-n64-", "-n128-") if early == "alone" else GLUON
     plan = SplitKVPlan(q, kp, False, None, Variant.parse(name + ("-paged=true" if paged else "")))
-    if early not in ("alone", "konly"):
+    if early != "alone":
         plan.preload = 2 if early == "preload" else 0
-    plan.preload_v = early != "konly"
-    assert plan.preload_tiles() == {False: 0, True: 0, "preload": 2, "alone": 1, "konly": 1}[early]
+    assert plan.preload_tiles() == {False: 0, True: 0, "preload": 2, "alone": 1}[early]
     early = bool(early)
     plan.allow_early = early  # a one-wave grid: the launch takes the early start unless told
     assert plan.variant.gluon and plan.early(plan.num_splits(1000)) == early
