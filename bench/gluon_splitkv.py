@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
-from probe_rows import Rows, time_steps  # noqa: E402
+from probe_rows import Rows, decode_cell, time_steps  # noqa: E402
 
 from flashtune.launch_splitkv import SplitKVPlan, default_variant  # noqa: E402
 
@@ -27,19 +27,12 @@ def gpu(out: str, cells, configs, reps: int) -> None:
     (the same splits; the early start where the launch takes it), each checked against the
     dispatched output first."""
     import decode_bench as db
-    from flashtune import kvcache
     db.GRAPH, db.DEVICE = True, "cuda"
     layers, d = 16, 128
     write = Rows(out)
     for cell in cells:
-        b, hq, hk, nk = (int(x) for x in cell.split("/"))
-        q = torch.randn(b, 1, hq, d, dtype=torch.bfloat16, device="cuda")
-        kcs = [torch.randn(b, nk, hk, d, dtype=torch.bfloat16, device="cuda")
-               for _ in range(layers)]
-        vcs = [torch.randn_like(k) for k in kcs]
-        sl = torch.full((b,), nk, dtype=torch.int32, device="cuda")
-        kv_bytes = 2 * b * nk * hk * d * 2
-        var = kvcache._variant(q, kcs[0], vcs[0], False, False, nk)
+        nk = int(cell.split("/")[3])
+        q, kcs, vcs, sl, kv_bytes, var = decode_cell(cell, layers, d)
         plans = {f"{var.name} shipped": SplitKVPlan(q, kcs[0], False, None, var)}
         base = default_variant(d, "bfloat16")  # the built-in Triton variant: a fixed reference
         if base != var:

@@ -60,3 +60,18 @@ def sum_checked(write, runs: dict, want: float, slack: float, where: dict,
             write({**where, "impl": label, "error": f"{type(e).__name__}: {e}"[:400]})
     return ok
 
+
+def decode_cell(cell: str, layers: int, d: int = 128):
+    """A decode cell "B/Hq/Hk/Nk" on the GPU: one bf16 query token per sequence, `layers` K/V
+    caches full to Nk (each layer its own), the lengths tensor, the K+V bytes of one layer and
+    the variant flashtune dispatches for it: (q, kcs, vcs, seqlens, kv_bytes, variant)."""
+    import torch
+
+    from flashtune import kvcache
+    b, hq, hk, nk = (int(x) for x in cell.split("/"))
+    q = torch.randn(b, 1, hq, d, dtype=torch.bfloat16, device="cuda")
+    kcs = [torch.randn(b, nk, hk, d, dtype=torch.bfloat16, device="cuda") for _ in range(layers)]
+    vcs = [torch.randn_like(k) for k in kcs]
+    sl = torch.full((b,), nk, dtype=torch.int32, device="cuda")
+    var = kvcache._variant(q, kcs[0], vcs[0], False, False, nk)
+    return q, kcs, vcs, sl, 2 * b * nk * hk * d * 2, var

@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
-from probe_rows import Rows  # noqa: E402
+from probe_rows import Rows, decode_cell  # noqa: E402
 
 SLOTS = 8  # stamps a program: entry, wait, first tile, loop end, exit, SM
 CSLOTS = 4  # the combine's: entry, wait, exit
@@ -151,7 +151,6 @@ def read_flush_ms(replay, reps: int = 40) -> float:
 
 def gpu(out: str, cells, configs, reps: int) -> None:
     import decode_bench as db
-    from flashtune import kvcache
     from flashtune.bench.timing import graphed
     from flashtune.launch_splitkv import SplitKVPlan
     db.GRAPH, db.DEVICE = True, "cuda"
@@ -160,14 +159,9 @@ def gpu(out: str, cells, configs, reps: int) -> None:
     raw = open(out + ".raw", "w")  # the rows with every layer's parts and every stamp
     made = [0]
     for cell in cells:
-        b, hq, hk, nk = (int(x) for x in cell.split("/"))
-        q = torch.randn(b, 1, hq, d, dtype=torch.bfloat16, device="cuda")
-        kcs = [torch.randn(b, nk, hk, d, dtype=torch.bfloat16, device="cuda")
-               for _ in range(layers)]
-        vcs = [torch.randn_like(k) for k in kcs]
-        sl = torch.full((b,), nk, dtype=torch.int32, device="cuda")
-        kv_bytes = 2 * b * nk * hk * d * 2
-        var = kvcache._variant(q, kcs[0], vcs[0], False, False, nk)
+        b, hq = (int(x) for x in cell.split("/")[:2])
+        nk = int(cell.split("/")[3])
+        q, kcs, vcs, sl, kv_bytes, var = decode_cell(cell, layers, d)
         for bn, st, pre, tf, pf in configs:
             gv = dataclasses.replace(var, block_m=64, block_n=bn, num_warps=4, num_stages=st,
                                      loads="pointer", gluon=True)
