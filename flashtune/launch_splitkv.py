@@ -35,6 +35,7 @@ DEFAULTS = {
 # 4% at MQA 32k (16.8 MB, a third of the L2; the decode grid, session 35's call 4, where the
 # probe read +3%: not resolved), hence a quarter of the L2 (first_trigger).
 PREFETCH_BYTES = 2 << 20
+PREFETCH_BYTES_FIRST = 4 << 20
 # The gluon render's early start where its ring holds an SM alone (ring_alone: n128-s2, n64-s4
 # at D=128): one tile loaded before its wait (PRELOAD), its combine letting the next kernel in
 # before its own wait, and 2 MiB (not 4) sent to L2, so the next layer's programs take each SM
@@ -47,7 +48,6 @@ PREFETCH_BYTES = 2 << 20
 # n64-s2 GQA B=1 2k 1,152 -> 985).
 PRELOAD_TILES = 1
 SM90_SMEM = 233472  # shared memory of an sm_90 SM; a block reserves 1 KiB of it
-PREFETCH_BYTES_FIRST = 4 << 20
 MIN_BLOCKS_PER_SPLIT = 1   # a split streams at least this many BLOCK_N blocks (see auto_num_splits)
 MAX_SPLITS = 256
 CPU_SMS = 4                # the interpreter has no SMs: auto picks as if there were 4
