@@ -159,8 +159,7 @@ def gpu(out: str, cells, configs, reps: int) -> None:
     raw = open(out + ".raw", "w")  # the rows with every layer's parts and every stamp
     made = [0]
     for cell in cells:
-        b, hq = (int(x) for x in cell.split("/")[:2])
-        nk = int(cell.split("/")[3])
+        b, hq, _, nk = (int(x) for x in cell.split("/"))
         q, kcs, vcs, sl, kv_bytes, var = decode_cell(cell, layers, d)
         for bn, st, pre, tf, pf in configs:
             gv = dataclasses.replace(var, block_m=64, block_n=bn, num_warps=4, num_stages=st,

@@ -285,6 +285,8 @@ class SplitKVPlan:
             DOT_PRECISION=_DOT_PRECISION.get(q.dtype, "tf32"), PRECISE=q.dtype == torch.float32,
             USE_PDL=self.pdl, num_warps=variant.num_warps,
             num_stages=variant.num_stages, **mask_params(masks))
+        # decided once, not per call: first_trigger and _early_args read it on every run
+        self.ring_alone = self._ring_alone()
         self._splits: dict = {}
         # launchers (launcher.Launcher), made at the first run that needs them (kwargs may be
         # changed before: bench/decode_sweep.py turns PDL off): the partial kernel's per
@@ -347,13 +349,13 @@ class SplitKVPlan:
         (PREFETCH_BYTES' comment has the measurements)."""
         if self.trigger_first is not None:
             return self.trigger_first
-        if self.ring_alone():  # PRELOAD_TILES' comment
+        if self.ring_alone:  # PRELOAD_TILES' comment
             return True
         return 4 * keys * self.step_bytes_per_key <= self.l2_bytes
 
-    def ring_alone(self) -> bool:
+    def _ring_alone(self) -> bool:
         """Whether the gluon render's partial kernel holds its SM alone: two of its shared
-        memory (the ring, Q) do not fit on one."""
+        memory (the ring, Q) do not fit on one (fixed per plan: __init__ keeps it, ring_alone)."""
         if not self.variant.gluon:
             return False
         from .feasibility import splitkv_gluon_smem
@@ -365,7 +367,7 @@ class SplitKVPlan:
         probe's `preload`, else PRELOAD_TILES where the ring holds an SM alone), at most its
         stages."""
         pre = self.preload if self.preload is not None else (
-            PRELOAD_TILES if self.ring_alone() else 0)
+            PRELOAD_TILES if self.ring_alone else 0)
         return max(0, min(int(pre), self.variant.num_stages))
 
     def _early_args(self, keys: int, num_splits: int, first: bool) -> tuple:
@@ -376,7 +378,7 @@ class SplitKVPlan:
         ctas = self.programs * num_splits
         budget = self.prefetch_bytes
         if budget is None:  # a ring alone on its SM: PRELOAD_TILES' comment
-            budget = PREFETCH_BYTES_FIRST if first and not self.ring_alone() else PREFETCH_BYTES
+            budget = PREFETCH_BYTES_FIRST if first and not self.ring_alone else PREFETCH_BYTES
         rows = budget // max(1, ctas * 2 * self.shape[3] * self.elsize)
         return keys, rows, int(ctas <= self.sms)
 

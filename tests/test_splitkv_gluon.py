@@ -191,7 +191,7 @@ def test_gluon_paged_matches_float64(case):
 def test_a_ring_that_holds_its_sm_alone_preloads_and_lets_the_next_layer_in(name, d, alone):
     q, k = _meta(1, 1, 8, 1, d, 32768)
     plan = SplitKVPlan(q, k, False, None, Variant.parse(name))
-    assert plan.ring_alone() == alone
+    assert plan.ring_alone == alone
     assert plan.preload_tiles() == (1 if alone else 0)
     assert plan.first_trigger(32768) == alone  # (meta tensors: no L2, so no L2 rule says yes)
     plan.preload = 7  # the probe's count, at most the ring
@@ -251,7 +251,7 @@ def test_gluon_preloaded_tiles_never_hold_the_appended_keys(paged, nq, n_new, ca
     kp, vp, bt = _paged(kc, vc, 256) if paged else (kc, vc, None)
     from flashtune.kvcache import fit_pages
     plan = SplitKVPlan(q, kp, causal, None, fit_pages(Variant.parse(name), 256 if paged else None))
-    assert plan.ring_alone() and plan.preload_tiles() == 1 and plan.early(plan.num_splits(1000))
+    assert plan.ring_alone and plan.preload_tiles() == 1 and plan.early(plan.num_splits(1000))
     seqlens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
     with flashtune.force(name):
         out, lse = flashtune.attention_with_kvcache(q, kp, vp, cache_seqlens=seqlens, k=kn, v=vn,
