@@ -38,7 +38,7 @@ def gpu(out: str, cells, configs, reps: int) -> None:
         if base != var:
             plans[f"{base.name} default"] = SplitKVPlan(q, kcs[0], False, None, base)
         lens = {}  # a plan's lengths argument: the tensor, or None (every sequence nk keys)
-        for bn, st, splits, per_sm, pf_mib, tf, uniform, pre in configs:
+        for bn, st, splits, per_sm, pf_mib, tf, uniform, pre, steal in configs:
             gv = dataclasses.replace(var, block_m=64, block_n=bn, num_warps=4, num_stages=st,
                                      loads="pointer", gluon=True)
             if splits:  # an explicit split count, started early whatever the wave rule says
@@ -57,6 +57,9 @@ def gpu(out: str, cells, configs, reps: int) -> None:
             if pre >= 0:  # the ring's first PRE tiles loaded before the wait
                 plan.preload = pre
                 label += f" pre{pre}"
+            if steal >= 0:  # the splits share the tiles past the ring's first fill (1) or not
+                plan.steal = bool(steal)
+                label += f" steal{steal}"
             if uniform:  # no lengths tensor: the kernels read no length before their first load
                 label += " uniform"
                 lens[label] = None
@@ -88,15 +91,16 @@ def main() -> None:
     ap.add_argument("--cells", default="1/8/1/32768,1/8/1/131072,1/32/8/32768,8/32/8/8192,"
                     "8/8/1/32768,32/32/8/8192", help="B/Hq/Hk/Nk,... (D=128, one query token)")
     ap.add_argument("--configs", default="64/2", help="BLOCK_N/STAGES[/SPLITS[/PER_SM[/PF_MIB"
-                    "[/TF[/UNIFORM[/PRE]]]]]],... (SPLITS: an explicit count, early start "
+                    "[/TF[/UNIFORM[/PRE[/STEAL]]]]]]],... (SPLITS: an explicit count, early start "
                     "forced, 0: the rule's; UNIFORM 1: no lengths tensor; "
                     "PER_SM: programs an SM holds at once, for the early trigger's one-wave rule; "
                     "PF_MIB: the early start's L2 prefetch; TF 1/0: the combine lets the next "
                     "kernel in before/after its wait; PRE: the ring's tiles the early start loads "
-                    "before its wait; -1: the launch's own choice)")
+                    "before its wait; STEAL 1/0: its splits share the tiles past the ring's "
+                    "first fill or not; -1: the launch's own choice)")
     ap.add_argument("--reps", type=int, default=3)
     a = ap.parse_args()
-    unset = (0, 0, 0, 1, -1, -1, 0, -1)  # SPLITS .. PRE where a config stops
+    unset = (0, 0, 0, 1, -1, -1, 0, -1, -1)  # SPLITS .. STEAL where a config stops
     configs = []
     for c in a.configs.split(","):
         given = [int(x) for x in c.split("/")]

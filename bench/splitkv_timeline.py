@@ -49,15 +49,19 @@ def stamped_source(variant) -> str:
     from flashtune.codegen.render import render
     src = render(dataclasses.replace(variant, early_start=True))
     edits = [
-        ("                         fresh,\n",
-         "                         fresh, TS,\n"),
+        ("                         CNT,\n",
+         "                         CNT, TS,\n"),
         ("    split = gl.program_id(1)\n",
          "    split = gl.program_id(1)\n" + _stamp(0) + SMID.format(slots=SLOTS)),
         ("    gdc_wait()\n    if early_trigger:\n        gdc_launch_dependents()\n",
          "    gdc_wait()\n    if early_trigger:\n        gdc_launch_dependents()\n" + _stamp(1)),
-        ("        mbarrier.wait(k_ready.index(st), ph)\n",
-         "        mbarrier.wait(k_ready.index(st), ph)\n        if i == 0:\n"
-         + _stamp(2, "        ")),
+        ("    for i in range(n_steps):\n        mbarrier.wait(k_ready.index(st), ph)\n",
+         "    for i in range(n_steps):\n        mbarrier.wait(k_ready.index(st), ph)\n"
+         "        if i == 0:\n" + _stamp(2, "        ")),
+        # STEAL's loop: its first tile is the split's own
+        ("        while t_i < n_tiles:\n            mbarrier.wait(k_ready.index(st), ph)\n",
+         "        while t_i < n_tiles:\n            mbarrier.wait(k_ready.index(st), ph)\n"
+         "            if t_i == split:\n" + _stamp(2, "            ")),
         ("    seen = l_i > 0.0", _stamp(3) + "    seen = l_i > 0.0"),
         ("             mask=gl.expand_dims(ro < GROUP * Nq, 1))\n",
          "             mask=gl.expand_dims(ro < GROUP * Nq, 1))\n" + _stamp(4)),
@@ -161,10 +165,10 @@ def gpu(out: str, cells, configs, reps: int) -> None:
     for cell in cells:
         b, hq, _, nk = (int(x) for x in cell.split("/"))
         q, kcs, vcs, sl, kv_bytes, var = decode_cell(cell, layers, d)
-        for bn, st, pre, tf, pf in configs:
+        for bn, st, pre, tf, pf, steal in configs:
             gv = dataclasses.replace(var, block_m=64, block_n=bn, num_warps=4, num_stages=st,
                                      loads="pointer", gluon=True)
-            label = f"{gv.name} pre{pre} tf{tf} pf{pf}"
+            label = f"{gv.name} pre{pre} tf{tf} pf{pf} steal{steal}"
             try:
                 plain = SplitKVPlan(q, kcs[0], False, None, gv)
                 stamped = SplitKVPlan(q, kcs[0], False, None, gv)
@@ -172,6 +176,8 @@ def gpu(out: str, cells, configs, reps: int) -> None:
                     p.preload, p.trigger_first = pre, (None if tf < 0 else bool(tf))
                     if pf >= 0:
                         p.prefetch_bytes = pf << 20
+                    if steal >= 0:
+                        p.steal = bool(steal)
                 s = plain.num_splits(nk)
                 if not plain.early(s):
                     raise RuntimeError("not an early-start launch")
@@ -237,8 +243,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="splitkv_timeline.jsonl")
     ap.add_argument("--cells", default="1/8/1/131072,1/8/1/32768")
-    ap.add_argument("--configs", default="64/2/0/-1/-1,128/2/1/1/0",
-                    help="BLOCK_N/STAGES/PRE/TF/PF_MIB,... (TF, PF_MIB -1: the launch's own)")
+    ap.add_argument("--configs", default="128/2/1/-1/-1/0,128/2/1/-1/-1/1",
+                    help="BLOCK_N/STAGES/PRE/TF/PF_MIB[/STEAL],... (TF, PF_MIB, STEAL -1: the "
+                    "launch's own; STEAL 1/0: the splits share their tiles past the ring's "
+                    "first fill or not)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--combine", default="",
                     help="TILE/WARPS: the combine kernel's tile (launch_splitkv.COMBINE_TILE) "
@@ -246,7 +254,7 @@ def main() -> None:
     a = ap.parse_args()
     if a.combine:
         combine_shape(*(int(x) for x in a.combine.split("/")))
-    configs = [tuple(int(x) for x in c.split("/")) for c in a.configs.split(",")]
+    configs = [tuple([int(x) for x in c.split("/")] + [-1])[:6] for c in a.configs.split(",")]
     gpu(a.out, a.cells.split(","), configs, a.reps)
 
 

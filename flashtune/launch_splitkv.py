@@ -47,6 +47,9 @@ PREFETCH_BYTES_FIRST = 4 << 20
 # programs share an SM with lose (the next layer's loads start beside this layer's first:
 # n64-s2 GQA B=1 2k 1,152 -> 985).
 PRELOAD_TILES = 1
+# ... and its splits share the sequence's tiles past the ring's first fill (STEAL: a counter per
+# (sequence, kv head) hands them out), so an SM that streams faster takes more of them
+STEAL_TILES = True
 SM90_SMEM = 233472  # shared memory of an sm_90 SM; a block reserves 1 KiB of it
 MIN_BLOCKS_PER_SPLIT = 1   # a split streams at least this many BLOCK_N blocks (see auto_num_splits)
 MAX_SPLITS = 256
@@ -186,13 +189,16 @@ class GluonPartial:
     checks once per shape: launcher.gluon_desc). Caches a descriptor cannot address (a base or
     stride off 16 bytes, V laid out unlike K) go to the Triton render's partial kernel, which
     takes the same grid and arguments."""
-    __slots__ = ("plan", "launch", "uniform", "early", "fallback")
+    __slots__ = ("plan", "launch", "uniform", "early", "steal", "fallback")
 
     def __init__(self, plan, kernel, uniform: bool, early: bool):
         self.plan, self.uniform, self.early = plan, uniform, early
+        self.steal = early and plan.steals()
         extra = {"launch_pdl": True} if early and plan.pdl else {}
         if early:
             extra["PRELOAD"] = plan.preload_tiles()
+            if not plan.paged:
+                extra["STEAL"] = self.steal
         if plan.paged:
             extra["PAGE"] = plan.kwargs["PAGE"]
         self.launch = Launcher(kernel, GROUP=plan.kwargs["GROUP"],
@@ -222,11 +228,14 @@ class GluonPartial:
         if self.plan.paged:  # run passes the splits' placement before the early arguments
             paged, early_args = (bt, sbt, num_pages, *early_args[:2]), early_args[2:]
         hint, rows, trigger = early_args if self.early else (0, 0, 0)
+        tail = ()
+        if self.early:  # CNT: the STEAL counters (unread without STEAL: any pointer will do)
+            tail = (fresh,) if self.plan.paged else (
+                fresh, self.plan.counters(q.device) if self.steal else o)
         # uniform: SEQLENS is never read (any pointer will do)
         self.launch(grid, q, k, v, kd, vd, seqlens if seqlens is not None else o, o, lse, scale,
                     *paged, sqb, sqm, sqh, skb, skn, skh, sob, som, soh, sos, slb, slm, slh, sls,
-                    hk, nq, s, n, max_keys, hint, rows, trigger,
-                    *((fresh,) if self.early else ()))
+                    hk, nq, s, n, max_keys, hint, rows, trigger, *tail)
 
 
 class SplitKVPlan:
@@ -275,6 +284,10 @@ class SplitKVPlan:
         # the tiles of its ring the gluon render's early start loads before its wait (None: the
         # rule in preload_tiles); the probe sets it
         self.preload: int | None = None
+        # whether the gluon render's early start shares tiles between its splits (None: the rule
+        # in steals); the probe sets it. Its counters: one per (sequence, kv head) and CUDA stream
+        self.steal: bool | None = None
+        self._counters: dict = {}
         self.skip_combine = False  # the probe's partial kernels alone (their outputs unmerged)
         self.elsize = k_cache.element_size()
         self.step_bytes_per_key = 2 * b * hk * d * self.elsize  # K and V of one key position
@@ -369,6 +382,26 @@ class SplitKVPlan:
         pre = self.preload if self.preload is not None else (
             PRELOAD_TILES if self.ring_alone else 0)
         return max(0, min(int(pre), self.variant.num_stages))
+
+    def steals(self) -> bool:
+        """Whether the gluon render's early start shares the tiles past its ring's first fill
+        between its splits (the probe's `steal`, else STEAL_TILES where the ring holds an SM
+        alone); contiguous caches only."""
+        if self.paged or not self.variant.gluon:
+            return False
+        return self.steal if self.steal is not None else STEAL_TILES and self.ring_alone
+
+    def counters(self, device) -> torch.Tensor:
+        """The STEAL counters of this CUDA stream: (programs,) int32, 0 between launches (each
+        launch's last ticket sets its counter back). Launches on one stream are ordered; two
+        streams never share one. (A graph replays the counters of the stream it was captured on:
+        two replays of graphs captured on one stream must not run at once.)"""
+        key = (device.index, torch.cuda.current_stream(device).cuda_stream)
+        got = self._counters.get(key)
+        if got is None:
+            got = self._counters[key] = torch.zeros(self.programs, dtype=torch.int32,
+                                                    device=device)
+        return got
 
     def _early_args(self, keys: int, num_splits: int, first: bool) -> tuple:
         """early_start's (hint_keys, prefetch_rows, early_trigger): the keys the splits are

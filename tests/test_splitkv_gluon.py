@@ -198,6 +198,67 @@ def test_a_ring_that_holds_its_sm_alone_preloads_and_lets_the_next_layer_in(name
     assert plan.preload_tiles() == plan.variant.num_stages
 
 
+@pytest.mark.parametrize("name,paged,steals", [
+    ("splitkv-m64-n128-w4-s2-gluon=true", False, True),   # a ring alone on its SM
+    ("splitkv-m64-n128-w4-s2-gluon=true", True, False),   # paged: the splits keep their tiles
+    (GLUON, False, False),                                # two share an SM
+    ("splitkv-m64-n128-w4-s2", False, False),             # the Triton render
+])
+def test_a_ring_alone_on_its_sm_shares_its_splits_tiles(name, paged, steals):
+    q, k = _meta(1, 1, 8, 1, 128, 32768)
+    if paged:
+        k = torch.empty(64, 512, 1, 128, dtype=torch.bfloat16, device="meta")
+    plan = SplitKVPlan(q, k, False, None, Variant.parse(name + ("-paged=true" if paged else "")))
+    assert plan.steals() == steals
+    plan.steal = True  # the probe's: contiguous gluon renders only
+    assert plan.steals() == (plan.variant.gluon and not paged)
+
+
+# (B, Hq, Hk, Nq, capacity, lengths, causal): tiles of 128 keys shared past the ring's first
+# fill by 132 (MQA B=1) .. 4 splits; lengths with no shared tile, splits with no tile, a 5-key
+# sequence, speculative tokens under bottom-right causal
+STEAL_CASES = [
+    (1, 8, 1, 1, 131072 + 64, [131072 - 77], False),
+    (1, 8, 1, 1, 32768, [32768], False),
+    (3, 16, 4, 1, 6000, [5999, 5, 3000], False),
+    (2, 16, 4, 4, 4096, [4096, 1500], True),
+    (2, 8, 1, 2, 2048, [300, 2048], True),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", STEAL_CASES, ids=lambda c: "B{}-{}/{}-Nq{}-cap{}".format(
+    *c[:5]) + ("-causal" if c[6] else ""))
+@pytest.mark.parametrize("name", ["splitkv-m64-n128-w4-s2-gluon=true", GLUON])
+def test_gluon_shared_tiles_match_float64(case, name):
+    """STEAL (the early start's splits take the tiles past their ring's first fill from a
+    counter): against float64, launch after launch and in graph replays at other lengths, the
+    counters back at 0 after each; forced on a ring two programs share an SM with too."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the gluon render is sm_90's")
+    b, hq, hk, nq, cap, lengths, causal = case
+    q, kc, vc = make(b, nq, hq, hk, 128, cap, torch.bfloat16, "cuda")
+    plan = SplitKVPlan(q, kc, causal, None, Variant.parse(name))
+    plan.steal = True
+    seqlens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    top = max(lengths)
+    assert plan.early(plan.num_splits(top)) and plan.steals()
+    for _ in range(3):
+        out, lse = plan.run(q, kc, vc, seqlens, None, top)
+        check(q, kc, vc, lengths, out, causal=causal, lse=lse)
+        assert not plan.counters(q.device).any()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = plan.run(q, kc, vc, seqlens, None, top)
+    for again in ([min(cap, n + 700) for n in lengths], [max(0, n - 900) for n in lengths]):
+        seqlens.copy_(torch.tensor(again, dtype=torch.int32))
+        for _ in range(2):
+            graph.replay()
+            torch.cuda.synchronize()
+            check(q, kc, vc, again, out, causal=causal, lse=lse)
+        assert all(not c.any() for c in plan._counters.values())
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("paged", [False, True])
 @pytest.mark.parametrize("early", [False, True, "preload", "alone"])
