@@ -47,9 +47,15 @@ PREFETCH_BYTES_FIRST = 4 << 20
 # programs share an SM with lose (the next layer's loads start beside this layer's first:
 # n64-s2 GQA B=1 2k 1,152 -> 985).
 PRELOAD_TILES = 1
-# ... and its splits share the sequence's tiles past the ring's first fill (STEAL: a counter per
-# (sequence, kv head) hands them out), so an SM that streams faster takes more of them
+# ... and, where a split's share of the longest sequence is at least STEAL_MIN_TILES tiles, its
+# splits share the tiles past the ring's first fill (STEAL: a counter per (sequence, kv head)
+# hands them out one at a time), so an SM that streams faster takes more of them: with fixed
+# shares some two dozen SMs ended their 8 tiles 4-5 us before the rest, every layer (the same
+# SMs; bench/splitkv_timeline.py). H100, MQA B=1, 16-layer steps (docs/benchmarks.md session 39,
+# calls 2-4): 128k (7.8 tiles a split) 2,571 -> 2,620-2,635 GB/s; 64k (3.9) 2,341 -> 2,248,
+# 32k (1.9) 1,784 -> 1,738, GQA B=1 8k (4) 2,156 -> 1,975; GQA B=1 32k (16) 2,756 -> 2,774-2,809
 STEAL_TILES = True
+STEAL_MIN_TILES = 6
 SM90_SMEM = 233472  # shared memory of an sm_90 SM; a block reserves 1 KiB of it
 MIN_BLOCKS_PER_SPLIT = 1   # a split streams at least this many BLOCK_N blocks (see auto_num_splits)
 MAX_SPLITS = 256
@@ -191,9 +197,9 @@ class GluonPartial:
     takes the same grid and arguments."""
     __slots__ = ("plan", "launch", "uniform", "early", "steal", "fallback")
 
-    def __init__(self, plan, kernel, uniform: bool, early: bool):
+    def __init__(self, plan, kernel, uniform: bool, early: bool, steal: bool = False):
         self.plan, self.uniform, self.early = plan, uniform, early
-        self.steal = early and plan.steals()
+        self.steal = early and steal
         extra = {"launch_pdl": True} if early and plan.pdl else {}
         if early:
             extra["PRELOAD"] = plan.preload_tiles()
@@ -313,16 +319,16 @@ class SplitKVPlan:
         return mod
 
     def _launcher(self, key):
-        """key: ("partial", UNIFORM, early) or ("combine", num_splits, early, first); early:
-        the early_start render (its combine lets the next kernel start: before its wait where
-        first)."""
+        """key: ("partial", UNIFORM, early, steal) or ("combine", num_splits, early, first);
+        early: the early_start render (its combine lets the next kernel start: before its wait
+        where first); steal: its splits share their tiles (steals)."""
         got = self._launchers.get(key)
         if got is None:
             if len(self._launchers) > 64:
                 self._launchers.clear()
             mod = self._module(key[2])
             if key[0] == "partial" and self.variant.gluon:
-                got = GluonPartial(self, mod.attn_splitkv_partial, key[1], key[2])
+                got = GluonPartial(self, mod.attn_splitkv_partial, key[1], key[2], key[3])
             elif key[0] == "partial":
                 got = self._triton_partial(key[1], key[2], mod)
             else:
@@ -383,13 +389,18 @@ class SplitKVPlan:
             PRELOAD_TILES if self.ring_alone else 0)
         return max(0, min(int(pre), self.variant.num_stages))
 
-    def steals(self) -> bool:
+    def steals(self, keys: int, num_splits: int) -> bool:
         """Whether the gluon render's early start shares the tiles past its ring's first fill
-        between its splits (the probe's `steal`, else STEAL_TILES where the ring holds an SM
-        alone); contiguous caches only."""
+        between its num_splits splits of sequences of at most `keys` keys (the probe's `steal`,
+        else STEAL_TILES where the ring holds an SM alone and a split's share is at least
+        STEAL_MIN_TILES tiles); contiguous caches only."""
         if self.paged or not self.variant.gluon:
             return False
-        return self.steal if self.steal is not None else STEAL_TILES and self.ring_alone
+        if self.steal is not None:
+            return self.steal
+        tiles = triton.cdiv(max(keys, 1), self.variant.block_n)
+        return (STEAL_TILES and self.ring_alone and num_splits > 1
+                and tiles >= STEAL_MIN_TILES * num_splits)
 
     def counters(self, device) -> torch.Tensor:
         """The STEAL counters of this CUDA stream: (programs,) int32, 0 between launches (each
@@ -463,7 +474,8 @@ class SplitKVPlan:
         early = self.early(s)
         keys = min(max_seqlen, capacity)
         first = early and self.first_trigger(keys)
-        self._launcher(("partial", uniform, early))(
+        steal = early and self.steals(keys, s)
+        self._launcher(("partial", uniform, early, steal))(
             (self.programs, s),
             q, k_cache, v_cache, bt, seqlens, o_dst, l_dst, self.scale, *self.mask_args,
             q.stride(0), q.stride(1), q.stride(2),

@@ -205,13 +205,18 @@ def test_a_ring_that_holds_its_sm_alone_preloads_and_lets_the_next_layer_in(name
     ("splitkv-m64-n128-w4-s2", False, False),             # the Triton render
 ])
 def test_a_ring_alone_on_its_sm_shares_its_splits_tiles(name, paged, steals):
-    q, k = _meta(1, 1, 8, 1, 128, 32768)
+    q, k = _meta(1, 1, 8, 1, 128, 131072)
     if paged:
-        k = torch.empty(64, 512, 1, 128, dtype=torch.bfloat16, device="meta")
+        k = torch.empty(256, 512, 1, 128, dtype=torch.bfloat16, device="meta")
     plan = SplitKVPlan(q, k, False, None, Variant.parse(name + ("-paged=true" if paged else "")))
-    assert plan.steals() == steals
-    plan.steal = True  # the probe's: contiguous gluon renders only
-    assert plan.steals() == (plan.variant.gluon and not paged)
+    # where a split's share is at least STEAL_MIN_TILES (6) tiles of 128 keys
+    assert plan.steals(131072, 132) == steals          # 7.8 tiles a split
+    assert plan.steals(132 * 6 * 128, 132) == steals   # 6
+    assert not plan.steals(132 * 6 * 128 - 128, 132)   # 5.99
+    assert not plan.steals(65536, 132)                  # 3.9
+    assert not plan.steals(131072, 1)                   # one split: nothing to share
+    plan.steal = True  # the probe's: contiguous gluon renders only, any length
+    assert plan.steals(1000, 132) == (plan.variant.gluon and not paged)
 
 
 # (B, Hq, Hk, Nq, capacity, lengths, causal): tiles of 128 keys shared past the ring's first
@@ -242,7 +247,7 @@ def test_gluon_shared_tiles_match_float64(case, name):
     plan.steal = True
     seqlens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
     top = max(lengths)
-    assert plan.early(plan.num_splits(top)) and plan.steals()
+    assert plan.early(plan.num_splits(top)) and plan.steals(top, plan.num_splits(top))
     for _ in range(3):
         out, lse = plan.run(q, kc, vc, seqlens, None, top)
         check(q, kc, vc, lengths, out, causal=causal, lse=lse)
