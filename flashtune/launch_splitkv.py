@@ -51,9 +51,9 @@ PRELOAD_TILES = 1
 # splits share the tiles past the ring's first fill (STEAL: a counter per (sequence, kv head)
 # hands them out one at a time), so an SM that streams faster takes more of them: with fixed
 # shares some two dozen SMs ended their 8 tiles 4-5 us before the rest, every layer (the same
-# SMs; bench/splitkv_timeline.py). H100, MQA B=1, 16-layer steps (docs/benchmarks.md session 39,
-# calls 2-4): 128k (7.8 tiles a split) 2,571 -> 2,620-2,635 GB/s; 64k (3.9) 2,341 -> 2,248,
-# 32k (1.9) 1,784 -> 1,738, GQA B=1 8k (4) 2,156 -> 1,975; GQA B=1 32k (16) 2,756 -> 2,774-2,809
+# SMs; bench/splitkv_timeline.py). H100, 16-layer steps (docs/benchmarks.md session 39, calls
+# 1-5), MQA B=1: 128k (7.8 tiles a split) 2,566-2,571 -> 2,620-2,642 GB/s; 64k (3.9) 2,341 ->
+# 2,248, 32k (1.9) 1,784 -> 1,738; GQA B=1 8k (4) 2,142 -> 2,007, 32k (16) 2,752 -> 2,809
 STEAL_TILES = True
 STEAL_MIN_TILES = 6
 SM90_SMEM = 233472  # shared memory of an sm_90 SM; a block reserves 1 KiB of it
