@@ -22,25 +22,35 @@ from probe_rows import Rows, decode_cell, time_steps  # noqa: E402
 from flashtune.launch_splitkv import SplitKVPlan, default_variant  # noqa: E402
 
 
-def gpu(out: str, cells, configs, reps: int) -> None:
+def gpu(out: str, cells, configs, reps: int, page: int = 0) -> None:
     """16-layer steps: the dispatched variant beside its gluon twin at each (BLOCK_N, STAGES)
     (the same splits; the early start where the launch takes it), each checked against the
-    dispatched output first."""
+    dispatched output first. page: over a paged view of the same caches (page-key pages, each
+    sequence's in shuffled order)."""
     import decode_bench as db
+
+    from flashtune.kvcache import fit_pages
     db.GRAPH, db.DEVICE = True, "cuda"
     layers, d = 16, 128
     write = Rows(out)
     for cell in cells:
-        nk = int(cell.split("/")[3])
+        b, nk = int(cell.split("/")[0]), int(cell.split("/")[3])
         q, kcs, vcs, sl, kv_bytes, var = decode_cell(cell, layers, d)
+        bt = None
+        if page:
+            per = nk // page
+            bt = torch.randperm(b * per, device="cuda").view(b, per).to(torch.int32)
+            kcs, vcs = ([t.view(b * per, page, *t.shape[2:]) for t in ts] for ts in (kcs, vcs))
+            var = fit_pages(var, page)
         plans = {f"{var.name} shipped": SplitKVPlan(q, kcs[0], False, None, var)}
-        base = default_variant(d, "bfloat16")  # the built-in Triton variant: a fixed reference
+        base = fit_pages(default_variant(d, "bfloat16"), page or None)  # a fixed reference
         if base != var:
             plans[f"{base.name} default"] = SplitKVPlan(q, kcs[0], False, None, base)
         lens = {}  # a plan's lengths argument: the tensor, or None (every sequence nk keys)
         for bn, st, splits, per_sm, pf_mib, tf, uniform, pre, steal in configs:
-            gv = dataclasses.replace(var, block_m=64, block_n=bn, num_warps=4, num_stages=st,
-                                     loads="pointer", gluon=True)
+            gv = fit_pages(dataclasses.replace(var, block_m=64, block_n=bn, num_warps=4,
+                                               num_stages=st, loads="pointer", gluon=True),
+                           page or None)
             if splits:  # an explicit split count, started early whatever the wave rule says
                 gv = dataclasses.replace(gv, num_splits=splits, early_start=True)
             plan = SplitKVPlan(q, kcs[0], False, None, gv)
@@ -64,11 +74,11 @@ def gpu(out: str, cells, configs, reps: int) -> None:
                 label += " uniform"
                 lens[label] = None
             plans[label] = plan
-        ref = plans[f"{var.name} shipped"].run(q, kcs[0], vcs[0], sl, None, nk)[0]
+        ref = plans[f"{var.name} shipped"].run(q, kcs[0], vcs[0], sl, bt, nk)[0]
         times = {}
         for label, plan in plans.items():
             try:
-                got = plan.run(q, kcs[0], vcs[0], lens.get(label, sl), None, nk)[0]
+                got = plan.run(q, kcs[0], vcs[0], lens.get(label, sl), bt, nk)[0]
                 torch.cuda.synchronize()
                 diff = (got.float() - ref.float()).abs().max().item()
                 write({"cell": cell, "impl": label, "splits": plan.num_splits(nk),
@@ -78,7 +88,7 @@ def gpu(out: str, cells, configs, reps: int) -> None:
             except Exception as e:  # noqa: BLE001 -- a config that cannot run is a row
                 write({"cell": cell, "impl": label, "error": f"{type(e).__name__}: {e}"[:400]})
         time_steps(write, {label: (lambda p, lens_: lambda i: lambda: p.run(
-            q, kcs[i], vcs[i], lens_, None, nk))(plans[label], lens.get(label, sl))
+            q, kcs[i], vcs[i], lens_, bt, nk))(plans[label], lens.get(label, sl))
             for label in times}, layers, reps, kv_bytes, {"cell": cell})
         q = kcs = vcs = plans = ref = None
         torch.cuda.empty_cache()
@@ -99,13 +109,16 @@ def main() -> None:
                     "before its wait; STEAL 1/0: its splits share the tiles past the ring's "
                     "first fill or not; -1: the launch's own choice)")
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--page", type=int, default=0,
+                    help="time over paged views of the caches, PAGE-key pages in shuffled order "
+                    "(0: contiguous)")
     a = ap.parse_args()
     unset = (0, 0, 0, 1, -1, -1, 0, -1, -1)  # SPLITS .. STEAL where a config stops
     configs = []
     for c in a.configs.split(","):
         given = [int(x) for x in c.split("/")]
         configs.append(tuple(given + list(unset[len(given):])))
-    gpu(a.out, a.cells.split(","), configs, a.reps)
+    gpu(a.out, a.cells.split(","), configs, a.reps, a.page)
 
 
 if __name__ == "__main__":

@@ -203,8 +203,7 @@ class GluonPartial:
         extra = {"launch_pdl": True} if early and plan.pdl else {}
         if early:
             extra["PRELOAD"] = plan.preload_tiles()
-            if not plan.paged:
-                extra["STEAL"] = self.steal
+            extra["STEAL"] = self.steal
         if plan.paged:
             extra["PAGE"] = plan.kwargs["PAGE"]
         self.launch = Launcher(kernel, GROUP=plan.kwargs["GROUP"],
@@ -236,8 +235,7 @@ class GluonPartial:
         hint, rows, trigger = early_args if self.early else (0, 0, 0)
         tail = ()
         if self.early:  # CNT: the STEAL counters (unread without STEAL: any pointer will do)
-            tail = (fresh,) if self.plan.paged else (
-                fresh, self.plan.counters(q.device) if self.steal else o)
+            tail = (fresh, self.plan.counters(q.device) if self.steal else o)
         # uniform: SEQLENS is never read (any pointer will do)
         self.launch(grid, q, k, v, kd, vd, seqlens if seqlens is not None else o, o, lse, scale,
                     *paged, sqb, sqm, sqh, skb, skn, skh, sob, som, soh, sos, slb, slm, slh, sls,
@@ -393,8 +391,8 @@ class SplitKVPlan:
         """Whether the gluon render's early start shares the tiles past its ring's first fill
         between its num_splits splits of sequences of at most `keys` keys (the probe's `steal`,
         else STEAL_TILES where the ring holds an SM alone and a split's share is at least
-        STEAL_MIN_TILES tiles); contiguous caches only."""
-        if self.paged or not self.variant.gluon:
+        STEAL_MIN_TILES tiles)."""
+        if not self.variant.gluon:
             return False
         if self.steal is not None:
             return self.steal
