@@ -53,7 +53,10 @@ PRELOAD_TILES = 1
 # shares some two dozen SMs ended their 8 tiles 4-5 us before the rest, every layer (the same
 # SMs; bench/splitkv_timeline.py). H100, 16-layer steps (docs/benchmarks.md session 39, calls
 # 1-5), MQA B=1: 128k (7.8 tiles a split) 2,566-2,571 -> 2,620-2,642 GB/s; 64k (3.9) 2,341 ->
-# 2,248, 32k (1.9) 1,784 -> 1,738; GQA B=1 8k (4) 2,142 -> 2,007, 32k (16) 2,752 -> 2,809
+# 2,248, 32k (1.9) 1,784 -> 1,738; GQA B=1 8k (4) 2,142 -> 2,007, 32k (16) 2,752 -> 2,809.
+# Paged caches keep fixed shares: STEAL there (shuffled 256-key pages, a ticket's page read as
+# it is drawn, or a step ahead) read MQA B=1 128k 2,572 -> 2,562-2,573, 64k 2,303 -> 2,269
+# (calls 6-7), and was taken out
 STEAL_TILES = True
 STEAL_MIN_TILES = 6
 SM90_SMEM = 233472  # shared memory of an sm_90 SM; a block reserves 1 KiB of it
@@ -203,7 +206,8 @@ class GluonPartial:
         extra = {"launch_pdl": True} if early and plan.pdl else {}
         if early:
             extra["PRELOAD"] = plan.preload_tiles()
-            extra["STEAL"] = self.steal
+            if not plan.paged:
+                extra["STEAL"] = self.steal
         if plan.paged:
             extra["PAGE"] = plan.kwargs["PAGE"]
         self.launch = Launcher(kernel, GROUP=plan.kwargs["GROUP"],
@@ -235,7 +239,8 @@ class GluonPartial:
         hint, rows, trigger = early_args if self.early else (0, 0, 0)
         tail = ()
         if self.early:  # CNT: the STEAL counters (unread without STEAL: any pointer will do)
-            tail = (fresh, self.plan.counters(q.device) if self.steal else o)
+            tail = (fresh,) if self.plan.paged else (
+                fresh, self.plan.counters(q.device) if self.steal else o)
         # uniform: SEQLENS is never read (any pointer will do)
         self.launch(grid, q, k, v, kd, vd, seqlens if seqlens is not None else o, o, lse, scale,
                     *paged, sqb, sqm, sqh, skb, skn, skh, sob, som, soh, sos, slb, slm, slh, sls,
@@ -391,8 +396,8 @@ class SplitKVPlan:
         """Whether the gluon render's early start shares the tiles past its ring's first fill
         between its num_splits splits of sequences of at most `keys` keys (the probe's `steal`,
         else STEAL_TILES where the ring holds an SM alone and a split's share is at least
-        STEAL_MIN_TILES tiles)."""
-        if not self.variant.gluon:
+        STEAL_MIN_TILES tiles); contiguous caches only."""
+        if self.paged or not self.variant.gluon:
             return False
         if self.steal is not None:
             return self.steal
