@@ -49,8 +49,8 @@ def stamped_source(variant) -> str:
     from flashtune.codegen.render import render
     src = render(dataclasses.replace(variant, early_start=True))
     edits = [
-        ("                         CNT,\n",
-         "                         CNT, TS,\n"),
+        ("                         CNT, steal_own,\n",
+         "                         CNT, steal_own, TS,\n"),
         ("    split = gl.program_id(1)\n",
          "    split = gl.program_id(1)\n" + _stamp(0) + SMID.format(slots=SLOTS)),
         ("    gdc_wait()\n    if early_trigger:\n        gdc_launch_dependents()\n",

@@ -240,7 +240,8 @@ class GluonPartial:
         tail = ()
         if self.early:  # CNT: the STEAL counters (unread without STEAL: any pointer will do)
             tail = (fresh,) if self.plan.paged else (
-                fresh, self.plan.counters(q.device) if self.steal else o)
+                fresh, self.plan.counters(q.device) if self.steal else o,
+                self.plan.steal_rounds())
         # uniform: SEQLENS is never read (any pointer will do)
         self.launch(grid, q, k, v, kd, vd, seqlens if seqlens is not None else o, o, lse, scale,
                     *paged, sqb, sqm, sqh, skb, skn, skh, sob, som, soh, sos, slb, slm, slh, sls,
@@ -296,6 +297,8 @@ class SplitKVPlan:
         # whether the gluon render's early start shares tiles between its splits (None: the rule
         # in steals); the probe sets it. Its counters: one per (sequence, kv head) and CUDA stream
         self.steal: bool | None = None
+        # the rounds of tiles a stealing split owns (None: the ring's stages); the probe sets it
+        self.steal_own: int | None = None
         self._counters: dict = {}
         self.skip_combine = False  # the probe's partial kernels alone (their outputs unmerged)
         self.elsize = k_cache.element_size()
@@ -404,6 +407,11 @@ class SplitKVPlan:
         tiles = triton.cdiv(max(keys, 1), self.variant.block_n)
         return (STEAL_TILES and self.ring_alone and num_splits > 1
                 and tiles >= STEAL_MIN_TILES * num_splits)
+
+    def steal_rounds(self) -> int:
+        """STEAL's steal_own: the tiles a split owns (t_step apart) before the shared ones, at
+        least its ring's stages (the probe's `steal_own`, else the stages)."""
+        return max(self.variant.num_stages, self.steal_own or 0)
 
     def counters(self, device) -> torch.Tensor:
         """The STEAL counters of this CUDA stream: (programs,) int32, 0 between launches (each

@@ -234,17 +234,19 @@ STEAL_CASES = [
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", STEAL_CASES, ids=lambda c: "B{}-{}/{}-Nq{}-cap{}".format(
     *c[:5]) + ("-causal" if c[6] else ""))
-@pytest.mark.parametrize("name", ["splitkv-m64-n128-w4-s2-gluon=true", GLUON])
-def test_gluon_shared_tiles_match_float64(case, name):
+@pytest.mark.parametrize("name,own", [("splitkv-m64-n128-w4-s2-gluon=true", 0), (GLUON, 0),
+                                      ("splitkv-m64-n128-w4-s2-gluon=true", 4)])
+def test_gluon_shared_tiles_match_float64(case, name, own):
     """STEAL (the early start's splits take the tiles past their ring's first fill from a
     counter): against float64, launch after launch and in graph replays at other lengths, the
-    counters back at 0 after each; forced on a ring two programs share an SM with too."""
+    counters back at 0 after each; forced on a ring two programs share an SM with too, and with
+    each split owning 4 tiles before the shared ones (steal_own)."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the gluon render is sm_90's")
     b, hq, hk, nq, cap, lengths, causal = case
     q, kc, vc = make(b, nq, hq, hk, 128, cap, torch.bfloat16, "cuda")
     plan = SplitKVPlan(q, kc, causal, None, Variant.parse(name))
-    plan.steal = True
+    plan.steal, plan.steal_own = True, own or None
     seqlens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
     top = max(lengths)
     assert plan.early(plan.num_splits(top)) and plan.steals(top, plan.num_splits(top))
