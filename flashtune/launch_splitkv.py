@@ -59,6 +59,13 @@ PRELOAD_TILES = 1
 # (calls 6-7), and was taken out
 STEAL_TILES = True
 STEAL_MIN_TILES = 6
+# A split owns its first STEAL_OWN tiles (t_step apart; at least its ring's stages) and takes
+# tickets past them: tickets cost (an atomic's round trip a step, behind the stream's loads),
+# the fewer a split takes the better, while some two tiles each are left to balance. H100, MQA
+# B=1 (calls 8-9, 16-layer steps): 128k owning 2 / 3 / 4 / 6: 2,609-2,634 / 2,631-2,651 /
+# 2,622-2,653 / 2,614 GB/s (fixed shares 2,577); GQA B=1 32k (16 tiles a split) 2,804 / 2,812 /
+# 2,813 (fixed 2,759)
+STEAL_OWN = 4
 SM90_SMEM = 233472  # shared memory of an sm_90 SM; a block reserves 1 KiB of it
 MIN_BLOCKS_PER_SPLIT = 1   # a split streams at least this many BLOCK_N blocks (see auto_num_splits)
 MAX_SPLITS = 256
@@ -297,7 +304,7 @@ class SplitKVPlan:
         # whether the gluon render's early start shares tiles between its splits (None: the rule
         # in steals); the probe sets it. Its counters: one per (sequence, kv head) and CUDA stream
         self.steal: bool | None = None
-        # the rounds of tiles a stealing split owns (None: the ring's stages); the probe sets it
+        # the tiles a stealing split owns (None: STEAL_OWN); the probe sets it
         self.steal_own: int | None = None
         self._counters: dict = {}
         self.skip_combine = False  # the probe's partial kernels alone (their outputs unmerged)
@@ -410,8 +417,9 @@ class SplitKVPlan:
 
     def steal_rounds(self) -> int:
         """STEAL's steal_own: the tiles a split owns (t_step apart) before the shared ones, at
-        least its ring's stages (the probe's `steal_own`, else the stages)."""
-        return max(self.variant.num_stages, self.steal_own or 0)
+        least its ring's stages (the probe's `steal_own`, else STEAL_OWN)."""
+        own = STEAL_OWN if self.steal_own is None else self.steal_own
+        return max(self.variant.num_stages, own)
 
     def counters(self, device) -> torch.Tensor:
         """The STEAL counters of this CUDA stream: (programs,) int32, 0 between launches (each

@@ -217,6 +217,10 @@ def test_a_ring_alone_on_its_sm_shares_its_splits_tiles(name, paged, steals):
     assert not plan.steals(131072, 1)                   # one split: nothing to share
     plan.steal = True  # the probe's: contiguous gluon renders only, any length
     assert plan.steals(1000, 132) == (plan.variant.gluon and not paged)
+    # a split owns 4 tiles (at least its ring's) before it takes tickets
+    assert plan.steal_rounds() == max(4, plan.variant.num_stages)
+    plan.steal_own = 1
+    assert plan.steal_rounds() == plan.variant.num_stages
 
 
 # (B, Hq, Hk, Nq, capacity, lengths, causal): tiles of 128 keys shared past the ring's first
@@ -235,12 +239,12 @@ STEAL_CASES = [
 @pytest.mark.parametrize("case", STEAL_CASES, ids=lambda c: "B{}-{}/{}-Nq{}-cap{}".format(
     *c[:5]) + ("-causal" if c[6] else ""))
 @pytest.mark.parametrize("name,own", [("splitkv-m64-n128-w4-s2-gluon=true", 0), (GLUON, 0),
-                                      ("splitkv-m64-n128-w4-s2-gluon=true", 4)])
+                                      ("splitkv-m64-n128-w4-s2-gluon=true", 2)])
 def test_gluon_shared_tiles_match_float64(case, name, own):
     """STEAL (the early start's splits take the tiles past their ring's first fill from a
     counter): against float64, launch after launch and in graph replays at other lengths, the
     counters back at 0 after each; forced on a ring two programs share an SM with too, and with
-    each split owning 4 tiles before the shared ones (steal_own)."""
+    each split owning only its ring's 2 tiles before the shared ones (steal_own; the rule: 4)."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the gluon render is sm_90's")
     b, hq, hk, nq, cap, lengths, causal = case
