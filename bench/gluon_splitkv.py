@@ -67,7 +67,7 @@ def gpu(out: str, cells, configs, reps: int, page: int = 0) -> None:
             if pre >= 0:  # the ring's first PRE tiles loaded before the wait
                 plan.preload = pre
                 label += f" pre{pre}"
-            if steal >= 0:  # the splits share the tiles past the ring's first fill (1) or not
+            if steal >= 0:  # the splits share the tiles past their own (1) or not
                 plan.steal = bool(steal)
                 label += f" steal{steal}"
             if own > 0:  # the tiles a stealing split owns before the shared ones
@@ -109,8 +109,8 @@ def main() -> None:
                     "PER_SM: programs an SM holds at once, for the early trigger's one-wave rule; "
                     "PF_MIB: the early start's L2 prefetch; TF 1/0: the combine lets the next "
                     "kernel in before/after its wait; PRE: the ring's tiles the early start loads "
-                    "before its wait; STEAL 1/0: its splits share the tiles past the ring's "
-                    "first fill or not; OWN: the tiles a stealing split owns first; -1: the "
+                    "before its wait; STEAL 1/0: its splits share the tiles past their own or "
+                    "not; OWN: the tiles a stealing split owns first; -1: the "
                     "launch's own choice)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--page", type=int, default=0,

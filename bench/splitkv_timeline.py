@@ -245,8 +245,8 @@ def main() -> None:
     ap.add_argument("--cells", default="1/8/1/131072,1/8/1/32768")
     ap.add_argument("--configs", default="128/2/1/-1/-1/0,128/2/1/-1/-1/1",
                     help="BLOCK_N/STAGES/PRE/TF/PF_MIB[/STEAL],... (TF, PF_MIB, STEAL -1: the "
-                    "launch's own; STEAL 1/0: the splits share their tiles past the ring's "
-                    "first fill or not)")
+                    "launch's own; STEAL 1/0: the splits share the tiles past their own or "
+                    "not)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--combine", default="",
                     help="TILE/WARPS: the combine kernel's tile (launch_splitkv.COMBINE_TILE) "

@@ -48,12 +48,13 @@ PREFETCH_BYTES_FIRST = 4 << 20
 # n64-s2 GQA B=1 2k 1,152 -> 985).
 PRELOAD_TILES = 1
 # ... and, where a split's share of the longest sequence is at least STEAL_MIN_TILES tiles, its
-# splits share the tiles past the ring's first fill (STEAL: a counter per (sequence, kv head)
+# splits share the tiles past their own (STEAL_OWN each; a counter per (sequence, kv head)
 # hands them out one at a time), so an SM that streams faster takes more of them: with fixed
 # shares some two dozen SMs ended their 8 tiles 4-5 us before the rest, every layer (the same
 # SMs; bench/splitkv_timeline.py). H100, 16-layer steps (docs/benchmarks.md session 39, calls
-# 1-5), MQA B=1: 128k (7.8 tiles a split) 2,566-2,571 -> 2,620-2,642 GB/s; 64k (3.9) 2,341 ->
-# 2,248, 32k (1.9) 1,784 -> 1,738; GQA B=1 8k (4) 2,142 -> 2,007, 32k (16) 2,752 -> 2,809.
+# 1-5, owning 2), MQA B=1: 128k (7.8 tiles a split) 2,566-2,571 -> 2,620-2,642 GB/s; 64k (3.9)
+# 2,341 -> 2,248, 32k (1.9) 1,784 -> 1,738; GQA B=1 8k (4) 2,142 -> 2,007, 32k (16) 2,752 ->
+# 2,809.
 # Paged caches keep fixed shares: STEAL there (shuffled 256-key pages, a ticket's page read as
 # it is drawn, or a step ahead) read MQA B=1 128k 2,572 -> 2,562-2,573, 64k 2,303 -> 2,269
 # (calls 6-7), and was taken out
@@ -403,8 +404,8 @@ class SplitKVPlan:
         return max(0, min(int(pre), self.variant.num_stages))
 
     def steals(self, keys: int, num_splits: int) -> bool:
-        """Whether the gluon render's early start shares the tiles past its ring's first fill
-        between its num_splits splits of sequences of at most `keys` keys (the probe's `steal`,
+        """Whether the gluon render's early start shares the tiles past each split's own
+        (steal_rounds) between its num_splits splits of sequences of at most `keys` keys (the probe's `steal`,
         else STEAL_TILES where the ring holds an SM alone and a split's share is at least
         STEAL_MIN_TILES tiles); contiguous caches only."""
         if self.paged or not self.variant.gluon:

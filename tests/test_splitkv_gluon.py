@@ -241,7 +241,7 @@ STEAL_CASES = [
 @pytest.mark.parametrize("name,own", [("splitkv-m64-n128-w4-s2-gluon=true", 0), (GLUON, 0),
                                       ("splitkv-m64-n128-w4-s2-gluon=true", 2)])
 def test_gluon_shared_tiles_match_float64(case, name, own):
-    """STEAL (the early start's splits take the tiles past their ring's first fill from a
+    """STEAL (the early start's splits take the tiles past their own from a
     counter): against float64, launch after launch and in graph replays at other lengths, the
     counters back at 0 after each; forced on a ring two programs share an SM with too, and with
     each split owning only its ring's 2 tiles before the shared ones (steal_own; the rule: 4)."""
