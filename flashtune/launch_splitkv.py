@@ -405,9 +405,9 @@ class SplitKVPlan:
 
     def steals(self, keys: int, num_splits: int) -> bool:
         """Whether the gluon render's early start shares the tiles past each split's own
-        (steal_rounds) between its num_splits splits of sequences of at most `keys` keys (the probe's `steal`,
-        else STEAL_TILES where the ring holds an SM alone and a split's share is at least
-        STEAL_MIN_TILES tiles); contiguous caches only."""
+        (steal_rounds) between its num_splits splits of sequences of at most `keys` keys (the
+        probe's `steal`, else STEAL_TILES where the ring holds an SM alone and a split's share is
+        at least STEAL_MIN_TILES tiles); contiguous caches only."""
         if self.paged or not self.variant.gluon:
             return False
         if self.steal is not None:
