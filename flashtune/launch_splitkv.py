@@ -208,9 +208,9 @@ class GluonPartial:
     takes the same grid and arguments."""
     __slots__ = ("plan", "launch", "uniform", "early", "steal", "fallback")
 
-    def __init__(self, plan, kernel, uniform: bool, early: bool, steal: bool = False):
-        self.plan, self.uniform, self.early = plan, uniform, early
-        self.steal = early and steal
+    def __init__(self, plan, kernel, uniform: bool, early: bool, steal: bool):
+        # steal: the early render's splits share their tiles (run decides: early and steals)
+        self.plan, self.uniform, self.early, self.steal = plan, uniform, early, steal
         extra = {"launch_pdl": True} if early and plan.pdl else {}
         if early:
             extra["PRELOAD"] = plan.preload_tiles()
