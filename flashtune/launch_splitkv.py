@@ -47,6 +47,9 @@ PREFETCH_BYTES_FIRST = 4 << 20
 # programs share an SM with lose (the next layer's loads start beside this layer's first:
 # n64-s2 GQA B=1 2k 1,152 -> 985).
 PRELOAD_TILES = 1
+# ... issued all at once (0), or at most PRELOAD_PACE of its K and V halves in flight at a time
+# (preload_pace; being measured: the queue a whole preload built delayed the combine before it)
+PRELOAD_PACE = 0
 # ... and, where a split's share of the longest sequence is at least STEAL_MIN_TILES tiles, its
 # splits share the tiles past their own (STEAL_OWN each; a counter per (sequence, kv head)
 # hands them out one at a time), so an SM that streams faster takes more of them: with fixed
@@ -214,6 +217,7 @@ class GluonPartial:
         extra = {"launch_pdl": True} if early and plan.pdl else {}
         if early:
             extra["PRELOAD"] = plan.preload_tiles()
+            extra["PACE"] = plan.preload_pace()
             if not plan.paged:
                 extra["STEAL"] = self.steal
         if plan.paged:
@@ -302,6 +306,9 @@ class SplitKVPlan:
         # the tiles of its ring the gluon render's early start loads before its wait (None: the
         # rule in preload_tiles); the probe sets it
         self.preload: int | None = None
+        # at most this many of those K / V halves in flight before the wait (None: PRELOAD_PACE;
+        # 0: all at once); the probe sets it
+        self.pace: int | None = None
         # whether the gluon render's early start shares tiles between its splits (None: the rule
         # in steals); the probe sets it. Its counters: one per (sequence, kv head) and CUDA stream
         self.steal: bool | None = None
@@ -402,6 +409,11 @@ class SplitKVPlan:
         pre = self.preload if self.preload is not None else (
             PRELOAD_TILES if self.ring_alone else 0)
         return max(0, min(int(pre), self.variant.num_stages))
+
+    def preload_pace(self) -> int:
+        """The early start's preload: at most this many K / V halves in flight (0: no limit;
+        the probe's `pace`, else PRELOAD_PACE)."""
+        return max(0, int(PRELOAD_PACE if self.pace is None else self.pace))
 
     def steals(self, keys: int, num_splits: int) -> bool:
         """Whether the gluon render's early start shares the tiles past each split's own
