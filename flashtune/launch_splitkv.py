@@ -218,6 +218,7 @@ class GluonPartial:
         if early:
             extra["PRELOAD"] = plan.preload_tiles()
             extra["PACE"] = plan.preload_pace()
+            extra["PACED"] = 2 * plan.variant.num_stages if plan.paced is None else plan.paced
             if not plan.paged:
                 extra["STEAL"] = self.steal
         if plan.paged:
@@ -309,6 +310,8 @@ class SplitKVPlan:
         # at most this many of those K / V halves in flight before the wait (None: PRELOAD_PACE;
         # 0: all at once); the probe sets it
         self.pace: int | None = None
+        # ... for the first `paced` halves (None: all of them), the rest issued at once
+        self.paced: int | None = None
         # whether the gluon render's early start shares tiles between its splits (None: the rule
         # in steals); the probe sets it. Its counters: one per (sequence, kv head) and CUDA stream
         self.steal: bool | None = None
