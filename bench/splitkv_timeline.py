@@ -248,8 +248,8 @@ def main() -> None:
     ap.add_argument("--out", default="splitkv_timeline.jsonl")
     ap.add_argument("--cells", default="1/8/1/131072,1/8/1/32768")
     ap.add_argument("--configs", default="128/2/1/-1/-1/0,128/2/1/-1/-1/1",
-                    help="BLOCK_N/STAGES/PRE/TF/PF_MIB[/STEAL[/PACE[/PACED]]],... (TF, PF_MIB, STEAL, "
-                    "PACE -1: the launch's own; STEAL 1/0: the splits share the tiles past "
+                    help="BLOCK_N/STAGES/PRE/TF/PF_MIB[/STEAL[/PACE[/PACED]]],... (TF, PF_MIB, "
+                    "STEAL, PACE -1: the launch's own; STEAL 1/0: the splits share the tiles past "
                     "their own or not; PACE: the preload's K / V halves in flight at most, 0: "
                     "all, for its first PACED halves)")
     ap.add_argument("--reps", type=int, default=3)
