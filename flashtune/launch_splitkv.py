@@ -47,9 +47,16 @@ PREFETCH_BYTES_FIRST = 4 << 20
 # programs share an SM with lose (the next layer's loads start beside this layer's first:
 # n64-s2 GQA B=1 2k 1,152 -> 985).
 PRELOAD_TILES = 1
-# ... issued all at once (0), or at most PRELOAD_PACE of its K and V halves in flight at a time
-# (preload_pace; being measured: the queue a whole preload built delayed the combine before it)
-PRELOAD_PACE = 0
+# ... issued one K or V half at a time (PRELOAD_PACE in flight), each after the one before it
+# landed: all at once, the next layer's preloads queued 8-17 MB before the combine's reads (its
+# work 1.2 -> 2.2-5 us); paced, it stays at 1.7-1.9 us while DRAM keeps streaming. So paced, a
+# split whose share is longer than its ring preloads the whole ring. H100, 16-layer steps
+# (bench/gluon_splitkv.py, docs/benchmarks.md session 40, calls 1-2), n128-s2, GB/s, against one
+# tile all at once: MQA B=1 32k (1.9 tiles a split) one tile paced 1,790 -> 2,000-2,007, the
+# ring paced 1,714 (its third half lands before it waits); 64k (3.9) 2,352 -> 2,531-2,536 (one
+# tile paced 2,459-2,468); 128k 2,650 -> 2,773-2,778; GQA B=1 8k (4) 2,148 -> 2,465; two halves
+# in flight, or 64-key halves, were slower everywhere
+PRELOAD_PACE = 1
 # ... and, where a split's share of the longest sequence is at least STEAL_MIN_TILES tiles, its
 # splits share the tiles past their own (STEAL_OWN each; a counter per (sequence, kv head)
 # hands them out one at a time), so an SM that streams faster takes more of them: with fixed
@@ -211,12 +218,13 @@ class GluonPartial:
     takes the same grid and arguments."""
     __slots__ = ("plan", "launch", "uniform", "early", "steal", "fallback")
 
-    def __init__(self, plan, kernel, uniform: bool, early: bool, steal: bool):
-        # steal: the early render's splits share their tiles (run decides: early and steals)
+    def __init__(self, plan, kernel, uniform: bool, early: bool, steal: bool, pre: int):
+        # steal: the early render's splits share their tiles; pre: the tiles it loads before
+        # its wait (run decides both: steals, preload_tiles)
         self.plan, self.uniform, self.early, self.steal = plan, uniform, early, steal
         extra = {"launch_pdl": True} if early and plan.pdl else {}
         if early:
-            extra["PRELOAD"] = plan.preload_tiles()
+            extra["PRELOAD"] = pre
             extra["PACE"] = plan.preload_pace()
             extra["PACED"] = 2 * plan.variant.num_stages if plan.paced is None else plan.paced
             if not plan.paged:
@@ -343,16 +351,17 @@ class SplitKVPlan:
         return mod
 
     def _launcher(self, key):
-        """key: ("partial", UNIFORM, early, steal) or ("combine", num_splits, early, first);
-        early: the early_start render (its combine lets the next kernel start: before its wait
-        where first); steal: its splits share their tiles (steals)."""
+        """key: ("partial", UNIFORM, early, steal, pre) or ("combine", num_splits, early,
+        first); early: the early_start render (its combine lets the next kernel start: before
+        its wait where first); steal: its splits share their tiles (steals); pre: the gluon
+        render's tiles loaded before its wait (preload_tiles)."""
         got = self._launchers.get(key)
         if got is None:
             if len(self._launchers) > 64:
                 self._launchers.clear()
             mod = self._module(key[2])
             if key[0] == "partial" and self.variant.gluon:
-                got = GluonPartial(self, mod.attn_splitkv_partial, key[1], key[2], key[3])
+                got = GluonPartial(self, mod.attn_splitkv_partial, *key[1:])
             elif key[0] == "partial":
                 got = self._triton_partial(key[1], key[2], mod)
             else:
@@ -405,13 +414,21 @@ class SplitKVPlan:
         smem = splitkv_gluon_smem(self.variant, self.kwargs["BLOCK_D"], self.elsize)
         return 2 * (smem + 1024) > SM90_SMEM
 
-    def preload_tiles(self) -> int:
-        """The tiles of its ring the gluon render's early start loads before its wait (the
-        probe's `preload`, else PRELOAD_TILES where the ring holds an SM alone), at most its
-        stages."""
-        pre = self.preload if self.preload is not None else (
-            PRELOAD_TILES if self.ring_alone else 0)
-        return max(0, min(int(pre), self.variant.num_stages))
+    def preload_tiles(self, keys: int, num_splits: int) -> int:
+        """The tiles of its ring the gluon render's early start loads before its wait, its
+        splits placed by `keys` (the probe's `preload`, else, where the ring holds an SM alone,
+        the whole ring where a split's share is longer, PRELOAD_TILES where it is not), at most
+        its stages."""
+        stages = self.variant.num_stages
+        if self.preload is not None:
+            pre = self.preload
+        elif not self.ring_alone:
+            pre = 0
+        elif triton.cdiv(max(keys, 1), self.variant.block_n) > stages * num_splits:
+            pre = stages
+        else:
+            pre = PRELOAD_TILES
+        return max(0, min(int(pre), stages))
 
     def preload_pace(self) -> int:
         """The early start's preload: at most this many K / V halves in flight (0: no limit;
@@ -510,7 +527,8 @@ class SplitKVPlan:
         keys = min(max_seqlen, capacity)
         first = early and self.first_trigger(keys)
         steal = early and self.steals(keys, s)
-        self._launcher(("partial", uniform, early, steal))(
+        pre = self.preload_tiles(keys, s) if early and self.variant.gluon else 0
+        self._launcher(("partial", uniform, early, steal, pre))(
             (self.programs, s),
             q, k_cache, v_cache, bt, seqlens, o_dst, l_dst, self.scale, *self.mask_args,
             q.stride(0), q.stride(1), q.stride(2),

@@ -192,10 +192,17 @@ def test_a_ring_that_holds_its_sm_alone_preloads_and_lets_the_next_layer_in(name
     q, k = _meta(1, 1, 8, 1, d, 32768)
     plan = SplitKVPlan(q, k, False, None, Variant.parse(name))
     assert plan.ring_alone == alone
-    assert plan.preload_tiles() == (1 if alone else 0)
+    stages, bn = plan.variant.num_stages, plan.variant.block_n
+    # a split's share no longer than its ring: one tile; longer: the whole ring (both paced)
+    ring = 132 * stages * bn  # 132 splits, each as many keys as its ring holds
+    for splits, keys, longer in ((132, ring, False), (132, ring + 1, True),
+                                 (4, 8 * stages * bn, True), (1, 1, False), (132, 32768, False)):
+        want = 0 if not alone else (stages if longer else 1)
+        assert plan.preload_tiles(keys, splits) == want, (splits, keys)
+    assert plan.preload_pace() == 1  # one K or V half in flight
     assert plan.first_trigger(32768) == alone  # (meta tensors: no L2, so no L2 rule says yes)
-    plan.preload = 7  # the probe's count, at most the ring
-    assert plan.preload_tiles() == plan.variant.num_stages
+    plan.preload, plan.pace = 7, 0  # the probe's: at most the ring; all at once
+    assert plan.preload_tiles(32768, 132) == stages and plan.preload_pace() == 0
 
 
 @pytest.mark.parametrize("name,paged,steals", [
@@ -291,8 +298,8 @@ def test_gluon_graph_replay_with_longer_sequences(paged, early):
         plan.preload = 2 if early in ("preload", "paced") else 0
     # "paced": one K / V half of the preload in flight at a time (PACE)
     plan.pace = 1 if early == "paced" else None
-    assert plan.preload_tiles() == {False: 0, True: 0, "preload": 2, "paced": 2,
-                                    "alone": 1}[early]
+    assert plan.preload_tiles(1000, plan.num_splits(1000)) == {
+        False: 0, True: 0, "preload": 2, "paced": 2, "alone": 1}[early]
     early = bool(early)
     plan.allow_early = early  # a one-wave grid: the launch takes the early start unless told
     assert plan.variant.gluon and plan.early(plan.num_splits(1000)) == early
@@ -311,14 +318,16 @@ def test_gluon_graph_replay_with_longer_sequences(paged, early):
 @pytest.mark.gpu
 @pytest.mark.parametrize("paged", [False, True])
 @pytest.mark.parametrize("nq,n_new,causal", [(1, 1, False), (1, 3, False), (2, 2, True)])
-def test_gluon_preloaded_tiles_never_hold_the_appended_keys(paged, nq, n_new, causal):
-    """A ring that holds its SM alone loads its first tile before its wait; a tile holding keys
-    the call appends just before (an index_put a kernel ahead) is loaded again after the wait:
-    the new keys are attended to. One wave (8 and 4 splits of 128 keys), the last split's first
-    tile holding them; paged over shuffled pages."""
+@pytest.mark.parametrize("splits", [0, 3])
+def test_gluon_preloaded_tiles_never_hold_the_appended_keys(paged, nq, n_new, causal, splits):
+    """A ring that holds its SM alone loads its first tile before its wait (its whole ring,
+    paced, where a split's share is longer: 3 splits of up to 3 tiles); a tile holding keys the
+    call appends just before (an index_put a kernel ahead) is loaded again after the wait: the
+    new keys are attended to. One wave (8 and 4 splits of 128 keys, or 3), the last split's first
+    or second tile holding them; paged over shuffled pages."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the gluon render is sm_90's")
-    name = GLUON.replace("-n64-", "-n128-")
+    name = GLUON.replace("-n64-", "-n128-") + (f"-sp{splits}" if splits else "")
     q, kc, vc = make(2, nq, 8, 1, 128, 2048, torch.bfloat16, "cuda")
     lengths = [1000 - n_new, 500 - n_new]
     kn, vn = (torch.randn(2, n_new, 1, 128, dtype=torch.bfloat16, device="cuda")
@@ -326,7 +335,9 @@ def test_gluon_preloaded_tiles_never_hold_the_appended_keys(paged, nq, n_new, ca
     kp, vp, bt = _paged(kc, vc, 256) if paged else (kc, vc, None)
     from flashtune.kvcache import fit_pages
     plan = SplitKVPlan(q, kp, causal, None, fit_pages(Variant.parse(name), 256 if paged else None))
-    assert plan.ring_alone and plan.preload_tiles() == 1 and plan.early(plan.num_splits(1000))
+    s = plan.num_splits(1000)
+    assert plan.ring_alone and plan.preload_tiles(1000, s) == (2 if splits else 1)
+    assert plan.early(s) and plan.preload_pace() == 1
     seqlens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
     with flashtune.force(name):
         out, lse = flashtune.attention_with_kvcache(q, kp, vp, cache_seqlens=seqlens, k=kn, v=vn,
