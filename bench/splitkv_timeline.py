@@ -254,9 +254,9 @@ def main() -> None:
     ap.add_argument("--configs", default="128/2/1/-1/-1/0,128/2/1/-1/-1/1",
                     help="BLOCK_N/STAGES/PRE/TF/PF_MIB[/STEAL[/PACE[/PACED[/TS]]]],... (TF, "
                     "PF_MIB, STEAL, PACE -1: the launch's own; STEAL 1/0: the splits share the "
-                    "tiles past their own or not; PACE: the preload's K / V halves in flight at most, 0: "
-                    "all, for its first PACED halves; TS 1/0: the next kernel launches as the "
-                    "programs start / after their wait)")
+                    "tiles past their own or not; PACE: the preload's K / V halves in flight at "
+                    "most, 0: all, for its first PACED halves; TS 1/0: the next kernel launches "
+                    "as the programs start / after their wait)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--combine", default="",
                     help="TILE/WARPS: the combine kernel's tile (launch_splitkv.COMBINE_TILE) "
