@@ -60,6 +60,9 @@ PRELOAD_PACE = 1
 # ... and a one-wave gluon launch lets the next kernel launch as its programs start, not after
 # their wait (being measured: a paced preload reaches the wait late)
 TRIGGER_AT_START = False
+# ... and the ring's other first tiles are loaded right after the wait, placed by the hint as the
+# preloaded ones (being measured: the length read that places the split took a round trip first)
+HINTED_TILES = False
 # ... and, where a split's share of the longest sequence is at least STEAL_MIN_TILES tiles, its
 # splits share the tiles past their own (STEAL_OWN each; a counter per (sequence, kv head)
 # hands them out one at a time), so an SM that streams faster takes more of them: with fixed
@@ -230,6 +233,8 @@ class GluonPartial:
             extra["PRELOAD"] = pre
             extra["PACE"] = plan.preload_pace()
             extra["PACED"] = 2 * plan.variant.num_stages if plan.paced is None else plan.paced
+            extra["HINTED"] = plan.hinted if plan.hinted is not None else (
+                HINTED_TILES and plan.ring_alone)
             if not plan.paged:
                 extra["STEAL"] = self.steal
         if plan.paged:
@@ -326,6 +331,10 @@ class SplitKVPlan:
         # whether a one-wave gluon launch lets the next kernel launch as its programs start,
         # before their wait (None: TRIGGER_AT_START); the probe sets it
         self.trigger_start: bool | None = None
+        # whether the ring's other first tiles, placed by the hint, are loaded right after the
+        # wait, before the length read (None: HINTED_TILES where the ring holds its SM alone);
+        # the probe sets it
+        self.hinted: bool | None = None
         # whether the gluon render's early start shares tiles between its splits (None: the rule
         # in steals); the probe sets it. Its counters: one per (sequence, kv head) and CUDA stream
         self.steal: bool | None = None

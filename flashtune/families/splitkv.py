@@ -200,7 +200,7 @@ def compile_check(variant, head_dim: int, dtype: str, causal: bool, tails: bool,
         if variant.early_start:  # the render that loads the ring's first tiles before its wait
             # and, contiguous, shares the rest (STEAL); one K / V half in flight at a time
             consts.update(PRELOAD=variant.num_stages, PACE=1,
-                          PACED=2 * variant.num_stages)
+                          PACED=2 * variant.num_stages, HINTED=True)
             if not variant.paged:
                 consts["STEAL"] = True
                 ints["CNT"] = "*i32"
