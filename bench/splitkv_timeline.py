@@ -53,9 +53,8 @@ def stamped_source(variant) -> str:
          "                         CNT, steal_own, TS,\n"),
         ("    split = gl.program_id(1)\n",
          "    split = gl.program_id(1)\n" + _stamp(0) + SMID.format(slots=SLOTS)),
-        ("    gdc_wait()\n    if early_trigger == 1:\n        gdc_launch_dependents()\n",
-         "    gdc_wait()\n    if early_trigger == 1:\n        gdc_launch_dependents()\n"
-         + _stamp(1)),
+        ("    gdc_wait()\n    if early_trigger:\n        gdc_launch_dependents()\n",
+         "    gdc_wait()\n    if early_trigger:\n        gdc_launch_dependents()\n" + _stamp(1)),
         ("    for i in range(n_steps):\n        mbarrier.wait(k_ready.index(st), ph)\n",
          "    for i in range(n_steps):\n        mbarrier.wait(k_ready.index(st), ph)\n"
          "        if i == 0:\n" + _stamp(2, "        ")),
@@ -166,11 +165,10 @@ def gpu(out: str, cells, configs, reps: int) -> None:
     for cell in cells:
         b, hq, _, nk = (int(x) for x in cell.split("/"))
         q, kcs, vcs, sl, kv_bytes, var = decode_cell(cell, layers, d)
-        for bn, st, pre, tf, pf, steal, pace, paced, ts, hinted in configs:
+        for bn, st, pre, tf, pf, steal, pace in configs:
             gv = dataclasses.replace(var, block_m=64, block_n=bn, num_warps=4, num_stages=st,
                                      loads="pointer", gluon=True)
-            label = (f"{gv.name} pre{pre} tf{tf} pf{pf} steal{steal} pace{pace} paced{paced} "
-                     f"ts{ts} hint{hinted}")
+            label = f"{gv.name} pre{pre} tf{tf} pf{pf} steal{steal} pace{pace}"
             try:
                 plain = SplitKVPlan(q, kcs[0], False, None, gv)
                 stamped = SplitKVPlan(q, kcs[0], False, None, gv)
@@ -182,12 +180,6 @@ def gpu(out: str, cells, configs, reps: int) -> None:
                         p.steal = bool(steal)
                     if pace >= 0:
                         p.pace = pace
-                    if paced >= 0:
-                        p.paced = paced
-                    if ts >= 0:
-                        p.trigger_start = bool(ts)
-                    if hinted >= 0:
-                        p.hinted = bool(hinted)
                 s = plain.num_splits(nk)
                 if not plain.early(s):
                     raise RuntimeError("not an early-start launch")
@@ -255,12 +247,10 @@ def main() -> None:
     ap.add_argument("--out", default="splitkv_timeline.jsonl")
     ap.add_argument("--cells", default="1/8/1/131072,1/8/1/32768")
     ap.add_argument("--configs", default="128/2/1/-1/-1/0,128/2/1/-1/-1/1",
-                    help="BLOCK_N/STAGES/PRE/TF/PF_MIB[/STEAL[/PACE[/PACED[/TS[/HINT]]]]],... (TF, "
-                    "PF_MIB, STEAL, PACE -1: the launch's own; STEAL 1/0: the splits share the "
-                    "tiles past their own or not; PACE: the preload's K / V halves in flight at "
-                    "most, 0: all, for its first PACED halves; TS 1/0: the next kernel launches "
-                    "as the programs start / after their wait; HINT 1/0: the ring's other first "
-                    "tiles loaded by the hint right after the wait)")
+                    help="BLOCK_N/STAGES/PRE/TF/PF_MIB[/STEAL[/PACE]],... (TF, PF_MIB, STEAL, "
+                    "PACE -1: the launch's own; STEAL 1/0: the splits share the tiles past "
+                    "their own or not; PACE: the preload's K / V halves in flight at most, 0: "
+                    "all)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--combine", default="",
                     help="TILE/WARPS: the combine kernel's tile (launch_splitkv.COMBINE_TILE) "
@@ -268,7 +258,7 @@ def main() -> None:
     a = ap.parse_args()
     if a.combine:
         combine_shape(*(int(x) for x in a.combine.split("/")))
-    configs = [tuple([int(x) for x in c.split("/")] + [-1] * 5)[:10] for c in a.configs.split(",")]
+    configs = [tuple([int(x) for x in c.split("/")] + [-1, -1])[:7] for c in a.configs.split(",")]
     gpu(a.out, a.cells.split(","), configs, a.reps)
 
 

@@ -57,12 +57,6 @@ PRELOAD_TILES = 1
 # tile paced 2,459-2,468); 128k 2,650 -> 2,773-2,778; GQA B=1 8k (4) 2,148 -> 2,465; two halves
 # in flight, or 64-key halves, were slower everywhere
 PRELOAD_PACE = 1
-# ... and a one-wave gluon launch lets the next kernel launch as its programs start, not after
-# their wait (being measured: a paced preload reaches the wait late)
-TRIGGER_AT_START = False
-# ... and the ring's other first tiles are loaded right after the wait, placed by the hint as the
-# preloaded ones (being measured: the length read that places the split took a round trip first)
-HINTED_TILES = False
 # ... and, where a split's share of the longest sequence is at least STEAL_MIN_TILES tiles, its
 # splits share the tiles past their own (STEAL_OWN each; a counter per (sequence, kv head)
 # hands them out one at a time), so an SM that streams faster takes more of them: with fixed
@@ -232,9 +226,6 @@ class GluonPartial:
         if early:
             extra["PRELOAD"] = pre
             extra["PACE"] = plan.preload_pace()
-            extra["PACED"] = 2 * plan.variant.num_stages if plan.paced is None else plan.paced
-            extra["HINTED"] = plan.hinted if plan.hinted is not None else (
-                HINTED_TILES and plan.ring_alone)
             if not plan.paged:
                 extra["STEAL"] = self.steal
         if plan.paged:
@@ -326,15 +317,6 @@ class SplitKVPlan:
         # at most this many of those K / V halves in flight before the wait (None: PRELOAD_PACE;
         # 0: all at once); the probe sets it
         self.pace: int | None = None
-        # ... for the first `paced` halves (None: all of them), the rest issued at once
-        self.paced: int | None = None
-        # whether a one-wave gluon launch lets the next kernel launch as its programs start,
-        # before their wait (None: TRIGGER_AT_START); the probe sets it
-        self.trigger_start: bool | None = None
-        # whether the ring's other first tiles, placed by the hint, are loaded right after the
-        # wait, before the length read (None: HINTED_TILES where the ring holds its SM alone);
-        # the probe sets it
-        self.hinted: bool | None = None
         # whether the gluon render's early start shares tiles between its splits (None: the rule
         # in steals); the probe sets it. Its counters: one per (sequence, kv head) and CUDA stream
         self.steal: bool | None = None
@@ -485,18 +467,13 @@ class SplitKVPlan:
         """early_start's (hint_keys, prefetch_rows, early_trigger): the keys the splits are
         placed by before any length is read (the host's longest), the rows of K and of V each
         program sends to L2 (the budget over all programs), and whether the next kernel may
-        start beside this one (one wave: every program of this one is already running): 1 after
-        its wait, 2 (the gluon render, trigger_start) as its programs start."""
+        start beside this one (one wave: every program of this one is already running)."""
         ctas = self.programs * num_splits
         budget = self.prefetch_bytes
         if budget is None:  # a ring alone on its SM: PRELOAD_TILES' comment
             budget = PREFETCH_BYTES_FIRST if first and not self.ring_alone else PREFETCH_BYTES
         rows = budget // max(1, ctas * 2 * self.shape[3] * self.elsize)
-        trigger = int(ctas <= self.sms)
-        start = TRIGGER_AT_START if self.trigger_start is None else self.trigger_start
-        if trigger and start and self.variant.gluon:  # 2: as its programs start
-            trigger = 2
-        return keys, rows, trigger
+        return keys, rows, int(ctas <= self.sms)
 
     def num_splits(self, max_seqlen: int) -> int:
         s = self._splits.get(max_seqlen)

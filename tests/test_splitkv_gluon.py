@@ -279,7 +279,7 @@ def test_gluon_shared_tiles_match_float64(case, name, own):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("paged", [False, True])
-@pytest.mark.parametrize("early", [False, True, "preload", "paced", "hinted", "alone"])
+@pytest.mark.parametrize("early", [False, True, "preload", "paced", "alone"])
 def test_gluon_graph_replay_with_longer_sequences(paged, early):
     """A step captured at one length and replayed at others (a serving loop's graph), with and
     without the early start (and its tiles loaded before the wait, placed by the captured
@@ -295,13 +295,11 @@ def test_gluon_graph_replay_with_longer_sequences(paged, early):
     name = GLUON.replace("-n64-", "-n128-") if early == "alone" else GLUON
     plan = SplitKVPlan(q, kp, False, None, Variant.parse(name + ("-paged=true" if paged else "")))
     if early != "alone":
-        plan.preload = {"preload": 2, "paced": 2, "hinted": 1}.get(early, 0)
-    # "paced": one K / V half of the preload in flight at a time (PACE); "hinted": one tile
-    # before the wait, the ring's other one by the hint right after it (HINTED)
-    plan.pace = 1 if early == "paced" else None
-    plan.hinted = True if early == "hinted" else None
+        plan.preload = 2 if early in ("preload", "paced") else 0
+    # "preload": both tiles before the wait at once; "paced": one K / V half in flight (PACE)
+    plan.pace = {"preload": 0, "paced": 1}.get(early)
     assert plan.preload_tiles(1000, plan.num_splits(1000)) == {
-        False: 0, True: 0, "preload": 2, "paced": 2, "hinted": 1, "alone": 1}[early]
+        False: 0, True: 0, "preload": 2, "paced": 2, "alone": 1}[early]
     early = bool(early)
     plan.allow_early = early  # a one-wave grid: the launch takes the early start unless told
     assert plan.variant.gluon and plan.early(plan.num_splits(1000)) == early
