@@ -351,6 +351,50 @@ def test_gluon_preloaded_tiles_never_hold_the_appended_keys(paged, nq, n_new, ca
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("pre,pre_k,pace", [(1, 2, 1), (0, 1, 1), (2, 2, 1), (1, 2, 0)])
+def test_gluon_tiles_loaded_before_the_wait_with_keys_written_just_before(paged, pre, pre_k,
+                                                                           pace):
+    """The probe's orders of the early start's loads before its wait: `pre` whole tiles, the K
+    of `pre_k` (its V after the wait), `pace` halves in flight (0: all). Keys written by a copy
+    just before the launch (appended=2) sit in the last split's first or second tile, which
+    must be loaded again after the wait; then a replay at other lengths moves every split (the
+    tiles the hint placed are all loaded again)."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the gluon render is sm_90's")
+    name = "splitkv-m64-n128-w4-s2-sp3-gluon=true"
+    q, kc, vc = make(2, 1, 8, 1, 128, 2048, torch.bfloat16, "cuda")
+    kp, vp, bt = _paged(kc, vc, 256) if paged else (kc, vc, None)
+    from flashtune.kvcache import fit_pages
+    plan = SplitKVPlan(q, kp, False, None, fit_pages(Variant.parse(name), 256 if paged else None))
+    plan.preload, plan.preload_k, plan.pace = pre, pre_k, pace
+    lengths = [1000, 500]
+    seqlens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    assert plan.early(plan.num_splits(1000))
+    plan.run(q, kp, vp, seqlens, bt, 1000, appended=2)  # compiled, its tiles' barriers used
+    torch.cuda.synchronize()
+    new_k, new_v = (torch.randn(2, 2, 1, 128, dtype=torch.bfloat16, device="cuda")
+                    for _ in range(2))
+    for i, n in enumerate(lengths):  # the last two keys of each sequence, written just before
+        kc[i, n - 2:n], vc[i, n - 2:n] = new_k[i], new_v[i]
+    if paged:
+        for t, src in ((kp, kc), (vp, vc)):
+            for i in range(2):
+                t[bt[i].long()] = src[i].reshape(-1, 256, 1, 128)[:bt.shape[1]]
+    out, lse = plan.run(q, kp, vp, seqlens, bt, 1000, appended=2)
+    torch.cuda.synchronize()
+    check(q, kc, vc, lengths, out, lse=lse)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = plan.run(q, kp, vp, seqlens, bt, 1000, appended=2)
+    for lengths in ([1500, 1000], [700, 2048], [1000, 1]):
+        seqlens.copy_(torch.tensor(lengths, dtype=torch.int32))
+        graph.replay()
+        torch.cuda.synchronize()
+        check(q, kc, vc, lengths, out, lse=lse)
+
+
+@pytest.mark.gpu
 def test_gluon_strided_caches_and_narrow_pages_fall_back():
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the gluon render is sm_90's")
