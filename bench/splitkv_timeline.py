@@ -165,10 +165,10 @@ def gpu(out: str, cells, configs, reps: int) -> None:
     for cell in cells:
         b, hq, _, nk = (int(x) for x in cell.split("/"))
         q, kcs, vcs, sl, kv_bytes, var = decode_cell(cell, layers, d)
-        for bn, st, pre, tf, pf, steal, pace, pre_k in configs:
+        for bn, st, pre, tf, pf, steal, pace in configs:
             gv = dataclasses.replace(var, block_m=64, block_n=bn, num_warps=4, num_stages=st,
                                      loads="pointer", gluon=True)
-            label = f"{gv.name} pre{pre} tf{tf} pf{pf} steal{steal} pace{pace} prek{pre_k}"
+            label = f"{gv.name} pre{pre} tf{tf} pf{pf} steal{steal} pace{pace}"
             try:
                 plain = SplitKVPlan(q, kcs[0], False, None, gv)
                 stamped = SplitKVPlan(q, kcs[0], False, None, gv)
@@ -180,8 +180,6 @@ def gpu(out: str, cells, configs, reps: int) -> None:
                         p.steal = bool(steal)
                     if pace >= 0:
                         p.pace = pace
-                    if pre_k >= 0:
-                        p.preload_k = pre_k
                 s = plain.num_splits(nk)
                 if not plain.early(s):
                     raise RuntimeError("not an early-start launch")
@@ -249,10 +247,10 @@ def main() -> None:
     ap.add_argument("--out", default="splitkv_timeline.jsonl")
     ap.add_argument("--cells", default="1/8/1/131072,1/8/1/32768")
     ap.add_argument("--configs", default="128/2/1/-1/-1/0,128/2/1/-1/-1/1",
-                    help="BLOCK_N/STAGES/PRE/TF/PF_MIB[/STEAL[/PACE[/PRE_K]]],... (TF, PF_MIB, "
-                    "STEAL, PACE -1: the launch's own; STEAL 1/0: the splits share the tiles past "
+                    help="BLOCK_N/STAGES/PRE/TF/PF_MIB[/STEAL[/PACE]],... (TF, PF_MIB, STEAL, "
+                    "PACE -1: the launch's own; STEAL 1/0: the splits share the tiles past "
                     "their own or not; PACE: the preload's K / V halves in flight at most, 0: "
-                    "all; PRE_K: the tiles whose K goes before the wait too)")
+                    "all)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--combine", default="",
                     help="TILE/WARPS: the combine kernel's tile (launch_splitkv.COMBINE_TILE) "
@@ -260,7 +258,7 @@ def main() -> None:
     a = ap.parse_args()
     if a.combine:
         combine_shape(*(int(x) for x in a.combine.split("/")))
-    configs = [tuple([int(x) for x in c.split("/")] + [-1] * 3)[:8] for c in a.configs.split(",")]
+    configs = [tuple([int(x) for x in c.split("/")] + [-1, -1])[:7] for c in a.configs.split(",")]
     gpu(a.out, a.cells.split(","), configs, a.reps)
 
 

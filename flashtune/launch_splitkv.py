@@ -225,9 +225,6 @@ class GluonPartial:
         extra = {"launch_pdl": True} if early and plan.pdl else {}
         if early:
             extra["PRELOAD"] = pre
-            # the tiles whose K is loaded before the wait (their V after it): the probe's
-            extra["PRELOAD_K"] = pre if plan.preload_k is None else max(
-                pre, min(plan.preload_k, plan.variant.num_stages))
             extra["PACE"] = plan.preload_pace()
             if not plan.paged:
                 extra["STEAL"] = self.steal
@@ -320,8 +317,6 @@ class SplitKVPlan:
         # at most this many of those K / V halves in flight before the wait (None: PRELOAD_PACE;
         # 0: all at once); the probe sets it
         self.pace: int | None = None
-        # the tiles whose K (not V) is loaded before the wait too (None: the preloaded ones)
-        self.preload_k: int | None = None
         # whether the gluon render's early start shares tiles between its splits (None: the rule
         # in steals); the probe sets it. Its counters: one per (sequence, kv head) and CUDA stream
         self.steal: bool | None = None

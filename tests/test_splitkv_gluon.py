@@ -352,14 +352,12 @@ def test_gluon_preloaded_tiles_never_hold_the_appended_keys(paged, nq, n_new, ca
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("paged", [False, True])
-@pytest.mark.parametrize("pre,pre_k,pace", [(1, 2, 1), (0, 1, 1), (2, 2, 1), (1, 2, 0)])
-def test_gluon_tiles_loaded_before_the_wait_with_keys_written_just_before(paged, pre, pre_k,
-                                                                           pace):
-    """The probe's orders of the early start's loads before its wait: `pre` whole tiles, the K
-    of `pre_k` (its V after the wait), `pace` halves in flight (0: all). Keys written by a copy
-    just before the launch (appended=2) sit in the last split's first or second tile, which
-    must be loaded again after the wait; then a replay at other lengths moves every split (the
-    tiles the hint placed are all loaded again)."""
+@pytest.mark.parametrize("pre,pace", [(1, 1), (2, 1), (2, 0)])
+def test_gluon_tiles_loaded_before_the_wait_with_keys_written_just_before(paged, pre, pace):
+    """The early start's loads before its wait: `pre` tiles, `pace` K / V halves in flight (0:
+    all). Keys written just before the launch (appended=2) sit in the last split's second tile,
+    which is loaded again after the wait; then a graph replayed at other lengths moves every
+    split (the tiles the hint placed are all loaded again)."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the gluon render is sm_90's")
     name = "splitkv-m64-n128-w4-s2-sp3-gluon=true"
@@ -367,7 +365,7 @@ def test_gluon_tiles_loaded_before_the_wait_with_keys_written_just_before(paged,
     kp, vp, bt = _paged(kc, vc, 256) if paged else (kc, vc, None)
     from flashtune.kvcache import fit_pages
     plan = SplitKVPlan(q, kp, False, None, fit_pages(Variant.parse(name), 256 if paged else None))
-    plan.preload, plan.preload_k, plan.pace = pre, pre_k, pace
+    plan.preload, plan.pace = pre, pace
     lengths = [1000, 500]
     seqlens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
     assert plan.early(plan.num_splits(1000))

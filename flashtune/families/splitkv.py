@@ -199,8 +199,7 @@ def compile_check(variant, head_dim: int, dtype: str, causal: bool, tails: bool,
             consts["PAGE"] = plan.kwargs["PAGE"]
         if variant.early_start:  # the render that loads the ring's first tiles before its wait
             # and, contiguous, shares the rest (STEAL); one K / V half in flight at a time
-            consts.update(PRELOAD=max(0, variant.num_stages - 1),
-                          PRELOAD_K=variant.num_stages, PACE=1)
+            consts.update(PRELOAD=variant.num_stages, PACE=1)
             if not variant.paged:
                 consts["STEAL"] = True
                 ints["CNT"] = "*i32"
