@@ -53,7 +53,7 @@ PRELOAD_TILES = 1
 # split whose share is longer than its ring preloads the whole ring. H100, 16-layer steps
 # (bench/gluon_splitkv.py, docs/benchmarks.md session 40, calls 1-2), n128-s2, GB/s, against one
 # tile all at once: MQA B=1 32k (1.9 tiles a split) one tile paced 1,790 -> 2,000-2,007, the
-# ring paced 1,714 (its third half lands before it waits); 64k (3.9) 2,352 -> 2,531-2,536 (one
+# ring paced 1,714 (three round trips before it waits); 64k (3.9) 2,352 -> 2,531-2,536 (one
 # tile paced 2,459-2,468); 128k 2,650 -> 2,773-2,778; GQA B=1 8k (4) 2,148 -> 2,465; two halves
 # in flight, or 64-key halves, were slower everywhere
 PRELOAD_PACE = 1
