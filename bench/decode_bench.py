@@ -353,7 +353,10 @@ def main(argv=None):
                                 if "gbps_kernels" in row else "") if "gbps" in row
                              else f"  failed: {row['error'][:60]}")
                     print(f"{b:>3} {heads:>6} {nk:>7} {name:<28} {shown}", flush=True)
-                del q, kc, vc, kcs, vcs, kvt, kt, vt, ref
+                # the cell's tensors go before the next one's (q and kvt set to None, not
+                # deleted: the closures above read them)
+                del kc, vc, kcs, vcs, kt, vt, ref
+                q = kvt = None
                 _empty_cache()
     out.close()
     return 0
