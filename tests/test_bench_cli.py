@@ -213,6 +213,13 @@ def test_from_renders_and_merges_saved_runs(tmp_path):
     md = (out / "bench.md").read_text()
     assert "| 1024 |" in md and "| 4096 |" in md and "**2.00x**" in md
     assert "`flashtune bench --section dense; flashtune bench --seqlen 4096`" in md
+    # a merged report merged again with a re-run of one of its commands keeps each command once
+    again = tmp_path / "again"
+    res = CliRunner().invoke(main, ["bench", "--from", str(out / "bench.json"), "--from", str(b),
+                                    "--out", str(again)])
+    assert res.exit_code == 0, res.output
+    assert json.loads((again / "bench.json").read_text())["env"]["command"] == (
+        "flashtune bench --section dense; flashtune bench --seqlen 4096")
     assert len(json.loads((out / "bench.json").read_text())["rows"]) == 4
     assert (out / "dense.png").exists() == HAS_MPL
     if HAS_MPL:

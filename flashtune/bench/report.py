@@ -289,7 +289,7 @@ def read_json(path) -> dict:
 def merge(docs: list[dict], whole_cases: bool = False) -> dict:
     """Several runs of one device (e.g. one section each, to fit a time limit) as one document:
     rows in order, a later run's cell replacing an earlier one of the same case and peer; the
-    first run's environment and ceilings, every run's command. whole_cases: a later run's case
+    first run's environment and ceilings, every run's command once. whole_cases: a later run's case
     replaces every row the earlier runs hold of it, the peers it did not time included, so no
     ratio of the report compares two runs. A case keeps the place it first had (a re-run
     D=64 row stays above D=128's)."""
@@ -304,8 +304,10 @@ def merge(docs: list[dict], whole_cases: bool = False) -> dict:
     for d in docs:
         out["peers"].update(d.get("peers", {}))
         out["masks"].update(d.get("masks", {}))
-        if d["env"].get("command") and d["env"]["command"] not in commands:
-            commands.append(d["env"]["command"])
+        # a merged run's command is its runs' commands "; "-joined: each kept once
+        for c in (d["env"].get("command") or "").split("; "):
+            if c and c not in commands:
+                commands.append(c)
         if whole_cases:
             fresh = {case_key(r) for r in d["rows"]}
             for key in [k for k in cells if k[0] in fresh]:
