@@ -376,9 +376,8 @@ def test_gluon_tiles_loaded_before_the_wait_with_keys_written_just_before(paged,
     for i, n in enumerate(lengths):  # the last two keys of each sequence, written just before
         kc[i, n - 2:n], vc[i, n - 2:n] = new_k[i], new_v[i]
     if paged:
-        for t, src in ((kp, kc), (vp, vc)):
-            for i in range(2):
-                t[bt[i].long()] = src[i].reshape(-1, 256, 1, 128)[:bt.shape[1]]
+        for t, src in ((kp, kc), (vp, vc)):  # as _paged lays them out (2048 keys: 8 pages)
+            t[bt.flatten().long()] = src.reshape(-1, 256, 1, 128)
     out, lse = plan.run(q, kp, vp, seqlens, bt, 1000, appended=2)
     torch.cuda.synchronize()
     check(q, kc, vc, lengths, out, lse=lse)
