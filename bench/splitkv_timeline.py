@@ -173,6 +173,7 @@ def gpu(out: str, cells, configs, reps: int) -> None:
                 plain = SplitKVPlan(q, kcs[0], False, None, gv)
                 stamped = SplitKVPlan(q, kcs[0], False, None, gv)
                 for p in (plain, stamped):
+                    p.loader = 0  # the stamps go into the one-partition render
                     p.preload, p.trigger_first = pre, (None if tf < 0 else bool(tf))
                     if pf >= 0:
                         p.prefetch_bytes = pf << 20
@@ -184,7 +185,7 @@ def gpu(out: str, cells, configs, reps: int) -> None:
                 if not plain.early(s):
                     raise RuntimeError("not an early-start launch")
                 made[0] += 1
-                stamped._mods[True] = load_source(stamped_source(gv), f"timeline_{made[0]}")
+                stamped._mods[True, 0] = load_source(stamped_source(gv), f"timeline_{made[0]}")
                 ts = torch.zeros(layers, stamped.programs * s, SLOTS, dtype=torch.int64,
                                  device="cuda")
                 from flashtune.launch_splitkv import combine_tile
@@ -193,7 +194,7 @@ def gpu(out: str, cells, configs, reps: int) -> None:
                                  device="cuda")
                 cur = [ts[0], cs[0]]
                 gp = stamped._launcher(("partial", False, True, stamped.steals(nk, s),
-                                        stamped.preload_tiles(nk, s)))
+                                        stamped.preload_tiles(nk, s), 0))
                 orig = gp.launch
                 gp.launch = lambda grid, *a, **k: orig(grid, *a, cur[0], **k)
                 ckey = ("combine", s, True, stamped.first_trigger(nk))
