@@ -43,12 +43,33 @@ def _stamp(k: int, indent: str = "") -> str:
     return "".join(indent + ln + "\n" for ln in STAMP.format(slots=SLOTS, k=k).splitlines())
 
 
+# the loader warp's render (loader_regs): the wait, first tile, loop end and exit are the
+# consumer warpgroup's (its own function, given TS and pid)
+LOADER_EDITS = [
+    ("def _early_consumer(Q, SEQLENS,", "def _early_consumer(TS, pid, Q, SEQLENS,"),
+    ("(_early_consumer, (Q, SEQLENS,", "(_early_consumer, (TS, pid, Q, SEQLENS,"),
+    ("        gdc_launch_dependents()\n    qr = ",
+     "        gdc_launch_dependents()\n" + _stamp(1) + "    qr = "),
+    ("        sc = warpgroup_mma(q_smem, k_bufs.index(st).permute((1, 0)), zero_s, use_acc=False,\n"
+     "                           is_async=True)\n        sc = warpgroup_mma_wait(0, deps=(sc,))\n"
+     "        mbarrier.arrive(k_empty",
+     "        if i == 0:\n" + _stamp(2, "        ")
+     + "        sc = warpgroup_mma(q_smem, k_bufs.index(st).permute((1, 0)), zero_s, use_acc=False,"
+     "\n                           is_async=True)\n        sc = warpgroup_mma_wait(0, deps=(sc,))\n"
+     "        mbarrier.arrive(k_empty"),
+    ("    _store_partial(O, LSE, acc,", _stamp(3) + "    _store_partial(O, LSE, acc,"),
+    ("                   cols_o)\n    gdc_launch_dependents()\n",
+     "                   cols_o)\n" + _stamp(4) + "    gdc_launch_dependents()\n"),
+]
+
+
 def stamped_source(variant) -> str:
     """The early-start render of `variant` with the stamps (TS: an int64 pointer, the last
     argument before the constexprs)."""
     from flashtune.codegen.render import render
     src = render(dataclasses.replace(variant, early_start=True))
-    edits = [
+    edits = LOADER_EDITS if variant.loader_regs else []
+    edits += [
         ("                         CNT, steal_own,\n",
          "                         CNT, steal_own, TS,\n"),
         ("    split = gl.program_id(1)\n",
@@ -76,7 +97,15 @@ def stamped_source(variant) -> str:
          "             acc.to(O.dtype.element_ty), mask=d_ok)\n"
          + CSTAMP.format(slots=CSLOTS, k=2)),
     ]
+    skip = LOADER_EDITS and variant.loader_regs and {
+        "    gdc_wait()\n    if early_trigger:\n        gdc_launch_dependents()\n",
+        "    for i in range(n_steps):\n        mbarrier.wait(k_ready.index(st), ph)\n",
+        "        while t_i < n_tiles:\n            mbarrier.wait(k_ready.index(st), ph)\n",
+        "    seen = l_i > 0.0",
+        "             mask=gl.expand_dims(ro < GROUP * Nq, 1))\n"} or set()
     for old, new in edits:
+        if old in skip:
+            continue
         if src.count(old) != 1:
             raise RuntimeError(f"the render changed: {old.strip()!r} found {src.count(old)}x")
         src = src.replace(old, new)
@@ -165,15 +194,15 @@ def gpu(out: str, cells, configs, reps: int) -> None:
     for cell in cells:
         b, hq, _, nk = (int(x) for x in cell.split("/"))
         q, kcs, vcs, sl, kv_bytes, var = decode_cell(cell, layers, d)
-        for bn, st, pre, tf, pf, steal, pace in configs:
+        for bn, st, pre, tf, pf, steal, pace, ldr in configs:
             gv = dataclasses.replace(var, block_m=64, block_n=bn, num_warps=4, num_stages=st,
                                      loads="pointer", gluon=True)
-            label = f"{gv.name} pre{pre} tf{tf} pf{pf} steal{steal} pace{pace}"
+            label = f"{gv.name} pre{pre} tf{tf} pf{pf} steal{steal} pace{pace} ldr{ldr}"
             try:
                 plain = SplitKVPlan(q, kcs[0], False, None, gv)
                 stamped = SplitKVPlan(q, kcs[0], False, None, gv)
                 for p in (plain, stamped):
-                    p.loader = 0  # the stamps go into the one-partition render
+                    p.loader = max(ldr, 0)  # 0: the one-partition render
                     p.preload, p.trigger_first = pre, (None if tf < 0 else bool(tf))
                     if pf >= 0:
                         p.prefetch_bytes = pf << 20
@@ -185,7 +214,10 @@ def gpu(out: str, cells, configs, reps: int) -> None:
                 if not plain.early(s):
                     raise RuntimeError("not an early-start launch")
                 made[0] += 1
-                stamped._mods[True, 0] = load_source(stamped_source(gv), f"timeline_{made[0]}")
+                ldr = stamped.loader_regs(stamped.steals(nk, s))
+                stamped._mods[True, ldr] = load_source(
+                    stamped_source(dataclasses.replace(gv, early_start=True, loader_regs=ldr)),
+                    f"timeline_{made[0]}")
                 ts = torch.zeros(layers, stamped.programs * s, SLOTS, dtype=torch.int64,
                                  device="cuda")
                 from flashtune.launch_splitkv import combine_tile
@@ -194,7 +226,7 @@ def gpu(out: str, cells, configs, reps: int) -> None:
                                  device="cuda")
                 cur = [ts[0], cs[0]]
                 gp = stamped._launcher(("partial", False, True, stamped.steals(nk, s),
-                                        stamped.preload_tiles(nk, s), 0))
+                                        stamped.preload_tiles(nk, s), ldr))
                 orig = gp.launch
                 gp.launch = lambda grid, *a, **k: orig(grid, *a, cur[0], **k)
                 ckey = ("combine", s, True, stamped.first_trigger(nk))
@@ -248,10 +280,10 @@ def main() -> None:
     ap.add_argument("--out", default="splitkv_timeline.jsonl")
     ap.add_argument("--cells", default="1/8/1/131072,1/8/1/32768")
     ap.add_argument("--configs", default="128/2/1/-1/-1/0,128/2/1/-1/-1/1",
-                    help="BLOCK_N/STAGES/PRE/TF/PF_MIB[/STEAL[/PACE]],... (TF, PF_MIB, STEAL, "
-                    "PACE -1: the launch's own; STEAL 1/0: the splits share the tiles past "
-                    "their own or not; PACE: the preload's K / V halves in flight at most, 0: "
-                    "all)")
+                    help="BLOCK_N/STAGES/PRE/TF/PF_MIB[/STEAL[/PACE[/LDR]]],... (TF, PF_MIB, "
+                    "STEAL, PACE -1: the launch's own; STEAL 1/0: the splits share the tiles "
+                    "past their own or not; PACE: the preload's K / V halves in flight at most, "
+                    "0: all; LDR: the loader warp's registers, 0: none)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--combine", default="",
                     help="TILE/WARPS: the combine kernel's tile (launch_splitkv.COMBINE_TILE) "
@@ -259,7 +291,8 @@ def main() -> None:
     a = ap.parse_args()
     if a.combine:
         combine_shape(*(int(x) for x in a.combine.split("/")))
-    configs = [tuple([int(x) for x in c.split("/")] + [-1, -1])[:7] for c in a.configs.split(",")]
+    configs = [tuple([int(x) for x in c.split("/")] + [-1, -1, 0])[:8]
+               for c in a.configs.split(",")]
     gpu(a.out, a.cells.split(","), configs, a.reps)
 
 
