@@ -68,7 +68,7 @@ def stamped_source(variant) -> str:
     argument before the constexprs)."""
     from flashtune.codegen.render import render
     src = render(dataclasses.replace(variant, early_start=True))
-    edits = LOADER_EDITS if variant.loader_regs else []
+    edits = list(LOADER_EDITS) if variant.loader_regs else []
     edits += [
         ("                         CNT, steal_own,\n",
          "                         CNT, steal_own, TS,\n"),
@@ -215,7 +215,8 @@ def gpu(out: str, cells, configs, reps: int) -> None:
                     raise RuntimeError("not an early-start launch")
                 made[0] += 1
                 ldr = stamped.loader_regs(stamped.steals(nk, s))
-                stamped._mods[True, ldr] = load_source(
+                # (the combine's module is the partial's: its stamps too)
+                stamped._mods[True, ldr] = stamped._mods[True, 0] = load_source(
                     stamped_source(dataclasses.replace(gv, early_start=True, loader_regs=ldr)),
                     f"timeline_{made[0]}")
                 ts = torch.zeros(layers, stamped.programs * s, SLOTS, dtype=torch.int64,
