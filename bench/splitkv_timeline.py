@@ -25,7 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 from probe_rows import Rows, decode_cell  # noqa: E402
 
-SLOTS = 8  # stamps a program: entry, wait, first tile, loop end, exit, SM
+SLOTS = 8  # stamps a program: entry, wait, first tile, loop end, exit, SM (loader warp: its
+# wait, its last load issued)
 CSLOTS = 4  # the combine's: entry, wait, exit
 CSTAMP = ("    _c = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)\n"
           "    _t = tl.inline_asm_elementwise(\"mov.u64 $0, %globaltimer;\", \"=l,r\", [_c], "
@@ -58,6 +59,12 @@ LOADER_EDITS = [
      "\n                           is_async=True)\n        sc = warpgroup_mma_wait(0, deps=(sc,))\n"
      "        mbarrier.arrive(k_empty"),
     ("    _store_partial(O, LSE, acc,", _stamp(3) + "    _store_partial(O, LSE, acc,"),
+    ("def _early_loader(k_desc, v_desc,", "def _early_loader(TS, pid, k_desc, v_desc,"),
+    ("(_early_loader, (k_desc, v_desc,", "(_early_loader, (TS, pid, k_desc, v_desc,"),
+    ("        gdc_launch_dependents()\n    L, lo, hi, n_steps",
+     "        gdc_launch_dependents()\n" + _stamp(6) + "    L, lo, hi, n_steps"),
+    ("            mbarrier.wait(pre_v.index(s), 0)\n    gdc_launch_dependents()\n",
+     "            mbarrier.wait(pre_v.index(s), 0)\n" + _stamp(7) + "    gdc_launch_dependents()\n"),
     ("                   cols_o)\n    gdc_launch_dependents()\n",
      "                   cols_o)\n" + _stamp(4) + "    gdc_launch_dependents()\n"),
 ]
@@ -144,6 +151,10 @@ def summary(ts, cs) -> dict:
             "comb_wait_min": c[layer, :, 1].min().item(),
             "comb_wait_max": c[layer, :, 1].max().item(),
             "comb_exit_max": c[layer, :, 2].max().item()})
+    if (t[2:, :, 6] > 0).any():  # the loader warp's: its wait and its end after the consumer's
+        for layer, r in enumerate(rows):
+            r["loader_wait_after_wait"] = (t[layer, :, 6] - t[layer, :, 1]).median().item()
+            r["loader_end_after_wait"] = (t[layer, :, 7] - t[layer, :, 1]).median().item()
     steady = rows[2:]
     per = [(rows[i]["exit_max"] - rows[i - 1]["exit_max"]) for i in range(3, len(rows))]
 
@@ -163,6 +174,9 @@ def summary(ts, cs) -> dict:
         "comb_work_us": avg(lambda i: rows[i]["comb_exit_max"] - rows[i]["comb_wait_min"]),
         "comb_exit_to_next_wait_us": avg(lambda i: rows[i]["wait_min"]
                                          - rows[i - 1]["comb_exit_max"]),
+        **({k + "_us": statistics.mean(r[k] for r in steady) for k in
+            ("loader_wait_after_wait", "loader_end_after_wait")} if "loader_end_after_wait"
+           in rows[-1] else {}),
         "layers": rows}
 
 

@@ -81,6 +81,11 @@ STEAL_OWN = 4
 # paces the preload and goes on through the wait, the consumer warpgroup waits, reads Q and the
 # length and computes; 0: no loader warp (the probe's `loader` sets one)
 LOADER_REGS = 0
+# ... and the registers a thread its kernel is launched with (Triton pads the loader's warp to a
+# warpgroup: 8 warps). Without a cap, setmaxnreg's pool is the whole register file (256 a
+# thread), so no combine program fits beside a partial one; at 128 the pool is half of it and
+# the consumer warpgroup still gets 208 (it needs ~200; `kernels check`, triton 3.9)
+LOADER_MAXNREG = 128
 SM90_SMEM = 233472  # shared memory of an sm_90 SM; a block reserves 1 KiB of it
 MIN_BLOCKS_PER_SPLIT = 1   # a split streams at least this many BLOCK_N blocks (see auto_num_splits)
 MAX_SPLITS = 256
@@ -235,7 +240,7 @@ class GluonPartial:
             if not plan.paged:
                 extra["STEAL"] = self.steal
         if loader:
-            extra["LOADER_REGS"] = loader
+            extra.update(LOADER_REGS=loader, maxnreg=LOADER_MAXNREG)
         if plan.paged:
             extra["PAGE"] = plan.kwargs["PAGE"]
         self.launch = Launcher(kernel, GROUP=plan.kwargs["GROUP"],

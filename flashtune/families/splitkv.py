@@ -209,8 +209,10 @@ def compile_check(variant, head_dim: int, dtype: str, causal: bool, tails: bool,
             if variant.loader_regs:
                 consts["LOADER_REGS"] = variant.loader_regs
         ints.update(k_desc=desc, v_desc=desc)
+    from ..launch_splitkv import LOADER_MAXNREG
     out = {"partial": compile_for(mod.attn_splitkv_partial, consts, dtype, variant.num_warps,
-                                  variant.num_stages, capability=cap, usage=usage, types=ints)}
+                                  variant.num_stages, capability=cap, usage=usage, types=ints,
+                                  maxnreg=LOADER_MAXNREG if variant.loader_regs else None)}
     block_s, chunk_d = combine_tile(64, block_d(head_dim))
     out["combine"] = compile_for(mod.attn_splitkv_combine,
                                  dict(HEAD_DIM=head_dim, BLOCK_S=block_s, CHUNK_D=chunk_d,
