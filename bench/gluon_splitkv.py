@@ -47,7 +47,7 @@ def gpu(out: str, cells, configs, reps: int, page: int = 0) -> None:
         if base != var:
             plans[f"{base.name} default"] = SplitKVPlan(q, kcs[0], False, None, base)
         lens = {}  # a plan's lengths argument: the tensor, or None (every sequence nk keys)
-        for bn, st, splits, per_sm, pf_mib, tf, uniform, pre, steal, own, pace, ldr in configs:
+        for bn, st, splits, per_sm, pf_mib, tf, uniform, pre, steal, own, pace in configs:
             gv = fit_pages(dataclasses.replace(var, block_m=64, block_n=bn, num_warps=4,
                                                num_stages=st, loads="pointer", gluon=True),
                            page or None)
@@ -76,9 +76,6 @@ def gpu(out: str, cells, configs, reps: int, page: int = 0) -> None:
             if pace >= 0:  # at most PACE K / V halves of the preload in flight (0: no limit)
                 plan.pace = pace
                 label += f" pace{pace}"
-            if ldr >= 0:  # the early start's loader warp's registers (0: no loader warp)
-                plan.loader = ldr
-                label += f" ldr{ldr}"
             if uniform:  # no lengths tensor: the kernels read no length before their first load
                 label += " uniform"
                 lens[label] = None
@@ -105,15 +102,13 @@ def gpu(out: str, cells, configs, reps: int, page: int = 0) -> None:
 
 
 CONFIGS_HELP = (
-    "BLOCK_N/STAGES[/SPLITS[/PER_SM[/PF_MIB[/TF[/UNIFORM[/PRE[/STEAL[/OWN[/PACE[/LDR]]]]]]]]]]"
-    ",... "
+    "BLOCK_N/STAGES[/SPLITS[/PER_SM[/PF_MIB[/TF[/UNIFORM[/PRE[/STEAL[/OWN[/PACE]]]]]]]]],... "
     "(SPLITS: an explicit count, early start forced, 0: the rule's; "
     "PER_SM: programs an SM holds at once, for the early trigger's one-wave rule; PF_MIB: the "
     "early start's L2 prefetch; TF 1/0: the combine lets the next kernel in before/after its "
     "wait; UNIFORM 1: no lengths tensor; PRE: the ring's tiles the early start loads before its "
     "wait; STEAL 1/0: its splits share the tiles past their own or not; OWN: the tiles a "
     "stealing split owns first; PACE: the preload's K / V halves in flight at most (0: all); "
-    "LDR: the registers of the early start's loader warp (0: none); "
     "-1: the launch's own choice)")
 
 
@@ -128,7 +123,7 @@ def main() -> None:
                     help="time over paged views of the caches, PAGE-key pages in shuffled order "
                     "(0: contiguous)")
     a = ap.parse_args()
-    unset = (0, 0, 0, 1, -1, -1, 0, -1, -1, 0, -1, -1)  # SPLITS .. LDR where a config stops
+    unset = (0, 0, 0, 1, -1, -1, 0, -1, -1, 0, -1)  # SPLITS .. PACE where a config stops
     configs = []
     for c in a.configs.split(","):
         given = [int(x) for x in c.split("/")]

@@ -25,9 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 from probe_rows import Rows, decode_cell  # noqa: E402
 
-SLOTS = 8  # stamps a program: entry, wait, first tile, loop end, exit, SM (loader warp: its
-# wait, its last load issued)
-CSLOTS = 4  # the combine's: entry, wait, exit
+SLOTS = 8  # stamps a program: entry, wait, first tile, loop end, exit, SM
+CSLOTS = 4  # the combine's: entry, wait, exit, SM
 CSTAMP = ("    _c = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)\n"
           "    _t = tl.inline_asm_elementwise(\"mov.u64 $0, %globaltimer;\", \"=l,r\", [_c], "
           "dtype=tl.int64, is_pure=False, pack=1)\n"
@@ -35,6 +34,9 @@ CSTAMP = ("    _c = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)\n"
 STAMP = ("    _t = gl.inline_asm_elementwise(\"mov.u64 $0, %globaltimer;\", \"=l,r\", [pid], "
          "dtype=gl.int64, is_pure=False, pack=1)\n"
          "    gl.store(TS + (pid * num_splits + split) * {slots} + {k}, _t)\n")
+CSMID = ("    _s = tl.inline_asm_elementwise(\"mov.u32 $0, %smid;\", \"=r,r\", [_c], "
+         "dtype=tl.int32, is_pure=False, pack=1)\n"
+         "    tl.store(TS2 + _c * 4 + 3, _s.to(tl.int64))\n")
 SMID = ("    _s = gl.inline_asm_elementwise(\"mov.u32 $0, %smid;\", \"=r,r\", [pid], "
         "dtype=gl.int32, is_pure=False, pack=1)\n"
         "    gl.store(TS + (pid * num_splits + split) * {slots} + 5, _s.to(gl.int64))\n")
@@ -44,39 +46,12 @@ def _stamp(k: int, indent: str = "") -> str:
     return "".join(indent + ln + "\n" for ln in STAMP.format(slots=SLOTS, k=k).splitlines())
 
 
-# the loader warp's render (loader_regs): the wait, first tile, loop end and exit are the
-# consumer warpgroup's (its own function, given TS and pid)
-LOADER_EDITS = [
-    ("def _early_consumer(Q, SEQLENS,", "def _early_consumer(TS, pid, Q, SEQLENS,"),
-    ("(_early_consumer, (Q, SEQLENS,", "(_early_consumer, (TS, pid, Q, SEQLENS,"),
-    ("        gdc_launch_dependents()\n    qr = ",
-     "        gdc_launch_dependents()\n" + _stamp(1) + "    qr = "),
-    ("        sc = warpgroup_mma(q_smem, k_bufs.index(st).permute((1, 0)), zero_s, use_acc=False,\n"
-     "                           is_async=True)\n        sc = warpgroup_mma_wait(0, deps=(sc,))\n"
-     "        mbarrier.arrive(k_empty",
-     "        if i == 0:\n" + _stamp(2, "        ")
-     + "        sc = warpgroup_mma(q_smem, k_bufs.index(st).permute((1, 0)), zero_s, use_acc=False,"
-     "\n                           is_async=True)\n        sc = warpgroup_mma_wait(0, deps=(sc,))\n"
-     "        mbarrier.arrive(k_empty"),
-    ("    _store_partial(O, LSE, acc,", _stamp(3) + "    _store_partial(O, LSE, acc,"),
-    ("def _early_loader(k_desc, v_desc,", "def _early_loader(TS, pid, k_desc, v_desc,"),
-    ("(_early_loader, (k_desc, v_desc,", "(_early_loader, (TS, pid, k_desc, v_desc,"),
-    ("        gdc_launch_dependents()\n    L, lo, hi, n_steps",
-     "        gdc_launch_dependents()\n" + _stamp(6) + "    L, lo, hi, n_steps"),
-    ("            mbarrier.wait(pre_v.index(s), 0)\n    gdc_launch_dependents()\n",
-     "            mbarrier.wait(pre_v.index(s), 0)\n" + _stamp(7) + "    gdc_launch_dependents()\n"),
-    ("                   cols_o)\n    gdc_launch_dependents()\n",
-     "                   cols_o)\n" + _stamp(4) + "    gdc_launch_dependents()\n"),
-]
-
-
 def stamped_source(variant) -> str:
     """The early-start render of `variant` with the stamps (TS: an int64 pointer, the last
     argument before the constexprs)."""
     from flashtune.codegen.render import render
     src = render(dataclasses.replace(variant, early_start=True))
-    edits = list(LOADER_EDITS) if variant.loader_regs else []
-    edits += [
+    edits = [
         ("                         CNT, steal_own,\n",
          "                         CNT, steal_own, TS,\n"),
         ("    split = gl.program_id(1)\n",
@@ -94,7 +69,7 @@ def stamped_source(variant) -> str:
         ("             mask=gl.expand_dims(ro < GROUP * Nq, 1))\n",
          "             mask=gl.expand_dims(ro < GROUP * Nq, 1))\n" + _stamp(4)),
         ("    if USE_PDL:\n        # launched before the partial kernel ends",
-         CSTAMP.format(slots=CSLOTS, k=0)
+         CSTAMP.format(slots=CSLOTS, k=0) + CSMID
          + "    if USE_PDL:\n        # launched before the partial kernel ends"),
         ("                         stride_ob, stride_om, stride_oh,\n",
          "                         stride_ob, stride_om, stride_oh, TS2,\n"),
@@ -104,15 +79,7 @@ def stamped_source(variant) -> str:
          "             acc.to(O.dtype.element_ty), mask=d_ok)\n"
          + CSTAMP.format(slots=CSLOTS, k=2)),
     ]
-    skip = LOADER_EDITS and variant.loader_regs and {
-        "    gdc_wait()\n    if early_trigger:\n        gdc_launch_dependents()\n",
-        "    for i in range(n_steps):\n        mbarrier.wait(k_ready.index(st), ph)\n",
-        "        while t_i < n_tiles:\n            mbarrier.wait(k_ready.index(st), ph)\n",
-        "    seen = l_i > 0.0",
-        "             mask=gl.expand_dims(ro < GROUP * Nq, 1))\n"} or set()
     for old, new in edits:
-        if old in skip:
-            continue
         if src.count(old) != 1:
             raise RuntimeError(f"the render changed: {old.strip()!r} found {src.count(old)}x")
         src = src.replace(old, new)
@@ -147,14 +114,11 @@ def summary(ts, cs) -> dict:
             "loop_end_med": x[busy, 3].median().item(), "loop_end_max": x[busy, 3].max().item(),
             "exit_max": x[:, 4].max().item(), "exit_med": x[:, 4].median().item(),
             "sms": len(set(ts[layer, :, 5].tolist())),
+            "comb_sms": len(set(cs[layer, :, 3].tolist())),
             "comb_start_min": c[layer, :, 0].min().item(),
             "comb_wait_min": c[layer, :, 1].min().item(),
             "comb_wait_max": c[layer, :, 1].max().item(),
             "comb_exit_max": c[layer, :, 2].max().item()})
-    if (t[2:, :, 6] > 0).any():  # the loader warp's: its wait and its end after the consumer's
-        for layer, r in enumerate(rows):
-            r["loader_wait_after_wait"] = (t[layer, :, 6] - t[layer, :, 1]).median().item()
-            r["loader_end_after_wait"] = (t[layer, :, 7] - t[layer, :, 1]).median().item()
     steady = rows[2:]
     per = [(rows[i]["exit_max"] - rows[i - 1]["exit_max"]) for i in range(3, len(rows))]
 
@@ -174,9 +138,8 @@ def summary(ts, cs) -> dict:
         "comb_work_us": avg(lambda i: rows[i]["comb_exit_max"] - rows[i]["comb_wait_min"]),
         "comb_exit_to_next_wait_us": avg(lambda i: rows[i]["wait_min"]
                                          - rows[i - 1]["comb_exit_max"]),
-        **({k + "_us": statistics.mean(r[k] for r in steady) for k in
-            ("loader_wait_after_wait", "loader_end_after_wait")} if "loader_end_after_wait"
-           in rows[-1] else {}),
+        # the SMs the combine's programs ran on (64 programs at MQA B=1: one each, session 41)
+        "comb_sms": statistics.mean(r["comb_sms"] for r in steady),
         "layers": rows}
 
 
@@ -208,15 +171,14 @@ def gpu(out: str, cells, configs, reps: int) -> None:
     for cell in cells:
         b, hq, _, nk = (int(x) for x in cell.split("/"))
         q, kcs, vcs, sl, kv_bytes, var = decode_cell(cell, layers, d)
-        for bn, st, pre, tf, pf, steal, pace, ldr in configs:
+        for bn, st, pre, tf, pf, steal, pace in configs:
             gv = dataclasses.replace(var, block_m=64, block_n=bn, num_warps=4, num_stages=st,
                                      loads="pointer", gluon=True)
-            label = f"{gv.name} pre{pre} tf{tf} pf{pf} steal{steal} pace{pace} ldr{ldr}"
+            label = f"{gv.name} pre{pre} tf{tf} pf{pf} steal{steal} pace{pace}"
             try:
                 plain = SplitKVPlan(q, kcs[0], False, None, gv)
                 stamped = SplitKVPlan(q, kcs[0], False, None, gv)
                 for p in (plain, stamped):
-                    p.loader = max(ldr, 0)  # 0: the one-partition render
                     p.preload, p.trigger_first = pre, (None if tf < 0 else bool(tf))
                     if pf >= 0:
                         p.prefetch_bytes = pf << 20
@@ -228,11 +190,7 @@ def gpu(out: str, cells, configs, reps: int) -> None:
                 if not plain.early(s):
                     raise RuntimeError("not an early-start launch")
                 made[0] += 1
-                ldr = stamped.loader_regs(stamped.steals(nk, s))
-                # (the combine's module is the partial's: its stamps too)
-                stamped._mods[True, ldr] = stamped._mods[True, 0] = load_source(
-                    stamped_source(dataclasses.replace(gv, early_start=True, loader_regs=ldr)),
-                    f"timeline_{made[0]}")
+                stamped._mods[True] = load_source(stamped_source(gv), f"timeline_{made[0]}")
                 ts = torch.zeros(layers, stamped.programs * s, SLOTS, dtype=torch.int64,
                                  device="cuda")
                 from flashtune.launch_splitkv import combine_tile
@@ -241,7 +199,7 @@ def gpu(out: str, cells, configs, reps: int) -> None:
                                  device="cuda")
                 cur = [ts[0], cs[0]]
                 gp = stamped._launcher(("partial", False, True, stamped.steals(nk, s),
-                                        stamped.preload_tiles(nk, s), ldr))
+                                        stamped.preload_tiles(nk, s)))
                 orig = gp.launch
                 gp.launch = lambda grid, *a, **k: orig(grid, *a, cur[0], **k)
                 ckey = ("combine", s, True, stamped.first_trigger(nk))
@@ -295,10 +253,10 @@ def main() -> None:
     ap.add_argument("--out", default="splitkv_timeline.jsonl")
     ap.add_argument("--cells", default="1/8/1/131072,1/8/1/32768")
     ap.add_argument("--configs", default="128/2/1/-1/-1/0,128/2/1/-1/-1/1",
-                    help="BLOCK_N/STAGES/PRE/TF/PF_MIB[/STEAL[/PACE[/LDR]]],... (TF, PF_MIB, "
-                    "STEAL, PACE -1: the launch's own; STEAL 1/0: the splits share the tiles "
-                    "past their own or not; PACE: the preload's K / V halves in flight at most, "
-                    "0: all; LDR: the loader warp's registers, 0: none)")
+                    help="BLOCK_N/STAGES/PRE/TF/PF_MIB[/STEAL[/PACE]],... (TF, PF_MIB, STEAL, "
+                    "PACE -1: the launch's own; STEAL 1/0: the splits share the tiles past "
+                    "their own or not; PACE: the preload's K / V halves in flight at most, 0: "
+                    "all)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--combine", default="",
                     help="TILE/WARPS: the combine kernel's tile (launch_splitkv.COMBINE_TILE) "
@@ -306,8 +264,7 @@ def main() -> None:
     a = ap.parse_args()
     if a.combine:
         combine_shape(*(int(x) for x in a.combine.split("/")))
-    configs = [tuple([int(x) for x in c.split("/")] + [-1, -1, 0])[:8]
-               for c in a.configs.split(",")]
+    configs = [tuple([int(x) for x in c.split("/")] + [-1, -1])[:7] for c in a.configs.split(",")]
     gpu(a.out, a.cells.split(","), configs, a.reps)
 
 

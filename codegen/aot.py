@@ -99,7 +99,7 @@ def tma_tile_type(dtype: str, rows: int, head_dim: int) -> str:
 
 def compile_for(fn, constexprs: dict, dtype: str, num_warps: int, num_stages: int, *,
                 capability: int = 90, f32_ptrs: frozenset = frozenset(), usage: bool = False,
-                types: dict | None = None, maxnreg: int | None = None) -> dict:
+                types: dict | None = None) -> dict:
     """Compile a @triton.jit kernel of a generated module for compute capability `capability`.
 
     Arguments named in UPPER case are tensors (of `dtype`, or float32 for LSE-like buffers and
@@ -134,8 +134,7 @@ def compile_for(fn, constexprs: dict, dtype: str, num_warps: int, num_stages: in
     src = _source_class(fn)(fn, sig, constexprs=constexprs, attrs=attrs)
     k = triton.compile(src, target=GPUTarget("cuda", capability, 32),
                        options=dict(num_warps=num_warps, num_stages=num_stages,
-                                    enable_fp_fusion=_launch_fp_fusion(),
-                                    **({"maxnreg": maxnreg} if maxnreg else {})))
+                                    enable_fp_fusion=_launch_fp_fusion()))
     out = {"smem": k.metadata.shared, "ptx": k.asm["ptx"]}
     if usage:
         out.update(ptxas_usage(k.asm["ptx"], f"sm_{capability}a" if capability == 90 else

@@ -77,15 +77,6 @@ STEAL_MIN_TILES = 6
 # 2,622-2,653 / 2,614 GB/s (fixed shares 2,577); GQA B=1 32k (16 tiles a split) 2,804 / 2,812 /
 # 2,813 (fixed 2,759)
 STEAL_OWN = 4
-# The early start's loads by a loader warp (gl.warp_specialize; contiguous caches, no STEAL): it
-# paces the preload and goes on through the wait, the consumer warpgroup waits, reads Q and the
-# length and computes; 0: no loader warp (the probe's `loader` sets one)
-LOADER_REGS = 0
-# ... and the registers a thread its kernel is launched with (Triton pads the loader's warp to a
-# warpgroup: 8 warps). Without a cap, setmaxnreg's pool is the whole register file (256 a
-# thread), so no combine program fits beside a partial one; at 128 the pool is half of it and
-# the consumer warpgroup still gets 208 (it needs ~200; `kernels check`, triton 3.9)
-LOADER_MAXNREG = 128
 SM90_SMEM = 233472  # shared memory of an sm_90 SM; a block reserves 1 KiB of it
 MIN_BLOCKS_PER_SPLIT = 1   # a split streams at least this many BLOCK_N blocks (see auto_num_splits)
 MAX_SPLITS = 256
@@ -227,11 +218,9 @@ class GluonPartial:
     takes the same grid and arguments."""
     __slots__ = ("plan", "launch", "uniform", "early", "steal", "fallback")
 
-    def __init__(self, plan, kernel, uniform: bool, early: bool, steal: bool, pre: int,
-                 loader: int = 0):
+    def __init__(self, plan, kernel, uniform: bool, early: bool, steal: bool, pre: int):
         # steal: the early render's splits share their tiles; pre: the tiles it loads before
-        # its wait; loader: its loader warp's registers (run decides them: steals,
-        # preload_tiles, loader_regs)
+        # its wait (run decides both: steals, preload_tiles)
         self.plan, self.uniform, self.early, self.steal = plan, uniform, early, steal
         extra = {"launch_pdl": True} if early and plan.pdl else {}
         if early:
@@ -239,8 +228,6 @@ class GluonPartial:
             extra["PACE"] = plan.preload_pace()
             if not plan.paged:
                 extra["STEAL"] = self.steal
-        if loader:
-            extra.update(LOADER_REGS=loader, maxnreg=LOADER_MAXNREG)
         if plan.paged:
             extra["PAGE"] = plan.kwargs["PAGE"]
         self.launch = Launcher(kernel, GROUP=plan.kwargs["GROUP"],
@@ -307,7 +294,7 @@ class SplitKVPlan:
             variant = dataclasses.replace(variant, gluon=False)
         self.variant = variant
         self.paged = variant.paged
-        self._mods = {(variant.early_start, variant.loader_regs): load(variant)}
+        self._mods = {variant.early_start: load(variant)}
         self.block_m = row_block(variant, group, nq)
         num_m = -(-(group * nq) // self.block_m)
         self.programs = b * hk * num_m
@@ -335,9 +322,6 @@ class SplitKVPlan:
         self.steal: bool | None = None
         # the tiles a stealing split owns (None: STEAL_OWN); the probe sets it
         self.steal_own: int | None = None
-        # the registers of the early start's loader warp (None: LOADER_REGS; 0: none); the
-        # probe sets it
-        self.loader: int | None = None
         self._counters: dict = {}
         self.skip_combine = False  # the probe's partial kernels alone (their outputs unmerged)
         self.elsize = k_cache.element_size()
@@ -357,24 +341,22 @@ class SplitKVPlan:
         # UNIFORM, the combine's per split count
         self._launchers: dict = {}
 
-    def _module(self, early: bool, loader: int = 0):
-        mod = self._mods.get((early, loader))
+    def _module(self, early: bool):
+        mod = self._mods.get(early)
         if mod is None:
-            mod = self._mods[early, loader] = load(dataclasses.replace(
-                self.variant, early_start=early, loader_regs=loader))
+            mod = self._mods[early] = load(dataclasses.replace(self.variant, early_start=early))
         return mod
 
     def _launcher(self, key):
-        """key: ("partial", UNIFORM, early, steal, pre, loader) or ("combine", num_splits,
-        early, first); early: the early_start render (its combine lets the next kernel start:
-        before its wait where first); steal: its splits share their tiles (steals); pre: the
-        gluon render's tiles loaded before its wait (preload_tiles); loader: its loader warp's
-        registers (loader_regs; 0: none)."""
+        """key: ("partial", UNIFORM, early, steal, pre) or ("combine", num_splits, early,
+        first); early: the early_start render (its combine lets the next kernel start: before
+        its wait where first); steal: its splits share their tiles (steals); pre: the gluon
+        render's tiles loaded before its wait (preload_tiles)."""
         got = self._launchers.get(key)
         if got is None:
             if len(self._launchers) > 64:
                 self._launchers.clear()
-            mod = self._module(key[2], key[5] if key[0] == "partial" else 0)
+            mod = self._module(key[2])
             if key[0] == "partial" and self.variant.gluon:
                 got = GluonPartial(self, mod.attn_splitkv_partial, *key[1:])
             elif key[0] == "partial":
@@ -463,13 +445,6 @@ class SplitKVPlan:
         return (STEAL_TILES and self.ring_alone and num_splits > 1
                 and tiles >= STEAL_MIN_TILES * num_splits)
 
-    def loader_regs(self, steal: bool) -> int:
-        """The registers of the gluon early start's loader warp (0: none; the probe's `loader`,
-        else LOADER_REGS): contiguous caches without STEAL only."""
-        if self.paged or steal or not self.variant.gluon:
-            return 0
-        return max(0, int(LOADER_REGS if self.loader is None else self.loader))
-
     def steal_rounds(self) -> int:
         """STEAL's steal_own: the tiles a split owns (t_step apart) before the shared ones, at
         least its ring's stages (the probe's `steal_own`, else STEAL_OWN)."""
@@ -550,8 +525,7 @@ class SplitKVPlan:
         first = early and self.first_trigger(keys)
         steal = early and self.steals(keys, s)
         pre = self.preload_tiles(keys, s) if early and self.variant.gluon else 0
-        loader = self.loader_regs(steal) if early else 0
-        self._launcher(("partial", uniform, early, steal, pre, loader))(
+        self._launcher(("partial", uniform, early, steal, pre))(
             (self.programs, s),
             q, k_cache, v_cache, bt, seqlens, o_dst, l_dst, self.scale, *self.mask_args,
             q.stride(0), q.stride(1), q.stride(2),

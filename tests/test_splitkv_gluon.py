@@ -25,9 +25,6 @@ GLUON = "splitkv-m64-n64-w4-s2-gluon=true"
     ("splitkv-m64-n64-w4-s2-gluon=true-loads=descriptor", "loads"),
     ("splitkv-m64-n16-w4-s2-gluon=true", "block_n"),
     ("splitkv-m64-n64-w4-s6-gluon=true", "stages"),
-    ("splitkv-m64-n128-w4-s2-gluon=true-lr48", "loader_regs"),  # the early render's only
-    ("splitkv-m64-n128-w4-s2-early_start=true-gluon=true-paged=true-lr48", "loader_regs"),
-    ("splitkv-m64-n128-w4-s2-early_start=true-lr48", "loader_regs"),
 ])
 def test_gluon_variant_rules(name, field):
     with pytest.raises(ValueError, match=field):
@@ -101,12 +98,11 @@ def test_gluon_render_compiles_for_sm90():
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     r = subprocess.run([sys.executable, "-m", "flashtune.cli", "kernels", "check", "--gpu",
                         "H100", "--head-dim", "64,128", GLUON,
-                        "splitkv-m64-n32-w4-s4-gluon=true-early_start=true",
-                        "splitkv-m64-n128-w4-s2-early_start=true-gluon=true-lr48"],
+                        "splitkv-m64-n32-w4-s4-gluon=true-early_start=true"],
                        capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     rows = [ln for ln in r.stdout.splitlines() if " partial " in ln]
-    assert len(rows) == 6 and all(" ok " in ln and "spills 0 B" in ln for ln in rows), r.stdout
+    assert len(rows) == 4 and all(" ok " in ln and "spills 0 B" in ln for ln in rows), r.stdout
 
 
 # (B, Hq, Hk, Nq, D, capacity, lengths (None: every sequence the capacity, an int), causal);
@@ -234,23 +230,6 @@ def test_a_ring_alone_on_its_sm_shares_its_splits_tiles(name, paged, steals):
     assert plan.steal_rounds() == plan.variant.num_stages
 
 
-@pytest.mark.parametrize("paged,steal,gluon,want", [
-    (False, False, True, 40), (True, False, True, 0), (False, True, True, 0),
-    (False, False, False, 0)])
-def test_the_loader_warp_is_the_contiguous_early_renders(paged, steal, gluon, want):
-    q, k = _meta(1, 1, 8, 1, 128, 32768)
-    if paged:
-        k = torch.empty(128, 256, 1, 128, dtype=torch.bfloat16, device="meta")
-    name = "splitkv-m64-n128-w4-s2" + ("-gluon=true" if gluon else "")
-    plan = SplitKVPlan(q, k, False, None, Variant.parse(name + ("-paged=true" if paged else "")))
-    from flashtune import launch_splitkv
-    assert plan.loader_regs(False) == (launch_splitkv.LOADER_REGS if want else 0)
-    plan.loader = 40  # the probe's: where there is a loader render (no STEAL, not paged)
-    assert plan.loader_regs(steal) == want
-    plan.loader = 0
-    assert plan.loader_regs(steal) == 0
-
-
 # (B, Hq, Hk, Nq, capacity, lengths, causal): tiles of 128 keys shared past the ring's first
 # fill by 132 (MQA B=1) .. 4 splits; lengths with no shared tile, splits with no tile, a 5-key
 # sequence, speculative tokens under bottom-right causal
@@ -300,7 +279,7 @@ def test_gluon_shared_tiles_match_float64(case, name, own):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("paged", [False, True])
-@pytest.mark.parametrize("early", [False, True, "preload", "paced", "alone", "loader"])
+@pytest.mark.parametrize("early", [False, True, "preload", "paced", "alone"])
 def test_gluon_graph_replay_with_longer_sequences(paged, early):
     """A step captured at one length and replayed at others (a serving loop's graph), with and
     without the early start (and its tiles loaded before the wait, placed by the captured
@@ -309,22 +288,18 @@ def test_gluon_graph_replay_with_longer_sequences(paged, early):
     writes zeros."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the gluon render is sm_90's")
-    if paged and early == "loader":
-        pytest.skip("the loader warp's render is contiguous only")
     q, kc, vc = make(2, 1, 8, 1, 128, 4096, torch.bfloat16, "cuda")
     kp, vp, bt = _paged(kc, vc, 256) if paged else (kc, vc, None)
     seqlens = torch.tensor([1000, 300], dtype=torch.int32, device="cuda")
-    # "alone": a 128-key ring (holds its SM alone) whose launch preloads one tile by its rule;
-    # "loader": the same with a loader warp preloading both, paced
-    name = GLUON.replace("-n64-", "-n128-") if early in ("alone", "loader") else GLUON
+    # "alone": a 128-key ring (holds its SM alone) whose launch preloads one tile by its rule
+    name = GLUON.replace("-n64-", "-n128-") if early == "alone" else GLUON
     plan = SplitKVPlan(q, kp, False, None, Variant.parse(name + ("-paged=true" if paged else "")))
-    plan.loader = 48 if early == "loader" else 0
     if early != "alone":
-        plan.preload = 2 if early in ("preload", "paced", "loader") else 0
+        plan.preload = 2 if early in ("preload", "paced") else 0
     # "preload": both tiles before the wait at once; "paced": one K / V half in flight (PACE)
-    plan.pace = {"preload": 0, "paced": 1, "loader": 1}.get(early)
+    plan.pace = {"preload": 0, "paced": 1}.get(early)
     assert plan.preload_tiles(1000, plan.num_splits(1000)) == {
-        False: 0, True: 0, "preload": 2, "paced": 2, "alone": 1, "loader": 2}[early]
+        False: 0, True: 0, "preload": 2, "paced": 2, "alone": 1}[early]
     early = bool(early)
     plan.allow_early = early  # a one-wave grid: the launch takes the early start unless told
     assert plan.variant.gluon and plan.early(plan.num_splits(1000)) == early
@@ -344,9 +319,7 @@ def test_gluon_graph_replay_with_longer_sequences(paged, early):
 @pytest.mark.parametrize("paged", [False, True])
 @pytest.mark.parametrize("nq,n_new,causal", [(1, 1, False), (1, 3, False), (2, 2, True)])
 @pytest.mark.parametrize("splits", [0, 3])
-@pytest.mark.parametrize("loader", [0, 48])
-def test_gluon_preloaded_tiles_never_hold_the_appended_keys(paged, nq, n_new, causal, splits,
-                                                            loader, monkeypatch):
+def test_gluon_preloaded_tiles_never_hold_the_appended_keys(paged, nq, n_new, causal, splits):
     """A ring that holds its SM alone loads its first tile before its wait (its whole ring,
     paced, where a split's share is longer: 3 splits of up to 3 tiles); a tile holding keys the
     call appends just before (an index_put a kernel ahead) is loaded again after the wait: the
@@ -354,10 +327,6 @@ def test_gluon_preloaded_tiles_never_hold_the_appended_keys(paged, nq, n_new, ca
     or second tile holding them; paged over shuffled pages."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the gluon render is sm_90's")
-    if paged and loader:
-        pytest.skip("the loader warp's render is contiguous only")
-    from flashtune import launch_splitkv
-    monkeypatch.setattr(launch_splitkv, "LOADER_REGS", loader)  # the launch's rule
     name = GLUON.replace("-n64-", "-n128-") + (f"-sp{splits}" if splits else "")
     q, kc, vc = make(2, nq, 8, 1, 128, 2048, torch.bfloat16, "cuda")
     lengths = [1000 - n_new, 500 - n_new]
@@ -369,7 +338,6 @@ def test_gluon_preloaded_tiles_never_hold_the_appended_keys(paged, nq, n_new, ca
     s = plan.num_splits(1000)
     assert plan.ring_alone and plan.preload_tiles(1000, s) == (2 if splits else 1)
     assert plan.early(s) and plan.preload_pace() == 1
-    assert plan.loader_regs(False) == (0 if paged else loader)
     seqlens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
     with flashtune.force(name):
         out, lse = flashtune.attention_with_kvcache(q, kp, vp, cache_seqlens=seqlens, k=kn, v=vn,
@@ -384,24 +352,20 @@ def test_gluon_preloaded_tiles_never_hold_the_appended_keys(paged, nq, n_new, ca
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("paged", [False, True])
-@pytest.mark.parametrize("pre,pace,loader", [(1, 1, 0), (2, 1, 0), (2, 0, 0), (1, 1, 48),
-                                           (2, 1, 48), (2, 0, 48), (2, 2, 32)])
-def test_gluon_tiles_loaded_before_the_wait_with_keys_written_just_before(paged, pre, pace,
-                                                                           loader):
+@pytest.mark.parametrize("pre,pace", [(1, 1), (2, 1), (2, 0)])
+def test_gluon_tiles_loaded_before_the_wait_with_keys_written_just_before(paged, pre, pace):
     """The early start's loads before its wait: `pre` tiles, `pace` K / V halves in flight (0:
-    all), issued by the program or (contiguous) its loader warp. Keys written just before the launch (appended=2) sit in the last split's second tile,
+    all). Keys written just before the launch (appended=2) sit in the last split's second tile,
     which is loaded again after the wait; then a graph replayed at other lengths moves every
     split (the tiles the hint placed are all loaded again)."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the gluon render is sm_90's")
-    if paged and loader:
-        pytest.skip("the loader warp's render is contiguous only")
     name = "splitkv-m64-n128-w4-s2-sp3-gluon=true"
     q, kc, vc = make(2, 1, 8, 1, 128, 2048, torch.bfloat16, "cuda")
     kp, vp, bt = _paged(kc, vc, 256) if paged else (kc, vc, None)
     from flashtune.kvcache import fit_pages
     plan = SplitKVPlan(q, kp, False, None, fit_pages(Variant.parse(name), 256 if paged else None))
-    plan.preload, plan.pace, plan.loader = pre, pace, loader
+    plan.preload, plan.pace = pre, pace
     lengths = [1000, 500]
     seqlens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
     assert plan.early(plan.num_splits(1000))

@@ -18,7 +18,7 @@ FAMILY = Family(
     template="attn_splitkv.py.tmpl",
     kernels=("attn_splitkv_partial", "attn_splitkv_combine"),
     fields=("loads", "num_splits", "early_start", "paged", "window", "softcap", "block_sparse",
-            "gluon", "loader_regs"),
+            "gluon"),
     check="flashtune.families.splitkv:check",
     mask_changes="flashtune.families.splitkv:mask_changes",
     defaults="flashtune.families.splitkv:default",
@@ -45,9 +45,6 @@ FAMILY = Family(
 def check(variant) -> str:
     """The gluon render's limits (its kernel: one 4-warp wgmma tile of 64 rows, pointer-free
     TMA loads of a contiguous or paged cache)."""
-    if variant.loader_regs and not (variant.gluon and variant.early_start and not variant.paged):
-        return ("a loader warp (loader_regs) is the gluon early render's, over a contiguous cache: "
-                "gluon, early_start, not paged")
     if not variant.gluon:
         return ""
     if variant.masks or variant.loads != "pointer":
@@ -204,15 +201,11 @@ def compile_check(variant, head_dim: int, dtype: str, causal: bool, tails: bool,
             # and, contiguous, shares the rest (STEAL); one K / V half in flight at a time
             consts.update(PRELOAD=variant.num_stages, PACE=1)
             if not variant.paged:
-                consts["STEAL"] = not variant.loader_regs  # (the loader render has no STEAL)
+                consts["STEAL"] = True
                 ints["CNT"] = "*i32"
-            if variant.loader_regs:
-                consts["LOADER_REGS"] = variant.loader_regs
         ints.update(k_desc=desc, v_desc=desc)
-    from ..launch_splitkv import LOADER_MAXNREG
     out = {"partial": compile_for(mod.attn_splitkv_partial, consts, dtype, variant.num_warps,
-                                  variant.num_stages, capability=cap, usage=usage, types=ints,
-                                  maxnreg=LOADER_MAXNREG if variant.loader_regs else None)}
+                                  variant.num_stages, capability=cap, usage=usage, types=ints)}
     block_s, chunk_d = combine_tile(64, block_d(head_dim))
     out["combine"] = compile_for(mod.attn_splitkv_combine,
                                  dict(HEAD_DIM=head_dim, BLOCK_S=block_s, CHUNK_D=chunk_d,
