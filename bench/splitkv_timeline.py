@@ -36,7 +36,7 @@ STAMP = ("    _t = gl.inline_asm_elementwise(\"mov.u64 $0, %globaltimer;\", \"=l
          "    gl.store(TS + (pid * num_splits + split) * {slots} + {k}, _t)\n")
 CSMID = ("    _s = tl.inline_asm_elementwise(\"mov.u32 $0, %smid;\", \"=r,r\", [_c], "
          "dtype=tl.int32, is_pure=False, pack=1)\n"
-         "    tl.store(TS2 + _c * 4 + 3, _s.to(tl.int64))\n")
+         "    tl.store(TS2 + _c * {slots} + 3, _s.to(tl.int64))\n")
 SMID = ("    _s = gl.inline_asm_elementwise(\"mov.u32 $0, %smid;\", \"=r,r\", [pid], "
         "dtype=gl.int32, is_pure=False, pack=1)\n"
         "    gl.store(TS + (pid * num_splits + split) * {slots} + 5, _s.to(gl.int64))\n")
@@ -69,7 +69,7 @@ def stamped_source(variant) -> str:
         ("             mask=gl.expand_dims(ro < GROUP * Nq, 1))\n",
          "             mask=gl.expand_dims(ro < GROUP * Nq, 1))\n" + _stamp(4)),
         ("    if USE_PDL:\n        # launched before the partial kernel ends",
-         CSTAMP.format(slots=CSLOTS, k=0) + CSMID
+         CSTAMP.format(slots=CSLOTS, k=0) + CSMID.format(slots=CSLOTS)
          + "    if USE_PDL:\n        # launched before the partial kernel ends"),
         ("                         stride_ob, stride_om, stride_oh,\n",
          "                         stride_ob, stride_om, stride_oh, TS2,\n"),
