@@ -265,16 +265,15 @@ print('torch', torch.cuda.get_device_name(0), targets.detect(0).slug)" 2>&1 | te
               timeout ${GKV_TIMEOUT:-200} python3 bench/gluon_splitkv.py --out "$OUT/gluon_splitkv.jsonl" \
                 ${GKV_ARGS:-} 2>&1 | tee "$OUT/gluon_splitkv.log" | grep -v "leaked\|nanobind" | tail -40 ;;
     timeline) # issue 9 (session 38): %globaltimer stamps of the gluon partial kernel's programs over
-              # 16-layer steps, beside the unstamped step (bench/splitkv_timeline.py; TL_ARGS)
-              timeout ${TL_TIMEOUT:-240} python3 bench/splitkv_timeline.py --out "$OUT/timeline.jsonl" \
-                ${TL_ARGS:-} 2>&1 | tee "$OUT/timeline.log" | grep -v "leaked\|nanobind" | tail -30 ;;
-    tlcombine) # the timeline (TL_ARGS) once per combine shape in TLC_SHAPES ("-": the launch's own;
-              # TILE/WARPS: splitkv_timeline.py --combine), each into timeline_<n>.jsonl
+              # 16-layer steps, beside the unstamped step (bench/splitkv_timeline.py; TL_ARGS), once per
+              # combine shape in TLC_SHAPES ("-": the launch's own, the default; TILE/WARPS:
+              # splitkv_timeline.py --combine): timeline.jsonl, then timeline_2.jsonl, ..
               n=0; for shape in ${TLC_SHAPES:--}; do n=$((n + 1))
                 extra=""; [ "$shape" != "-" ] && extra="--combine $shape"
+                name=timeline; [ $n = 1 ] || name=timeline_$n
                 echo "--- combine $shape"
-                timeout ${TL_TIMEOUT:-240} python3 bench/splitkv_timeline.py --out "$OUT/timeline_$n.jsonl" \
-                  ${TL_ARGS:-} $extra 2>&1 | grep -v "leaked\|nanobind\|Warning\|sync_debug" | tail -8
+                timeout ${TL_TIMEOUT:-240} python3 bench/splitkv_timeline.py --out "$OUT/$name.jsonl" \
+                  ${TL_ARGS:-} $extra 2>&1 | tee -a "$OUT/timeline.log" | grep -v "leaked\|nanobind" | tail -30
               done ;;
     dsweep)   timeout ${DSWEEP_TIMEOUT:-330} python3 bench/decode_sweep.py --out "$OUT/decode_sweep.jsonl" ${DSWEEP_ARGS:-} \
                 --budget ${DSWEEP_BUDGET:-300} 2>&1 | tee "$OUT/decode_sweep.log" | tail -20 ;;
