@@ -198,8 +198,7 @@ def gpu(out: str, cells, configs, reps: int) -> None:
                 cs = torch.zeros(layers, b * hq * chunks, CSLOTS, dtype=torch.int64,
                                  device="cuda")
                 cur = [ts[0], cs[0]]
-                gp = stamped._launcher(("partial", False, True, stamped.steals(nk, s),
-                                        stamped.preload_tiles(nk, s)))
+                gp = stamped._launcher(stamped.partial_key(False, True, nk, s))
                 orig = gp.launch
                 gp.launch = lambda grid, *a, **k: orig(grid, *a, cur[0], **k)
                 ckey = ("combine", s, True, stamped.first_trigger(nk))

@@ -475,6 +475,13 @@ class SplitKVPlan:
         rows = budget // max(1, ctas * 2 * self.shape[3] * self.elsize)
         return keys, rows, int(ctas <= self.sms)
 
+    def partial_key(self, uniform: bool, early: bool, keys: int, num_splits: int) -> tuple:
+        """The partial kernel's launcher key (_launcher) for a launch of num_splits splits placed
+        by `keys`: whether they share tiles (steals) and the tiles preloaded (preload_tiles)."""
+        steal = early and self.steals(keys, num_splits)
+        pre = self.preload_tiles(keys, num_splits) if early and self.variant.gluon else 0
+        return ("partial", uniform, early, steal, pre)
+
     def num_splits(self, max_seqlen: int) -> int:
         s = self._splits.get(max_seqlen)
         if s is None:
@@ -523,9 +530,7 @@ class SplitKVPlan:
         early = self.early(s)
         keys = min(max_seqlen, capacity)
         first = early and self.first_trigger(keys)
-        steal = early and self.steals(keys, s)
-        pre = self.preload_tiles(keys, s) if early and self.variant.gluon else 0
-        self._launcher(("partial", uniform, early, steal, pre))(
+        self._launcher(self.partial_key(uniform, early, keys, s))(
             (self.programs, s),
             q, k_cache, v_cache, bt, seqlens, o_dst, l_dst, self.scale, *self.mask_args,
             q.stride(0), q.stride(1), q.stride(2),
