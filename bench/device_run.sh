@@ -261,9 +261,16 @@ print('torch', torch.cuda.get_device_name(0), targets.detect(0).slug)" 2>&1 | te
               timeout ${GD_TIMEOUT:-300} python3 bench/gluon_decode_probe.py --out "$OUT/gluon_decode.jsonl" \
                 ${GD_ARGS:-} 2>&1 | tee "$OUT/gluon_decode.log" | grep -v "leaked\|nanobind" | tail -40 ;;
     gluonkv)  # issue 9 (session 36): the dispatched splitkv variant beside its gluon render (Variant.gluon),
-              # 16-layer steps (bench/gluon_splitkv.py; GKV_ARGS); its tests: GPUTESTS_ARGS=tests/test_splitkv_gluon.py
-              timeout ${GKV_TIMEOUT:-200} python3 bench/gluon_splitkv.py --out "$OUT/gluon_splitkv.jsonl" \
-                ${GKV_ARGS:-} 2>&1 | tee "$OUT/gluon_splitkv.log" | grep -v "leaked\|nanobind" | tail -40 ;;
+              # 16-layer steps (bench/gluon_splitkv.py; GKV_ARGS); its tests: GPUTESTS_ARGS=tests/test_splitkv_gluon.py.
+              # GKV_PAGES: once per page size ("0": contiguous, the default; 256: --page 256):
+              # gluon_splitkv.jsonl, then gluon_splitkv_p256.jsonl, ..
+              for pg in ${GKV_PAGES:-0}; do
+                name=gluon_splitkv; [ "$pg" = 0 ] || name=gluon_splitkv_p$pg
+                echo "--- page $pg"
+                timeout ${GKV_TIMEOUT:-200} python3 bench/gluon_splitkv.py --out "$OUT/$name.jsonl" \
+                  --page $pg ${GKV_ARGS:-} 2>&1 | tee -a "$OUT/gluon_splitkv.log" \
+                  | grep -v "leaked\|nanobind" | tail -40
+              done ;;
     timeline) # issue 9 (session 38): %globaltimer stamps of the gluon partial kernel's programs over
               # 16-layer steps, beside the unstamped step (bench/splitkv_timeline.py; TL_ARGS), once per
               # combine shape in TLC_SHAPES ("-": the launch's own, the default; TILE/WARPS:
