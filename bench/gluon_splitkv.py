@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
-from probe_rows import Rows, decode_cell, time_steps  # noqa: E402
+from probe_rows import Rows, decode_cell, early_knobs, time_steps  # noqa: E402
 
 from flashtune.launch_splitkv import SplitKVPlan, default_variant  # noqa: E402
 
@@ -58,24 +58,7 @@ def gpu(out: str, cells, configs, reps: int, page: int = 0) -> None:
             if per_sm > 1:  # grids up to per_sm programs an SM count as one wave (early
                 plan.sms *= per_sm  # trigger): what a residency-aware rule would say
                 label += f" wave{per_sm}"
-            if pf_mib >= 0:  # the early start's L2 prefetch, all programs together
-                plan.prefetch_bytes = pf_mib << 20
-                label += f" pf{pf_mib}"
-            if tf >= 0:  # the combine lets the next kernel launch before (1) / after (0) its wait
-                plan.trigger_first = bool(tf)
-                label += f" tf{tf}"
-            if pre >= 0:  # the ring's first PRE tiles loaded before the wait
-                plan.preload = pre
-                label += f" pre{pre}"
-            if steal >= 0:  # the splits share the tiles past their own (1) or not
-                plan.steal = bool(steal)
-                label += f" steal{steal}"
-            if own > 0:  # the tiles a stealing split owns before the shared ones
-                plan.steal_own = own
-                label += f" own{own}"
-            if pace >= 0:  # at most PACE K / V halves of the preload in flight (0: no limit)
-                plan.pace = pace
-                label += f" pace{pace}"
+            label += early_knobs(plan, pf_mib, tf, pre, steal, own, pace)
             if uniform:  # no lengths tensor: the kernels read no length before their first load
                 label += " uniform"
                 lens[label] = None

@@ -1,5 +1,5 @@
 """What the decode probes (overlap_ceiling, tma_read_probe, warp_split_probe, gluon_decode_probe,
-gluon_splitkv) share: their JSON-lines rows, printed as they are written, and the timing of each
+gluon_splitkv, splitkv_timeline) share: their JSON-lines rows, printed as they are written, and the timing of each
 candidate in 16-layer decode steps (decode_bench's timer: CUDA-graph replays, L2 flushed)."""
 from __future__ import annotations
 
@@ -59,6 +59,35 @@ def sum_checked(write, runs: dict, want: float, slack: float, where: dict,
         except Exception as e:  # noqa: BLE001 -- a read that cannot run is a row
             write({**where, "impl": label, "error": f"{type(e).__name__}: {e}"[:400]})
     return ok
+
+
+def early_knobs(plan, pf: int = -1, tf: int = -1, pre: int = -1, steal: int = -1, own: int = 0,
+                pace: int = -1) -> str:
+    """Set the split-KV early start's launch choices a probe overrides on `plan` (a SplitKVPlan;
+    -1, own 0: the launch's own): pf MiB of L2 prefetch over all programs, tf 1/0 the combine
+    lets the next kernel in before/after its wait, pre tiles loaded before the wait, steal 1/0
+    the splits share their tiles past their own (own each), pace K / V halves of the preload in
+    flight at most (0: all). The label suffix naming those set."""
+    label = ""
+    if pf >= 0:
+        plan.prefetch_bytes = pf << 20
+        label += f" pf{pf}"
+    if tf >= 0:
+        plan.trigger_first = bool(tf)
+        label += f" tf{tf}"
+    if pre >= 0:
+        plan.preload = pre
+        label += f" pre{pre}"
+    if steal >= 0:
+        plan.steal = bool(steal)
+        label += f" steal{steal}"
+    if own > 0:
+        plan.steal_own = own
+        label += f" own{own}"
+    if pace >= 0:
+        plan.pace = pace
+        label += f" pace{pace}"
+    return label
 
 
 def decode_cell(cell: str, layers: int, d: int = 128):

@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
-from probe_rows import Rows, decode_cell  # noqa: E402
+from probe_rows import Rows, decode_cell, early_knobs  # noqa: E402
 
 SLOTS = 8  # stamps a program: entry, wait, first tile, loop end, exit, SM
 CSLOTS = 4  # the combine's: entry, wait, exit, SM
@@ -174,18 +174,13 @@ def gpu(out: str, cells, configs, reps: int) -> None:
         for bn, st, pre, tf, pf, steal, pace in configs:
             gv = dataclasses.replace(var, block_m=64, block_n=bn, num_warps=4, num_stages=st,
                                      loads="pointer", gluon=True)
-            label = f"{gv.name} pre{pre} tf{tf} pf{pf} steal{steal} pace{pace}"
+            label = gv.name
             try:
                 plain = SplitKVPlan(q, kcs[0], False, None, gv)
                 stamped = SplitKVPlan(q, kcs[0], False, None, gv)
                 for p in (plain, stamped):
-                    p.preload, p.trigger_first = pre, (None if tf < 0 else bool(tf))
-                    if pf >= 0:
-                        p.prefetch_bytes = pf << 20
-                    if steal >= 0:
-                        p.steal = bool(steal)
-                    if pace >= 0:
-                        p.pace = pace
+                    knobs = early_knobs(p, pf, tf, pre, steal, pace=pace)
+                label += knobs
                 s = plain.num_splits(nk)
                 if not plain.early(s):
                     raise RuntimeError("not an early-start launch")
@@ -252,7 +247,7 @@ def main() -> None:
     ap.add_argument("--out", default="splitkv_timeline.jsonl")
     ap.add_argument("--cells", default="1/8/1/131072,1/8/1/32768")
     ap.add_argument("--configs", default="128/2/1/-1/-1/0,128/2/1/-1/-1/1",
-                    help="BLOCK_N/STAGES/PRE/TF/PF_MIB[/STEAL[/PACE]],... (TF, PF_MIB, STEAL, "
+                    help="BLOCK_N/STAGES/PRE/TF/PF_MIB[/STEAL[/PACE]],... (PRE, TF, PF_MIB, STEAL, "
                     "PACE -1: the launch's own; STEAL 1/0: the splits share the tiles past "
                     "their own or not; PACE: the preload's K / V halves in flight at most, 0: "
                     "all)")
