@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
-from probe_rows import Rows, decode_cell, early_knobs, time_steps  # noqa: E402
+from probe_rows import Rows, decode_cell, early_knobs, paged_views, time_steps  # noqa: E402
 
 from flashtune.launch_splitkv import SplitKVPlan, default_variant  # noqa: E402
 
@@ -38,9 +38,7 @@ def gpu(out: str, cells, configs, reps: int, page: int = 0) -> None:
         q, kcs, vcs, sl, kv_bytes, var = decode_cell(cell, layers, d)
         bt = None
         if page:
-            per = nk // page
-            bt = torch.randperm(b * per, device="cuda").view(b, per).to(torch.int32)
-            kcs, vcs = ([t.view(b * per, page, *t.shape[2:]) for t in ts] for ts in (kcs, vcs))
+            kcs, vcs, bt = paged_views(kcs, vcs, b, nk, page)
             var = fit_pages(var, page)
         plans = {f"{var.name} shipped": SplitKVPlan(q, kcs[0], False, None, var)}
         base = fit_pages(default_variant(d, "bfloat16"), page or None)  # a fixed reference

@@ -1,6 +1,7 @@
 """What the decode probes (overlap_ceiling, tma_read_probe, warp_split_probe, gluon_decode_probe,
-gluon_splitkv, splitkv_timeline) share: their JSON-lines rows, printed as they are written, and the timing of each
-candidate in 16-layer decode steps (decode_bench's timer: CUDA-graph replays, L2 flushed)."""
+gluon_splitkv, splitkv_timeline) share: their JSON-lines rows, printed as they are written, the
+timing of each candidate in 16-layer decode steps (decode_bench's timer: CUDA-graph replays, L2
+flushed), the early start's knobs and paged views of a cell's caches."""
 from __future__ import annotations
 
 import json
@@ -88,6 +89,16 @@ def early_knobs(plan, pf: int = -1, tf: int = -1, pre: int = -1, steal: int = -1
         plan.pace = pace
         label += f" pace{pace}"
     return label
+
+
+def paged_views(kcs, vcs, b: int, nk: int, page: int):
+    """Each layer's (b, nk, Hk, D) caches as pages of `page` keys, every sequence's pages in a
+    shuffled order: (k pages, v pages, the int32 block table (b, nk // page))."""
+    import torch
+    per = nk // page
+    bt = torch.randperm(b * per, device=kcs[0].device).view(b, per).to(torch.int32)
+    kcs, vcs = ([t.view(b * per, page, *t.shape[2:]) for t in ts] for ts in (kcs, vcs))
+    return kcs, vcs, bt
 
 
 def decode_cell(cell: str, layers: int, d: int = 128):

@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
-from probe_rows import Rows, decode_cell, early_knobs  # noqa: E402
+from probe_rows import Rows, decode_cell, early_knobs, paged_views  # noqa: E402
 
 SLOTS = 8  # stamps a program: entry, wait, first tile, loop end, exit, SM
 CSLOTS = 4  # the combine's: entry, wait, exit, SM
@@ -48,12 +48,13 @@ def _stamp(k: int, indent: str = "") -> str:
 
 def stamped_source(variant) -> str:
     """The early-start render of `variant` with the stamps (TS: an int64 pointer, the last
-    argument before the constexprs)."""
+    argument before the constexprs; paged: no STEAL loop)."""
     from flashtune.codegen.render import render
     src = render(dataclasses.replace(variant, early_start=True))
+    last = ("                         fresh,\n" if variant.paged
+            else "                         CNT, steal_own,\n")
     edits = [
-        ("                         CNT, steal_own,\n",
-         "                         CNT, steal_own, TS,\n"),
+        (last, last.replace(",\n", ", TS,\n")),
         ("    split = gl.program_id(1)\n",
          "    split = gl.program_id(1)\n" + _stamp(0) + SMID.format(slots=SLOTS)),
         ("    gdc_wait()\n    if early_trigger:\n        gdc_launch_dependents()\n",
@@ -61,10 +62,11 @@ def stamped_source(variant) -> str:
         ("    for i in range(n_steps):\n        mbarrier.wait(k_ready.index(st), ph)\n",
          "    for i in range(n_steps):\n        mbarrier.wait(k_ready.index(st), ph)\n"
          "        if i == 0:\n" + _stamp(2, "        ")),
-        # STEAL's loop: its first tile is the split's own
+        # STEAL's loop (contiguous): its first tile is the split's own
         ("        while t_i < n_tiles:\n            mbarrier.wait(k_ready.index(st), ph)\n",
          "        while t_i < n_tiles:\n            mbarrier.wait(k_ready.index(st), ph)\n"
-         "            if t_i == split:\n" + _stamp(2, "            ")),
+         "            if t_i == split:\n" + _stamp(2, "            "))
+        if not variant.paged else None,
         ("    seen = l_i > 0.0", _stamp(3) + "    seen = l_i > 0.0"),
         ("             mask=gl.expand_dims(ro < GROUP * Nq, 1))\n",
          "             mask=gl.expand_dims(ro < GROUP * Nq, 1))\n" + _stamp(4)),
@@ -79,7 +81,7 @@ def stamped_source(variant) -> str:
          "             acc.to(O.dtype.element_ty), mask=d_ok)\n"
          + CSTAMP.format(slots=CSLOTS, k=2)),
     ]
-    for old, new in edits:
+    for old, new in filter(None, edits):
         if src.count(old) != 1:
             raise RuntimeError(f"the render changed: {old.strip()!r} found {src.count(old)}x")
         src = src.replace(old, new)
@@ -159,9 +161,11 @@ def read_flush_ms(replay, reps: int = 40) -> float:
     return statistics.median(times)
 
 
-def gpu(out: str, cells, configs, reps: int) -> None:
+def gpu(out: str, cells, configs, reps: int, page: int = 0) -> None:
+    """page: over paged views of the same caches (page-key pages, each sequence's shuffled)."""
     import decode_bench as db
     from flashtune.bench.timing import graphed
+    from flashtune.kvcache import fit_pages
     from flashtune.launch_splitkv import SplitKVPlan
     db.GRAPH, db.DEVICE = True, "cuda"
     layers, d = 16, 128
@@ -171,9 +175,13 @@ def gpu(out: str, cells, configs, reps: int) -> None:
     for cell in cells:
         b, hq, _, nk = (int(x) for x in cell.split("/"))
         q, kcs, vcs, sl, kv_bytes, var = decode_cell(cell, layers, d)
+        bt = None
+        if page:
+            kcs, vcs, bt = paged_views(kcs, vcs, b, nk, page)
         for bn, st, pre, tf, pf, steal, pace in configs:
-            gv = dataclasses.replace(var, block_m=64, block_n=bn, num_warps=4, num_stages=st,
-                                     loads="pointer", gluon=True)
+            gv = fit_pages(dataclasses.replace(var, block_m=64, block_n=bn, num_warps=4,
+                                               num_stages=st, loads="pointer", gluon=True),
+                           page or None)
             label = gv.name
             try:
                 plain = SplitKVPlan(q, kcs[0], False, None, gv)
@@ -199,8 +207,8 @@ def gpu(out: str, cells, configs, reps: int) -> None:
                 ckey = ("combine", s, True, stamped.first_trigger(nk))
                 corig = stamped._launcher(ckey)
                 stamped._launchers[ckey] = lambda grid, *a, **k: corig(grid, *a, cur[1], **k)
-                ref = plain.run(q, kcs[0], vcs[0], sl, None, nk)[0]
-                got = stamped.run(q, kcs[0], vcs[0], sl, None, nk)[0]
+                ref = plain.run(q, kcs[0], vcs[0], sl, bt, nk)[0]
+                got = stamped.run(q, kcs[0], vcs[0], sl, bt, nk)[0]
                 diff = (got.float() - ref.float()).abs().max().item()
 
                 def step(p, stamp):
@@ -208,7 +216,7 @@ def gpu(out: str, cells, configs, reps: int) -> None:
                         for i in range(layers):
                             if stamp:
                                 cur[0], cur[1] = ts[i], cs[i]
-                            p.run(q, kcs[i], vcs[i], sl, None, nk)
+                            p.run(q, kcs[i], vcs[i], sl, bt, nk)
                     return run
                 ms = {}
                 for name, p, stamp in (("plain", plain, False), ("stamped", stamped, True)):
@@ -252,6 +260,9 @@ def main() -> None:
                     "their own or not; PACE: the preload's K / V halves in flight at most, 0: "
                     "all)")
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--page", type=int, default=0,
+                    help="stamp over paged views of the caches, PAGE-key pages in shuffled order "
+                    "(0: contiguous)")
     ap.add_argument("--combine", default="",
                     help="TILE/WARPS: the combine kernel's tile (launch_splitkv.COMBINE_TILE) "
                     "and warps for every config (a probe of the combine's share)")
@@ -259,7 +270,7 @@ def main() -> None:
     if a.combine:
         combine_shape(*(int(x) for x in a.combine.split("/")))
     configs = [tuple([int(x) for x in c.split("/")] + [-1, -1])[:7] for c in a.configs.split(",")]
-    gpu(a.out, a.cells.split(","), configs, a.reps)
+    gpu(a.out, a.cells.split(","), configs, a.reps, a.page)
 
 
 def combine_shape(tile: int, warps: int) -> None:
