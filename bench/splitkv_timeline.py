@@ -48,13 +48,12 @@ def _stamp(k: int, indent: str = "") -> str:
 
 def stamped_source(variant) -> str:
     """The early-start render of `variant` with the stamps (TS: an int64 pointer, the last
-    argument before the constexprs; paged: no STEAL loop)."""
+    argument before the constexprs)."""
     from flashtune.codegen.render import render
     src = render(dataclasses.replace(variant, early_start=True))
-    last = ("                         fresh,\n" if variant.paged
-            else "                         CNT, steal_own,\n")
     edits = [
-        (last, last.replace(",\n", ", TS,\n")),
+        ("                         CNT, steal_own,\n",
+         "                         CNT, steal_own, TS,\n"),
         ("    split = gl.program_id(1)\n",
          "    split = gl.program_id(1)\n" + _stamp(0) + SMID.format(slots=SLOTS)),
         ("    gdc_wait()\n    if early_trigger:\n        gdc_launch_dependents()\n",
@@ -62,11 +61,10 @@ def stamped_source(variant) -> str:
         ("    for i in range(n_steps):\n        mbarrier.wait(k_ready.index(st), ph)\n",
          "    for i in range(n_steps):\n        mbarrier.wait(k_ready.index(st), ph)\n"
          "        if i == 0:\n" + _stamp(2, "        ")),
-        # STEAL's loop (contiguous): its first tile is the split's own
+        # STEAL's loop: its first tile is the split's own
         ("        while t_i < n_tiles:\n            mbarrier.wait(k_ready.index(st), ph)\n",
          "        while t_i < n_tiles:\n            mbarrier.wait(k_ready.index(st), ph)\n"
-         "            if t_i == split:\n" + _stamp(2, "            "))
-        if not variant.paged else None,
+         "            if t_i == split:\n" + _stamp(2, "            ")),
         ("    seen = l_i > 0.0", _stamp(3) + "    seen = l_i > 0.0"),
         ("             mask=gl.expand_dims(ro < GROUP * Nq, 1))\n",
          "             mask=gl.expand_dims(ro < GROUP * Nq, 1))\n" + _stamp(4)),
@@ -81,7 +79,7 @@ def stamped_source(variant) -> str:
          "             acc.to(O.dtype.element_ty), mask=d_ok)\n"
          + CSTAMP.format(slots=CSLOTS, k=2)),
     ]
-    for old, new in filter(None, edits):
+    for old, new in edits:
         if src.count(old) != 1:
             raise RuntimeError(f"the render changed: {old.strip()!r} found {src.count(old)}x")
         src = src.replace(old, new)

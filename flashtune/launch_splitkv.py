@@ -65,9 +65,13 @@ PRELOAD_PACE = 1
 # 1-5, owning 2), MQA B=1: 128k (7.8 tiles a split) 2,566-2,571 -> 2,620-2,642 GB/s; 64k (3.9)
 # 2,341 -> 2,248, 32k (1.9) 1,784 -> 1,738; GQA B=1 8k (4) 2,142 -> 2,007, 32k (16) 2,752 ->
 # 2,809.
-# Paged caches keep fixed shares: STEAL there (shuffled 256-key pages, a ticket's page read as
-# it is drawn, or a step ahead) read MQA B=1 128k 2,572 -> 2,562-2,573, 64k 2,303 -> 2,269
-# (calls 6-7), and was taken out
+# Paged: session 39 measured no gain (shuffled 256-key pages, a ticket's page read as it is
+# drawn, or a step ahead: MQA B=1 128k 2,572 -> 2,562-2,573, 64k 2,303 -> 2,269, calls 6-7), with
+# the tickets of then (a split owning only its ring). Session 42's stamps (bench/splitkv_timeline
+# --page, call 5) showed fixed shares' tail again: MQA B=1 128k, median program's end -> last
+# exit 2.52 us paged against 1.34 stealing contiguous. Now a paged split asks its tickets three
+# steps ahead and reads each page two steps ahead (the template's header). (not yet measured)
+STEAL_PAGED = True
 STEAL_TILES = True
 STEAL_MIN_TILES = 6
 # A split owns its first STEAL_OWN tiles (t_step apart; at least its ring's stages) and takes
@@ -226,8 +230,7 @@ class GluonPartial:
         if early:
             extra["PRELOAD"] = pre
             extra["PACE"] = plan.preload_pace()
-            if not plan.paged:
-                extra["STEAL"] = self.steal
+            extra["STEAL"] = self.steal
         if plan.paged:
             extra["PAGE"] = plan.kwargs["PAGE"]
         self.launch = Launcher(kernel, GROUP=plan.kwargs["GROUP"],
@@ -259,9 +262,8 @@ class GluonPartial:
         hint, rows, trigger = early_args if self.early else (0, 0, 0)
         tail = ()
         if self.early:  # CNT: the STEAL counters (unread without STEAL: any pointer will do)
-            tail = (fresh,) if self.plan.paged else (
-                fresh, self.plan.counters(q.device) if self.steal else o,
-                self.plan.steal_rounds())
+            tail = (fresh, self.plan.counters(q.device) if self.steal else o,
+                    self.plan.steal_rounds())
         # uniform: SEQLENS is never read (any pointer will do)
         self.launch(grid, q, k, v, kd, vd, seqlens if seqlens is not None else o, o, lse, scale,
                     *paged, sqb, sqm, sqh, skb, skn, skh, sob, som, soh, sos, slb, slm, slh, sls,
@@ -436,20 +438,21 @@ class SplitKVPlan:
         """Whether the gluon render's early start shares the tiles past each split's own
         (steal_rounds) between its num_splits splits of sequences of at most `keys` keys (the
         probe's `steal`, else STEAL_TILES where the ring holds an SM alone and a split's share is
-        at least STEAL_MIN_TILES tiles); contiguous caches only."""
-        if self.paged or not self.variant.gluon:
+        at least STEAL_MIN_TILES tiles; paged, STEAL_PAGED too)."""
+        if not self.variant.gluon:
             return False
         if self.steal is not None:
             return self.steal
         tiles = triton.cdiv(max(keys, 1), self.variant.block_n)
-        return (STEAL_TILES and self.ring_alone and num_splits > 1
-                and tiles >= STEAL_MIN_TILES * num_splits)
+        return (STEAL_TILES and (STEAL_PAGED or not self.paged) and self.ring_alone
+                and num_splits > 1 and tiles >= STEAL_MIN_TILES * num_splits)
 
     def steal_rounds(self) -> int:
         """STEAL's steal_own: the tiles a split owns (t_step apart) before the shared ones, at
-        least its ring's stages (the probe's `steal_own`, else STEAL_OWN)."""
+        least its ring's stages, paged two more (its first two refills' pages are read beside
+        its length: the template's header) (the probe's `steal_own`, else STEAL_OWN)."""
         own = STEAL_OWN if self.steal_own is None else self.steal_own
-        return max(self.variant.num_stages, own)
+        return max(self.variant.num_stages + (2 if self.paged else 0), own)
 
     def counters(self, device) -> torch.Tensor:
         """The STEAL counters of this CUDA stream: (programs,) int32, 0 between launches (each

@@ -207,7 +207,7 @@ def test_a_ring_that_holds_its_sm_alone_preloads_and_lets_the_next_layer_in(name
 
 @pytest.mark.parametrize("name,paged,steals", [
     ("splitkv-m64-n128-w4-s2-gluon=true", False, True),   # a ring alone on its SM
-    ("splitkv-m64-n128-w4-s2-gluon=true", True, False),   # paged: the splits keep their tiles
+    ("splitkv-m64-n128-w4-s2-gluon=true", True, True),    # paged too
     (GLUON, False, False),                                # two share an SM
     ("splitkv-m64-n128-w4-s2", False, False),             # the Triton render
 ])
@@ -222,12 +222,14 @@ def test_a_ring_alone_on_its_sm_shares_its_splits_tiles(name, paged, steals):
     assert not plan.steals(132 * 6 * 128 - 128, 132)   # 5.99
     assert not plan.steals(65536, 132)                  # 3.9
     assert not plan.steals(131072, 1)                   # one split: nothing to share
-    plan.steal = True  # the probe's: contiguous gluon renders only, any length
-    assert plan.steals(1000, 132) == (plan.variant.gluon and not paged)
-    # a split owns 4 tiles (at least its ring's) before it takes tickets
-    assert plan.steal_rounds() == max(4, plan.variant.num_stages)
+    plan.steal = True  # the probe's: gluon renders only, any length
+    assert plan.steals(1000, 132) == plan.variant.gluon
+    # a split owns 4 tiles (at least its ring's; paged, two more: its first two refills' pages
+    # are read beside its length) before it takes tickets
+    extra = 2 if paged else 0
+    assert plan.steal_rounds() == max(4, plan.variant.num_stages + extra)
     plan.steal_own = 1
-    assert plan.steal_rounds() == plan.variant.num_stages
+    assert plan.steal_rounds() == plan.variant.num_stages + extra
 
 
 # (B, Hq, Hk, Nq, capacity, lengths, causal): tiles of 128 keys shared past the ring's first
@@ -245,29 +247,37 @@ STEAL_CASES = [
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", STEAL_CASES, ids=lambda c: "B{}-{}/{}-Nq{}-cap{}".format(
     *c[:5]) + ("-causal" if c[6] else ""))
-@pytest.mark.parametrize("name,own", [("splitkv-m64-n128-w4-s2-gluon=true", 0), (GLUON, 0),
-                                      ("splitkv-m64-n128-w4-s2-gluon=true", 2)])
-def test_gluon_shared_tiles_match_float64(case, name, own):
+@pytest.mark.parametrize("name,own,page", [("splitkv-m64-n128-w4-s2-gluon=true", 0, 0),
+                                           (GLUON, 0, 0),
+                                           ("splitkv-m64-n128-w4-s2-gluon=true", 2, 0),
+                                           ("splitkv-m64-n128-w4-s2-gluon=true", 0, 256),
+                                           (GLUON, 0, 128),
+                                           ("splitkv-m64-n128-w4-s2-gluon=true", 5, 256)])
+def test_gluon_shared_tiles_match_float64(case, name, own, page):
     """STEAL (the early start's splits take the tiles past their own from a
     counter): against float64, launch after launch and in graph replays at other lengths, the
-    counters back at 0 after each; forced on a ring two programs share an SM with too, and with
-    each split owning only its ring's 2 tiles before the shared ones (steal_own; the rule: 4)."""
+    counters back at 0 after each; forced on a ring two programs share an SM with too, with
+    each split owning only its ring's 2 tiles before the shared ones (steal_own; the rule: 4),
+    and over shuffled pages (a split owning the rule's 4, or 5: its first ticket asked in its
+    loop, not before it)."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the gluon render is sm_90's")
     b, hq, hk, nq, cap, lengths, causal = case
     q, kc, vc = make(b, nq, hq, hk, 128, cap, torch.bfloat16, "cuda")
-    plan = SplitKVPlan(q, kc, causal, None, Variant.parse(name))
+    kp, vp, bt = _paged(kc, vc, page) if page else (kc, vc, None)
+    plan = SplitKVPlan(q, kp, causal, None,
+                       Variant.parse(name + ("-paged=true" if page else "")))
     plan.steal, plan.steal_own = True, own or None
     seqlens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
     top = max(lengths)
     assert plan.early(plan.num_splits(top)) and plan.steals(top, plan.num_splits(top))
     for _ in range(3):
-        out, lse = plan.run(q, kc, vc, seqlens, None, top)
+        out, lse = plan.run(q, kp, vp, seqlens, bt, top)
         check(q, kc, vc, lengths, out, causal=causal, lse=lse)
         assert not plan.counters(q.device).any()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out, lse = plan.run(q, kc, vc, seqlens, None, top)
+        out, lse = plan.run(q, kp, vp, seqlens, bt, top)
     for again in ([min(cap, n + 700) for n in lengths], [max(0, n - 900) for n in lengths]):
         seqlens.copy_(torch.tensor(again, dtype=torch.int32))
         for _ in range(2):

@@ -198,11 +198,9 @@ def compile_check(variant, head_dim: int, dtype: str, causal: bool, tails: bool,
         if variant.paged:
             consts["PAGE"] = plan.kwargs["PAGE"]
         if variant.early_start:  # the render that loads the ring's first tiles before its wait
-            # and, contiguous, shares the rest (STEAL); one K / V half in flight at a time
-            consts.update(PRELOAD=variant.num_stages, PACE=1)
-            if not variant.paged:
-                consts["STEAL"] = True
-                ints["CNT"] = "*i32"
+            # and shares the rest (STEAL); one K / V half in flight at a time
+            consts.update(PRELOAD=variant.num_stages, PACE=1, STEAL=True)
+            ints["CNT"] = "*i32"
         ints.update(k_desc=desc, v_desc=desc)
     out = {"partial": compile_for(mod.attn_splitkv_partial, consts, dtype, variant.num_warps,
                                   variant.num_stages, capability=cap, usage=usage, types=ints)}
