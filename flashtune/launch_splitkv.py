@@ -70,7 +70,9 @@ PRELOAD_PACE = 1
 # the tickets of then (a split owning only its ring). Session 42's stamps (bench/splitkv_timeline
 # --page, call 5) showed fixed shares' tail again: MQA B=1 128k, median program's end -> last
 # exit 2.52 us paged against 1.34 stealing contiguous. Now a paged split asks its tickets three
-# steps ahead and reads each page two steps ahead (the template's header). (not yet measured)
+# steps ahead and reads each page two steps ahead (the template's header): fixed shares ->
+# STEAL, paged, H100 (session 42, call 6): MQA B=1 128k 2,661 -> 2,684 GB/s, MQA B=8 128k 2,951
+# -> 3,007, GQA B=1 32k 2,855 -> 2,890 (contiguous stealing 2,772 / 3,096 / 2,926, same run)
 STEAL_PAGED = True
 STEAL_TILES = True
 STEAL_MIN_TILES = 6
