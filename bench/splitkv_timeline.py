@@ -176,7 +176,7 @@ def gpu(out: str, cells, configs, reps: int, page: int = 0) -> None:
         bt = None
         if page:
             kcs, vcs, bt = paged_views(kcs, vcs, b, nk, page)
-        for bn, st, pre, tf, pf, steal, pace, fill in configs:
+        for bn, st, pre, tf, pf, steal, pace in configs:
             gv = fit_pages(dataclasses.replace(var, block_m=64, block_n=bn, num_warps=4,
                                                num_stages=st, loads="pointer", gluon=True),
                            page or None)
@@ -185,7 +185,7 @@ def gpu(out: str, cells, configs, reps: int, page: int = 0) -> None:
                 plain = SplitKVPlan(q, kcs[0], False, None, gv)
                 stamped = SplitKVPlan(q, kcs[0], False, None, gv)
                 for p in (plain, stamped):
-                    knobs = early_knobs(p, pf, tf, pre, steal, pace=pace, fill=fill)
+                    knobs = early_knobs(p, pf, tf, pre, steal, pace=pace)
                 label += knobs
                 s = plain.num_splits(nk)
                 if not plain.early(s):
@@ -253,11 +253,10 @@ def main() -> None:
     ap.add_argument("--out", default="splitkv_timeline.jsonl")
     ap.add_argument("--cells", default="1/8/1/131072,1/8/1/32768")
     ap.add_argument("--configs", default="128/2/1/-1/-1/0,128/2/1/-1/-1/1",
-                    help="BLOCK_N/STAGES/PRE/TF/PF_MIB[/STEAL[/PACE[/FILL]]],... (PRE, TF, "
-                    "PF_MIB, STEAL, PACE, FILL -1: the launch's own; STEAL 1/0: the splits share "
-                    "the tiles past their own or not; PACE: the preload's K / V halves in "
-                    "flight at most, 0: all; FILL 1/0: the ring's other tiles load right after "
-                    "the wait or after the length read)")
+                    help="BLOCK_N/STAGES/PRE/TF/PF_MIB[/STEAL[/PACE]],... (PRE, TF, PF_MIB, STEAL, "
+                    "PACE -1: the launch's own; STEAL 1/0: the splits share the tiles past "
+                    "their own or not; PACE: the preload's K / V halves in flight at most, 0: "
+                    "all)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--page", type=int, default=0,
                     help="stamp over paged views of the caches, PAGE-key pages in shuffled order "
@@ -268,8 +267,7 @@ def main() -> None:
     a = ap.parse_args()
     if a.combine:
         combine_shape(*(int(x) for x in a.combine.split("/")))
-    configs = [tuple([int(x) for x in c.split("/")] + [-1, -1, -1])[:8]
-               for c in a.configs.split(",")]
+    configs = [tuple([int(x) for x in c.split("/")] + [-1, -1])[:7] for c in a.configs.split(",")]
     gpu(a.out, a.cells.split(","), configs, a.reps, a.page)
 
 

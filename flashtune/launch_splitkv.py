@@ -74,9 +74,6 @@ PRELOAD_PACE = 1
 # STEAL, paged, H100 (session 42, call 6): MQA B=1 128k 2,661 -> 2,684 GB/s, MQA B=8 128k 2,951
 # -> 3,007, GQA B=1 32k 2,855 -> 2,890 (contiguous stealing 2,772 / 3,096 / 2,926, same run)
 STEAL_PAGED = True
-# ... and, after its wait, the ring's other hinted tiles go out before the length read returns
-# (FILL; before, their loads waited on that round trip)
-FILL_AFTER_WAIT = False
 STEAL_TILES = True
 STEAL_MIN_TILES = 6
 # A split owns its first STEAL_OWN tiles (t_step apart; at least its ring's stages) and takes
@@ -227,17 +224,14 @@ class GluonPartial:
     takes the same grid and arguments."""
     __slots__ = ("plan", "launch", "uniform", "early", "steal", "fallback")
 
-    def __init__(self, plan, kernel, uniform: bool, early: bool, steal: bool, pre: int,
-                 fill: bool):
+    def __init__(self, plan, kernel, uniform: bool, early: bool, steal: bool, pre: int):
         # steal: the early render's splits share their tiles; pre: the tiles it loads before
-        # its wait; fill: the ring's others right after it (run decides: steals, preload_tiles,
-        # fills)
+        # its wait (run decides both: steals, preload_tiles)
         self.plan, self.uniform, self.early, self.steal = plan, uniform, early, steal
         extra = {"launch_pdl": True} if early and plan.pdl else {}
         if early:
             extra["PRELOAD"] = pre
             extra["PACE"] = plan.preload_pace()
-            extra["FILL"] = fill
             extra["STEAL"] = self.steal
         if plan.paged:
             extra["PAGE"] = plan.kwargs["PAGE"]
@@ -332,8 +326,6 @@ class SplitKVPlan:
         self.steal: bool | None = None
         # the tiles a stealing split owns (None: STEAL_OWN); the probe sets it
         self.steal_own: int | None = None
-        # whether the ring's other hinted tiles load right after the wait (None: FILL_AFTER_WAIT)
-        self.fill: bool | None = None
         self._counters: dict = {}
         self.skip_combine = False  # the probe's partial kernels alone (their outputs unmerged)
         self.elsize = k_cache.element_size()
@@ -360,11 +352,10 @@ class SplitKVPlan:
         return mod
 
     def _launcher(self, key):
-        """key: ("partial", UNIFORM, early, steal, pre, fill) or ("combine", num_splits, early,
+        """key: ("partial", UNIFORM, early, steal, pre) or ("combine", num_splits, early,
         first); early: the early_start render (its combine lets the next kernel start: before
         its wait where first); steal: its splits share their tiles (steals); pre: the gluon
-        render's tiles loaded before its wait (preload_tiles); fill: the ring's others right after
-        it (fills)."""
+        render's tiles loaded before its wait (preload_tiles)."""
         got = self._launchers.get(key)
         if got is None:
             if len(self._launchers) > 64:
@@ -458,12 +449,6 @@ class SplitKVPlan:
         return (STEAL_TILES and (STEAL_PAGED or not self.paged) and self.ring_alone
                 and num_splits > 1 and tiles >= STEAL_MIN_TILES * num_splits)
 
-    def fills(self) -> bool:
-        """Whether the gluon render's early start loads the ring's hinted tiles it did not
-        preload right after its wait, before its length read (the probe's `fill`, else
-        FILL_AFTER_WAIT)."""
-        return bool(FILL_AFTER_WAIT if self.fill is None else self.fill)
-
     def steal_rounds(self) -> int:
         """STEAL's steal_own: the tiles a split owns (t_step apart) before the shared ones, at
         least its ring's stages, paged two more (its first two refills' pages are read beside
@@ -497,12 +482,10 @@ class SplitKVPlan:
 
     def partial_key(self, uniform: bool, early: bool, keys: int, num_splits: int) -> tuple:
         """The partial kernel's launcher key (_launcher) for a launch of num_splits splits placed
-        by `keys`: whether they share tiles (steals), the tiles preloaded (preload_tiles) and
-        whether the others load right after the wait (fills)."""
+        by `keys`: whether they share tiles (steals) and the tiles preloaded (preload_tiles)."""
         steal = early and self.steals(keys, num_splits)
-        gluon = early and self.variant.gluon
-        pre = self.preload_tiles(keys, num_splits) if gluon else 0
-        return ("partial", uniform, early, steal, pre, gluon and self.fills())
+        pre = self.preload_tiles(keys, num_splits) if early and self.variant.gluon else 0
+        return ("partial", uniform, early, steal, pre)
 
     def num_splits(self, max_seqlen: int) -> int:
         s = self._splits.get(max_seqlen)

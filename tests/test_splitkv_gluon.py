@@ -247,23 +247,19 @@ STEAL_CASES = [
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", STEAL_CASES, ids=lambda c: "B{}-{}/{}-Nq{}-cap{}".format(
     *c[:5]) + ("-causal" if c[6] else ""))
-@pytest.mark.parametrize("name,own,page,fill", [
-    ("splitkv-m64-n128-w4-s2-gluon=true", 0, 0, False),
-    (GLUON, 0, 0, False),
-    ("splitkv-m64-n128-w4-s2-gluon=true", 2, 0, False),
-    ("splitkv-m64-n128-w4-s2-gluon=true", 0, 256, False),
-    (GLUON, 0, 128, False),
-    ("splitkv-m64-n128-w4-s2-gluon=true", 5, 256, False),
-    ("splitkv-m64-n128-w4-s2-gluon=true", 0, 0, True),
-    ("splitkv-m64-n128-w4-s2-gluon=true", 0, 256, True)])
-def test_gluon_shared_tiles_match_float64(case, name, own, page, fill):
+@pytest.mark.parametrize("name,own,page", [("splitkv-m64-n128-w4-s2-gluon=true", 0, 0),
+                                           (GLUON, 0, 0),
+                                           ("splitkv-m64-n128-w4-s2-gluon=true", 2, 0),
+                                           ("splitkv-m64-n128-w4-s2-gluon=true", 0, 256),
+                                           (GLUON, 0, 128),
+                                           ("splitkv-m64-n128-w4-s2-gluon=true", 5, 256)])
+def test_gluon_shared_tiles_match_float64(case, name, own, page):
     """STEAL (the early start's splits take the tiles past their own from a
     counter): against float64, launch after launch and in graph replays at other lengths, the
     counters back at 0 after each; forced on a ring two programs share an SM with too, with
     each split owning only its ring's 2 tiles before the shared ones (steal_own; the rule: 4),
-    over shuffled pages (a split owning the rule's 4, or 5: its first ticket asked in its
-    loop, not before it), and with the ring's tiles not preloaded loaded right after the wait
-    (FILL) or after the length read."""
+    and over shuffled pages (a split owning the rule's 4, or 5: its first ticket asked in its
+    loop, not before it)."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the gluon render is sm_90's")
     b, hq, hk, nq, cap, lengths, causal = case
@@ -271,7 +267,7 @@ def test_gluon_shared_tiles_match_float64(case, name, own, page, fill):
     kp, vp, bt = _paged(kc, vc, page) if page else (kc, vc, None)
     plan = SplitKVPlan(q, kp, causal, None,
                        Variant.parse(name + ("-paged=true" if page else "")))
-    plan.steal, plan.steal_own, plan.fill = True, own or None, fill
+    plan.steal, plan.steal_own = True, own or None
     seqlens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
     top = max(lengths)
     assert plan.early(plan.num_splits(top)) and plan.steals(top, plan.num_splits(top))
@@ -293,30 +289,27 @@ def test_gluon_shared_tiles_match_float64(case, name, own, page, fill):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("paged", [False, True])
-@pytest.mark.parametrize("early", [False, True, "preload", "paced", "alone", "fill", "nofill"])
+@pytest.mark.parametrize("early", [False, True, "preload", "paced", "alone"])
 def test_gluon_graph_replay_with_longer_sequences(paged, early):
     """A step captured at one length and replayed at others (a serving loop's graph), with and
-    without the early start (and its tiles loaded before the wait, or right after it (fill),
-    placed by the captured length: a replay at another length moves them): contiguous, each
-    sequence is split by its own length; paged, by the captured one (split_keys), a longer
-    sequence by its own; an empty one writes zeros."""
+    without the early start (and its tiles loaded before the wait, placed by the captured
+    length: a replay at another length moves them): contiguous, each sequence is split by its own
+    length; paged, by the captured one (split_keys), a longer sequence by its own; an empty one
+    writes zeros."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the gluon render is sm_90's")
     q, kc, vc = make(2, 1, 8, 1, 128, 4096, torch.bfloat16, "cuda")
     kp, vp, bt = _paged(kc, vc, 256) if paged else (kc, vc, None)
     seqlens = torch.tensor([1000, 300], dtype=torch.int32, device="cuda")
-    # "alone": a 128-key ring (holds its SM alone) whose launch preloads one tile by its rule;
-    # "fill" / "nofill": the same, its other tile loaded right after the wait / after the length
-    alone = early in ("alone", "fill", "nofill")
-    name = GLUON.replace("-n64-", "-n128-") if alone else GLUON
+    # "alone": a 128-key ring (holds its SM alone) whose launch preloads one tile by its rule
+    name = GLUON.replace("-n64-", "-n128-") if early == "alone" else GLUON
     plan = SplitKVPlan(q, kp, False, None, Variant.parse(name + ("-paged=true" if paged else "")))
-    plan.fill = {"fill": True, "nofill": False}.get(early)
-    if not alone:
+    if early != "alone":
         plan.preload = 2 if early in ("preload", "paced") else 0
     # "preload": both tiles before the wait at once; "paced": one K / V half in flight (PACE)
     plan.pace = {"preload": 0, "paced": 1}.get(early)
     assert plan.preload_tiles(1000, plan.num_splits(1000)) == {
-        False: 0, True: 0, "preload": 2, "paced": 2, "alone": 1, "fill": 1, "nofill": 1}[early]
+        False: 0, True: 0, "preload": 2, "paced": 2, "alone": 1}[early]
     early = bool(early)
     plan.allow_early = early  # a one-wave grid: the launch takes the early start unless told
     assert plan.variant.gluon and plan.early(plan.num_splits(1000)) == early
@@ -369,14 +362,12 @@ def test_gluon_preloaded_tiles_never_hold_the_appended_keys(paged, nq, n_new, ca
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("paged", [False, True])
-@pytest.mark.parametrize("pre,pace,fill", [(1, 1, False), (2, 1, False), (2, 0, False),
-                                           (1, 1, True), (0, 1, True)])
-def test_gluon_tiles_loaded_before_the_wait_with_keys_written_just_before(paged, pre, pace, fill):
+@pytest.mark.parametrize("pre,pace", [(1, 1), (2, 1), (2, 0)])
+def test_gluon_tiles_loaded_before_the_wait_with_keys_written_just_before(paged, pre, pace):
     """The early start's loads before its wait: `pre` tiles, `pace` K / V halves in flight (0:
-    all); fill: the ring's others right after the wait, before the length read. Keys written
-    just before the launch (appended=2) sit in the last split's second tile, which is loaded
-    again after the wait (or, filled, first loaded then); then a graph replayed at other lengths
-    moves every split (the tiles the hint placed are all loaded again)."""
+    all). Keys written just before the launch (appended=2) sit in the last split's second tile,
+    which is loaded again after the wait; then a graph replayed at other lengths moves every
+    split (the tiles the hint placed are all loaded again)."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the gluon render is sm_90's")
     name = "splitkv-m64-n128-w4-s2-sp3-gluon=true"
@@ -384,7 +375,7 @@ def test_gluon_tiles_loaded_before_the_wait_with_keys_written_just_before(paged,
     kp, vp, bt = _paged(kc, vc, 256) if paged else (kc, vc, None)
     from flashtune.kvcache import fit_pages
     plan = SplitKVPlan(q, kp, False, None, fit_pages(Variant.parse(name), 256 if paged else None))
-    plan.preload, plan.pace, plan.fill = pre, pace, fill
+    plan.preload, plan.pace = pre, pace
     lengths = [1000, 500]
     seqlens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
     assert plan.early(plan.num_splits(1000))
