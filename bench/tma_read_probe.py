@@ -26,6 +26,7 @@ from probe_rows import Rows, sum_checked, time_steps  # noqa: E402
 from triton.experimental import gluon  # noqa: E402
 from triton.experimental.gluon import language as gl  # noqa: E402
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier  # noqa: E402
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait  # noqa: E402
 
 from flashtune.gluon_compat import sync_warps, tma_load  # noqa: E402
 
@@ -38,9 +39,17 @@ def load_pair(x_desc, y_desc, row, bar, x_buf, y_buf):
     tma_load(y_desc, [row, 0], bar, y_buf)
 
 
+# MODE (session 44): the read launched as a programmatic dependent, in the orders an attention
+# layer may keep. 0 plain (no PDL); 1 pre: the ring's STAGES tiles issued, then the wait, then a
+# read of the layer before's output (PREV: an attention layer's query), the next layer let in,
+# the tiles consumed (each scaled by a factor taken from PREV, so the first waits for it);
+# 2 pretf: as pre, the next layer let in first; 3 early: no dependency (the wait at the end)
+MODES = {"plain": 0, "pre": 1, "pretf": 2, "early": 3}
+
+
 @gluon.jit
-def _tma_read(x_desc, y_desc, OUT, rows_per_prog, n_rows, STAGES: gl.constexpr,
-              READ: gl.constexpr, WARPS: gl.constexpr):
+def _tma_read(x_desc, y_desc, OUT, PREV, rows_per_prog, n_rows, STAGES: gl.constexpr,
+              READ: gl.constexpr, WARPS: gl.constexpr, MODE: gl.constexpr):
     # program p streams rows [p * rows_per_prog, ...) of X and Y (n_rows x D), rows_per_prog a
     # multiple of BLOCK_R: STAGES tiles of each in flight, a tile's slot refilled once every
     # warp has read it (READ: into registers, summed, the check; else the ring alone)
@@ -55,18 +64,27 @@ def _tma_read(x_desc, y_desc, OUT, rows_per_prog, n_rows, STAGES: gl.constexpr,
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(STAGES):
         mbarrier.init(ready.index(s), count=1)
+    if MODE >= 2:
+        gdc_launch_dependents()
     for s in gl.static_range(STAGES):
         if s < n_steps:
             load_pair(x_desc, y_desc, r0 + s * BLOCK_R, ready.index(s), xb.index(s), yb.index(s))
     layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [WARPS, 1], [1, 0])
     acc = gl.zeros([BLOCK_R, D], gl.float32, layout)
+    scale = 1.0
+    if MODE == 1 or MODE == 2:
+        gdc_wait()
+        if MODE == 1:
+            gdc_launch_dependents()
+        # a per-program sum of the layer before: finite, so the factor is 1 (the sums check)
+        scale = gl.where(gl.load(PREV) > 3.0e38, 2.0, 1.0)
     st = 0
     ph = 0
     for i in range(n_steps):
         mbarrier.wait(ready.index(st), ph)
         if READ:
             acc += (xb.index(st).load(layout).to(gl.float32)
-                    + yb.index(st).load(layout).to(gl.float32))
+                    + yb.index(st).load(layout).to(gl.float32)) * scale
         sync_warps()  # every warp is done with the slot before it is refilled
         nxt = i + STAGES
         if nxt < n_steps:
@@ -78,6 +96,8 @@ def _tma_read(x_desc, y_desc, OUT, rows_per_prog, n_rows, STAGES: gl.constexpr,
             ph ^= 1
     for s in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(s))
+    if MODE == 3:
+        gdc_wait()
     gl.store(OUT + pid, gl.sum(gl.sum(acc, 1), 0))
 
 
@@ -86,9 +106,11 @@ def _layout(block_r: int, d: int):
 
 
 def tma_reader(x, y, programs: int, block_r: int, stages: int, read: bool = True,
-               warps: int = 4):
+               warps: int = 4, mode: str = "plain", prev=None, out=None):
     """A callable streaming x and y ((N, D) contiguous bf16 views of one layer's K and V) with
-    `programs` programs, returning per-program sums (float32)."""
+    `programs` programs, returning per-program sums (float32). mode: a MODES name; prev: the
+    float32 tensor whose first element a dependent mode reads after its wait (the layer
+    before's `out`); out: the tensor the sums go to (a fresh one each call if None)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     n, d = x.shape
     per = -(-n // programs)
@@ -98,34 +120,39 @@ def tma_reader(x, y, programs: int, block_r: int, stages: int, read: bool = True
     xd = TensorDescriptor(x, [n, d], [d, 1], [block_r, d], lay)
     yd = TensorDescriptor(y, [n, d], [d, 1], [block_r, d], lay)
 
+    extra = {"launch_pdl": True} if mode != "plain" else {}
+
     def read_():
-        out = torch.empty(progs, dtype=torch.float32, device=x.device)
-        _tma_read[(progs,)](xd, yd, out, per, n, STAGES=stages, READ=read, WARPS=warps,
-                            num_warps=warps)
-        return out
+        o = out if out is not None else torch.empty(progs, dtype=torch.float32, device=x.device)
+        _tma_read[(progs,)](xd, yd, o, prev if prev is not None else o, per, n, STAGES=stages,
+                            READ=read, WARPS=warps, MODE=MODES[mode], num_warps=warps, **extra)
+        return o
     return read_
 
 
 def parse(text: str) -> tuple:
-    """BLOCK_R/STAGES/programs-per-SM[/noread][/wN]"""
+    """BLOCK_R/STAGES/programs-per-SM[/noread][/wN][/MODE]"""
     r, s, x, *rest = text.split("/")
-    read, warps = "noread" not in rest, 4
+    read, warps, mode = "noread" not in rest, 4, "plain"
     for t in rest:
         if t.startswith("w") and t[1:].isdigit():
             warps = int(t[1:])
+        elif t in MODES:
+            mode = t
         elif t != "noread":
-            raise SystemExit(f"--configs: {text!r}: {t!r} is not noread or wN")
-    return int(r), int(s), int(x), read, warps
+            raise SystemExit(f"--configs: {text!r}: {t!r} is not noread, wN or one of {list(MODES)}")
+    return int(r), int(s), int(x), read, warps, mode
 
 
 def compile_only(configs) -> None:
     from codegen.aot import compile_for
     for text in configs:
-        r, s, _, read, warps = parse(text)
+        r, s, _, read, warps, mode = parse(text)
         ty = f"tensordesc<bf16[{r},128],{_layout(r, 128)!r}>"
-        out = compile_for(_tma_read, {"STAGES": s, "READ": read, "WARPS": warps}, "bfloat16",
+        out = compile_for(_tma_read, {"STAGES": s, "READ": read, "WARPS": warps,
+                                      "MODE": MODES[mode]}, "bfloat16",
                           warps, 1, usage=True,
-                          types={"x_desc": ty, "y_desc": ty, "OUT": "*fp32",
+                          types={"x_desc": ty, "y_desc": ty, "OUT": "*fp32", "PREV": "*fp32",
                                  "rows_per_prog": "i32", "n_rows": "i32"})
         print(text, "smem", out["smem"], "regs", out.get("regs"), "spill", out.get("spill_bytes"))
 
@@ -137,6 +164,8 @@ def main() -> None:
     ap.add_argument("--configs", default="64/2/1,64/4/1,64/6/1,128/3/1,128/4/1,64/4/2,"
                     "64/4/1/noread,128/4/1/noread,64/4/1/w8",
                     help="BLOCK_R/STAGES/programs per SM[/noread][/wN],...")
+    ap.add_argument("--triton-modes", default="",
+                    help="overlap_ceiling orders of the 4-an-SM Triton read also timed (l2w/2,early)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--compile", action="store_true", help="compile each config for sm_90 only")
     a = ap.parse_args()
@@ -146,6 +175,8 @@ def main() -> None:
         return
     import decode_bench as db
     from overlap_ceiling import reader
+
+    import flashtune
     db.GRAPH, db.DEVICE = True, "cuda"
     layers, d = 16, 128
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -157,12 +188,27 @@ def main() -> None:
         runs = {f"triton x{p} {sh}": (lambda p, sh: lambda i: reader(
             kcs[i], vcs[i], sms * p, "plain", False, tuple(int(x) for x in sh.split("/"))))(p, sh)
             for p, sh in ((1, "16/8192/2"), (2, "4/8192/3"), (4, "16/4096/3"))}
+        # session 36's best dependency-keeping Triton read (l2w/2 x4) and its no-dependency
+        # order, and the shipped decode step on the same caches, for the same run
+        for mode in a.triton_modes.split(","):
+            if mode:
+                runs[f"triton {mode} x4"] = (lambda m: lambda i: reader(
+                    kcs[i], vcs[i], sms * 4, m, True))(mode)
+        q = torch.randn(1, 1, 8, d, dtype=torch.bfloat16, device="cuda")
+        sl = torch.full((1,), nk, dtype=torch.int32, device="cuda")
+        runs["flashtune"] = lambda i: (lambda: flashtune.attention_with_kvcache(
+            q, kcs[i].view(1, nk, 1, d), vcs[i].view(1, nk, 1, d), cache_seqlens=sl))
         for text in configs:
-            r, s, x, read, warps = parse(text)
-            runs[f"tma {text}"] = (lambda r, s, x, rd, w: lambda i: tma_reader(
-                kcs[i], vcs[i], sms * x, r, s, rd, w))(r, s, x, read, warps)
+            r, s, x, read, warps, mode = parse(text)
+            # each layer's sums in its own buffer; a dependent mode reads the layer before's
+            outs = [torch.zeros(2 * sms * x, dtype=torch.float32, device="cuda")
+                    for _ in range(layers)]
+            runs[f"tma {text}"] = (lambda r, s, x, rd, w, m, outs: lambda i: tma_reader(
+                kcs[i], vcs[i], sms * x, r, s, rd, w, m, outs[i - 1], outs[i]))(
+                r, s, x, read, warps, mode, outs)
         want = kcs[0].double().sum().item() + vcs[0].double().sum().item()
-        ok = sum_checked(write, runs, want, nk, {"Nk": nk}, lambda l: "noread" in l)
+        ok = sum_checked(write, runs, want, nk, {"Nk": nk},
+                         lambda l: "noread" in l or l == "flashtune")
         time_steps(write, ok, layers, a.reps, kv_bytes, {"Nk": nk})
         kcs = vcs = runs = None
         torch.cuda.empty_cache()

@@ -41,7 +41,7 @@ def test_overlap_reader_every_order_matches_float64(mode):
 
 
 @pytest.mark.parametrize("script,configs,per_config", [
-    ("tma_read_probe.py", "64/2/1,64/4/1,64/4/1/noread", 1),
+    ("tma_read_probe.py", "64/2/1,64/4/1,64/4/1/noread,64/4/1/pre,64/2/2/pretf,64/4/1/early", 1),
     ("gluon_decode_probe.py", "64/2/1,64/3/1/kv,32/4/1/kv,128/2/1/kv,64/2/1/e", 1),
 ])
 def test_gluon_probes_compile_for_sm90(script, configs, per_config):
@@ -63,8 +63,11 @@ def test_tma_reader_matches_float64():
     for n in (4096, 8192 + 37):
         x = torch.randn(n, 128, dtype=torch.bfloat16, device="cuda")
         y = torch.randn_like(x)
+        prev = torch.randn(4, dtype=torch.float32, device="cuda")  # the layer before's sums
         for block_r, stages in ((64, 2), (64, 4)):
-            _sums_match(tr.tma_reader(x, y, 132, block_r, stages)(), x, y)
+            for mode in tr.MODES:  # a dependent order reads prev and scales by 1
+                got = tr.tma_reader(x, y, 132, block_r, stages, mode=mode, prev=prev)()
+                _sums_match(got, x, y)
 
 
 @pytest.mark.gpu
