@@ -63,12 +63,13 @@ def sum_checked(write, runs: dict, want: float, slack: float, where: dict,
 
 
 def early_knobs(plan, pf: int = -1, tf: int = -1, pre: int = -1, steal: int = -1, own: int = 0,
-                pace: int = -1) -> str:
+                pace: int = -1, ts: int = -1) -> str:
     """Set the split-KV early start's launch choices a probe overrides on `plan` (a SplitKVPlan;
     -1, own 0: the launch's own): pf MiB of L2 prefetch over all programs, tf 1/0 the combine
     lets the next kernel in before/after its wait, pre tiles loaded before the wait, steal 1/0
     the splits share their tiles past their own (own each), pace K / V halves of the preload in
-    flight at most (0: all). The label suffix naming those set."""
+    flight at most (0: all), ts 1 the partial kernel lets the combine launch at its programs'
+    start (gluon). The label suffix naming those set."""
     label = ""
     if pf >= 0:
         plan.prefetch_bytes = pf << 20
@@ -88,6 +89,9 @@ def early_knobs(plan, pf: int = -1, tf: int = -1, pre: int = -1, steal: int = -1
     if pace >= 0:
         plan.pace = pace
         label += f" pace{pace}"
+    if ts >= 0:
+        plan.trigger_start = bool(ts)
+        label += f" ts{ts}"
     return label
 
 

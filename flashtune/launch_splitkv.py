@@ -326,6 +326,9 @@ class SplitKVPlan:
         self.steal: bool | None = None
         # the tiles a stealing split owns (None: STEAL_OWN); the probe sets it
         self.steal_own: int | None = None
+        # whether the gluon render's early start lets the combine launch at its programs' start
+        # (before their loads and wait) rather than after the wait (None: after); the probe sets it
+        self.trigger_start: bool | None = None
         self._counters: dict = {}
         self.skip_combine = False  # the probe's partial kernels alone (their outputs unmerged)
         self.elsize = k_cache.element_size()
@@ -478,7 +481,10 @@ class SplitKVPlan:
         if budget is None:  # a ring alone on its SM: PRELOAD_TILES' comment
             budget = PREFETCH_BYTES_FIRST if first and not self.ring_alone else PREFETCH_BYTES
         rows = budget // max(1, ctas * 2 * self.shape[3] * self.elsize)
-        return keys, rows, int(ctas <= self.sms)
+        trigger = int(ctas <= self.sms)
+        if trigger and self.trigger_start and self.variant.gluon:
+            trigger = 2  # the template's early_trigger 2
+        return keys, rows, trigger
 
     def partial_key(self, uniform: bool, early: bool, keys: int, num_splits: int) -> tuple:
         """The partial kernel's launcher key (_launcher) for a launch of num_splits splits placed
