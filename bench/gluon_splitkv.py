@@ -45,7 +45,7 @@ def gpu(out: str, cells, configs, reps: int, page: int = 0) -> None:
         if base != var:
             plans[f"{base.name} default"] = SplitKVPlan(q, kcs[0], False, None, base)
         lens = {}  # a plan's lengths argument: the tensor, or None (every sequence nk keys)
-        for bn, st, splits, per_sm, pf_mib, tf, uniform, pre, steal, own, pace, ts in configs:
+        for bn, st, splits, per_sm, pf_mib, tf, uniform, pre, steal, own, pace, ts, qc in configs:
             gv = fit_pages(dataclasses.replace(var, block_m=64, block_n=bn, num_warps=4,
                                                num_stages=st, loads="pointer", gluon=True),
                            page or None)
@@ -57,6 +57,10 @@ def gpu(out: str, cells, configs, reps: int, page: int = 0) -> None:
                 plan.sms *= per_sm  # trigger): what a residency-aware rule would say
                 label += f" wave{per_sm}"
             label += early_knobs(plan, pf_mib, tf, pre, steal, own, pace, ts)
+            if qc > 0:  # the combine on SMs no partial program holds (bench/quiet_combine.py)
+                from quiet_combine import install
+                install(plan, qc)
+                label += f" qc{qc}"
             if uniform:  # no lengths tensor: the kernels read no length before their first load
                 label += " uniform"
                 lens[label] = None
@@ -83,14 +87,16 @@ def gpu(out: str, cells, configs, reps: int, page: int = 0) -> None:
 
 
 CONFIGS_HELP = (
-    "BLOCK_N/STAGES[/SPLITS[/PER_SM[/PF_MIB[/TF[/UNIFORM[/PRE[/STEAL[/OWN[/PACE[/TS]]]]]]]]]],... "
+    "BLOCK_N/STAGES[/SPLITS[/PER_SM[/PF_MIB[/TF[/UNIFORM[/PRE[/STEAL[/OWN[/PACE[/TS[/QC]]]]]]]]]]],"
+    "... "
     "(SPLITS: an explicit count, early start forced, 0: the rule's; "
     "PER_SM: programs an SM holds at once, for the early trigger's one-wave rule; PF_MIB: the "
     "early start's L2 prefetch; TF 1/0: the combine lets the next kernel in before/after its "
     "wait; UNIFORM 1: no lengths tensor; PRE: the ring's tiles the early start loads before its "
     "wait; STEAL 1/0: its splits share the tiles past their own or not; OWN: the tiles a "
     "stealing split owns first; PACE: the preload's K / V halves in flight at most (0: all); "
-    "TS 1: the partial kernel lets the combine launch at its programs' start; "
+    "TS 1: the partial kernel lets the combine launch at its programs' start; QC: the combine "
+    "as bench/quiet_combine.py's, holding QC KiB of shared memory (0: the shipped one); "
     "-1: the launch's own choice)")
 
 
@@ -105,7 +111,7 @@ def main() -> None:
                     help="time over paged views of the caches, PAGE-key pages in shuffled order "
                     "(0: contiguous)")
     a = ap.parse_args()
-    unset = (0, 0, 0, 1, -1, -1, 0, -1, -1, 0, -1, -1)  # SPLITS .. TS where a config stops
+    unset = (0, 0, 0, 1, -1, -1, 0, -1, -1, 0, -1, -1, 0)  # SPLITS .. QC where a config stops
     configs = []
     for c in a.configs.split(","):
         given = [int(x) for x in c.split("/")]

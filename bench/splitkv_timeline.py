@@ -56,8 +56,9 @@ def stamped_source(variant) -> str:
          "                         CNT, steal_own, TS,\n"),
         ("    split = gl.program_id(1)\n",
          "    split = gl.program_id(1)\n" + _stamp(0) + SMID.format(slots=SLOTS)),
-        ("    gdc_wait()\n    if early_trigger:\n        gdc_launch_dependents()\n",
-         "    gdc_wait()\n    if early_trigger:\n        gdc_launch_dependents()\n" + _stamp(1)),
+        ("    gdc_wait()\n    if early_trigger == 1:\n        gdc_launch_dependents()\n",
+         "    gdc_wait()\n    if early_trigger == 1:\n        gdc_launch_dependents()\n"
+         + _stamp(1)),
         ("    for i in range(n_steps):\n        mbarrier.wait(k_ready.index(st), ph)\n",
          "    for i in range(n_steps):\n        mbarrier.wait(k_ready.index(st), ph)\n"
          "        if i == 0:\n" + _stamp(2, "        ")),
@@ -115,6 +116,10 @@ def summary(ts, cs) -> dict:
             "exit_max": x[:, 4].max().item(), "exit_med": x[:, 4].median().item(),
             "sms": len(set(ts[layer, :, 5].tolist())),
             "comb_sms": len(set(cs[layer, :, 3].tolist())),
+            # the combine's programs on an SM where the next layer's partial runs a program
+            "comb_on_next_partial_sms": (
+                sum(sm in set(ts[layer + 1, :, 5].tolist()) for sm in cs[layer, :, 3].tolist())
+                / cs.shape[1]) if layer + 1 < ts.shape[0] else 0.0,
             "comb_start_min": c[layer, :, 0].min().item(),
             "comb_wait_min": c[layer, :, 1].min().item(),
             "comb_wait_max": c[layer, :, 1].max().item(),
@@ -140,6 +145,8 @@ def summary(ts, cs) -> dict:
                                          - rows[i - 1]["comb_exit_max"]),
         # the SMs the combine's programs ran on (64 programs at MQA B=1: one each, session 41)
         "comb_sms": statistics.mean(r["comb_sms"] for r in steady),
+        "comb_on_next_partial_sms": statistics.mean(r["comb_on_next_partial_sms"]
+                                                    for r in steady[:-1]),
         "layers": rows}
 
 
@@ -176,10 +183,12 @@ def gpu(out: str, cells, configs, reps: int, page: int = 0) -> None:
         bt = None
         if page:
             kcs, vcs, bt = paged_views(kcs, vcs, b, nk, page)
-        for bn, st, pre, tf, pf, steal, pace in configs:
+        for bn, st, pre, tf, pf, steal, pace, splits in configs:
             gv = fit_pages(dataclasses.replace(var, block_m=64, block_n=bn, num_warps=4,
                                                num_stages=st, loads="pointer", gluon=True),
                            page or None)
+            if splits > 0:  # an explicit split count, started early (as bench/gluon_splitkv.py)
+                gv = dataclasses.replace(gv, num_splits=splits, early_start=True)
             label = gv.name
             try:
                 plain = SplitKVPlan(q, kcs[0], False, None, gv)
@@ -253,10 +262,10 @@ def main() -> None:
     ap.add_argument("--out", default="splitkv_timeline.jsonl")
     ap.add_argument("--cells", default="1/8/1/131072,1/8/1/32768")
     ap.add_argument("--configs", default="128/2/1/-1/-1/0,128/2/1/-1/-1/1",
-                    help="BLOCK_N/STAGES/PRE/TF/PF_MIB[/STEAL[/PACE]],... (PRE, TF, PF_MIB, STEAL, "
-                    "PACE -1: the launch's own; STEAL 1/0: the splits share the tiles past "
-                    "their own or not; PACE: the preload's K / V halves in flight at most, 0: "
-                    "all)")
+                    help="BLOCK_N/STAGES/PRE/TF/PF_MIB[/STEAL[/PACE[/SPLITS]]],... (PRE, TF, "
+                    "PF_MIB, STEAL, PACE -1: the launch's own; STEAL 1/0: the splits share the "
+                    "tiles past their own or not; PACE: the preload's K / V halves in flight at "
+                    "most, 0: all; SPLITS: an explicit count, 0: the rule's)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--page", type=int, default=0,
                     help="stamp over paged views of the caches, PAGE-key pages in shuffled order "
@@ -267,7 +276,8 @@ def main() -> None:
     a = ap.parse_args()
     if a.combine:
         combine_shape(*(int(x) for x in a.combine.split("/")))
-    configs = [tuple([int(x) for x in c.split("/")] + [-1, -1])[:7] for c in a.configs.split(",")]
+    configs = [tuple([int(x) for x in c.split("/")] + [-1, -1, 0])[:8]
+               for c in a.configs.split(",")]
     gpu(a.out, a.cells.split(","), configs, a.reps, a.page)
 
 
