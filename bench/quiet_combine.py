@@ -6,9 +6,10 @@ behind the TMA loads in flight on their own SM. Here the combine is a Gluon kern
 per (sequence, head, token) row that holds PAD KiB of shared memory it does not need: more than a
 ring-alone partial program leaves free (n128-s2: 144 KiB of 228), so no combine program shares
 an SM with a partial program, and no partial program can start on an SM a combine program
-holds. With the partial kernel one SM short of... SPLITS programs on sms - k SMs, the combine
-runs on the k SMs the partial leaves free. The arithmetic is the shipped combine's (one load of
-every split's LSE and O row, the weights from the LSE's max), so its output is the same.
+holds: with the partial kernel's programs on sms - k SMs, the combine runs on the k SMs left.
+The arithmetic is the shipped combine's (one load of every split's LSE and O row, the weights
+from the LSE's max), so its output is the same. Measured (session 44, call 4): slower, its 8
+programs on 4 SMs pull the partials through those SMs' ports (docs/benchmarks.md).
 
     from quiet_combine import install; install(plan, pad_kib=96)
     python3 bench/quiet_combine.py --compile    # the kernel for sm_90, no GPU
