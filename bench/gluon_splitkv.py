@@ -57,9 +57,9 @@ def gpu(out: str, cells, configs, reps: int, page: int = 0) -> None:
                 plan.sms *= per_sm  # trigger): what a residency-aware rule would say
                 label += f" wave{per_sm}"
             label += early_knobs(plan, pf_mib, tf, pre, steal, own, pace, ts)
-            if qc > 0:  # the combine on SMs no partial program holds (bench/quiet_combine.py)
-                from quiet_combine import install
-                install(plan, qc)
+            if qc:  # the combine on SMs no partial program holds (bench/quiet_combine.py):
+                from quiet_combine import install  # QC KiB held; < 0: the shipped grid's chunks
+                install(plan, abs(qc), chunked=qc < 0)
                 label += f" qc{qc}"
             if uniform:  # no lengths tensor: the kernels read no length before their first load
                 label += " uniform"
@@ -96,7 +96,8 @@ CONFIGS_HELP = (
     "wait; STEAL 1/0: its splits share the tiles past their own or not; OWN: the tiles a "
     "stealing split owns first; PACE: the preload's K / V halves in flight at most (0: all); "
     "TS 1: the partial kernel lets the combine launch at its programs' start; QC: the combine "
-    "as bench/quiet_combine.py's, holding QC KiB of shared memory (0: the shipped one); "
+    "as bench/quiet_combine.py's, holding |QC| KiB of shared memory, a program a row or, QC < 0, "
+    "the shipped grid's (row, D slice) programs (0: the shipped combine); "
     "-1: the launch's own choice)")
 
 

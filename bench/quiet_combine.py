@@ -29,8 +29,9 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait  # noqa: 
 @gluon.jit
 def _quiet_combine(O_PART, LSE_PART, O, LSE, H, Nq, num_splits, stride_ob, stride_om,
                    stride_oh, HEAD_DIM: gl.constexpr, BLOCK_S: gl.constexpr,
-                   PAD_A: gl.constexpr, PAD_B: gl.constexpr, TRIGGER_FIRST: gl.constexpr,
-                   WARPS: gl.constexpr):
+                   CHUNK_D: gl.constexpr, PAD_A: gl.constexpr, PAD_B: gl.constexpr,
+                   TRIGGER_FIRST: gl.constexpr, WARPS: gl.constexpr):
+    # grid (rows, HEAD_DIM // CHUNK_D): a row's CHUNK_D slice a program (the shipped combine's)
     # the shared memory that keeps partial programs off this SM (and this program off theirs):
     # two buffers of PAD_A and PAD_B rows of 512 bytes (each a power of two)
     pad_lay: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
@@ -42,9 +43,10 @@ def _quiet_combine(O_PART, LSE_PART, O, LSE, H, Nq, num_splits, stride_ob, strid
     if not TRIGGER_FIRST:
         gdc_launch_dependents()
     row = gl.program_id(0).to(gl.int64)
-    lay: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [WARPS, 1], [1, 0])
+    TPW_D: gl.constexpr = CHUNK_D // 4 if CHUNK_D < 128 else 32
+    lay: gl.constexpr = gl.BlockedLayout([1, 4], [32 // TPW_D, TPW_D], [WARPS, 1], [1, 0])
     offs_s = gl.arange(0, BLOCK_S, layout=gl.SliceLayout(1, lay))
-    offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, lay))
+    offs_d = gl.program_id(1) * CHUNK_D + gl.arange(0, CHUNK_D, layout=gl.SliceLayout(0, lay))
     s_ok = offs_s < num_splits
     lse_s = gl.load(LSE_PART + row * num_splits + offs_s, mask=s_ok, other=float("-inf"))
     o_s = gl.load(O_PART + (row * num_splits + gl.expand_dims(offs_s, 1)) * HEAD_DIM
@@ -56,7 +58,8 @@ def _quiet_combine(O_PART, LSE_PART, O, LSE, H, Nq, num_splits, stride_ob, strid
     seen = denom > 0.0
     d_safe = gl.where(seen, denom, 1.0)
     acc = gl.sum(gl.expand_dims(w, 1) * o_s, 0) / d_safe
-    gl.store(LSE + row, gl.where(seen, m_safe + gl.log(d_safe), float("-inf")))
+    if gl.program_id(1) == 0:
+        gl.store(LSE + row, gl.where(seen, m_safe + gl.log(d_safe), float("-inf")))
     tok = row % Nq
     head = (row // Nq) % H
     b = row // (Nq * H)
@@ -77,9 +80,10 @@ def pad_rows(pad_kib: int) -> tuple:
     return a, max(b, 1)
 
 
-def install(plan, pad_kib: int, warps: int = 8) -> None:
+def install(plan, pad_kib: int, chunked: bool = False) -> None:
     """Launch `plan`'s combines (launch_splitkv.SplitKVPlan) as _quiet_combine holding pad_kib
-    KiB of shared memory, one program a row (D=HEAD_DIM <= 128 columns at once)."""
+    KiB of shared memory: one program of 8 warps a row (D=HEAD_DIM <= 128 columns at once), or
+    (chunked) the shipped combine's grid of (row, CHUNK_D slice) programs of 4 warps."""
     from flashtune.launch_splitkv import combine_tile
 
     pa, pb = pad_rows(pad_kib)
@@ -87,14 +91,17 @@ def install(plan, pad_kib: int, warps: int = 8) -> None:
 
     class Launch:
         def __init__(self, s, early, first):
-            self.block_s = combine_tile(s, plan.kwargs["BLOCK_D"])[0]
+            self.block_s, chunk = combine_tile(s, plan.kwargs["BLOCK_D"])
+            self.chunk = chunk if chunked else d
+            self.warps = 4 if chunked else 8
             self.first = bool(first) if early else False
 
         def __call__(self, grid, o_part, l_part, o, lse, h, nq, s, sob, som, soh):
-            _quiet_combine[(grid[0],)](o_part, l_part, o, lse, h, nq, s, sob, som, soh,
-                                       HEAD_DIM=d, BLOCK_S=self.block_s,
-                                       PAD_A=pa, PAD_B=pb, TRIGGER_FIRST=self.first,
-                                       WARPS=warps, num_warps=warps, launch_pdl=plan.pdl)
+            _quiet_combine[(grid[0], d // self.chunk)](
+                o_part, l_part, o, lse, h, nq, s, sob, som, soh, HEAD_DIM=d,
+                BLOCK_S=self.block_s, CHUNK_D=self.chunk, PAD_A=pa, PAD_B=pb,
+                TRIGGER_FIRST=self.first, WARPS=self.warps, num_warps=self.warps,
+                launch_pdl=plan.pdl)
 
     orig = plan._launcher
 
@@ -110,15 +117,16 @@ def install(plan, pad_kib: int, warps: int = 8) -> None:
 
 def compile_only() -> None:
     from codegen.aot import compile_for
-    for pad in (96, 72):
+    for pad, chunk, block_s, warps in ((96, 128, 128, 8), (96, 16, 256, 4), (144, 16, 256, 4)):
         pa, pb = pad_rows(pad)
-        out = compile_for(_quiet_combine, {"HEAD_DIM": 128, "BLOCK_S": 128, "PAD_A": pa,
-                                           "PAD_B": pb, "TRIGGER_FIRST": True, "WARPS": 8},
-                          "bfloat16", 8, 1, usage=True,
+        out = compile_for(_quiet_combine, {"HEAD_DIM": 128, "BLOCK_S": block_s,
+                                           "CHUNK_D": chunk, "PAD_A": pa, "PAD_B": pb,
+                                           "TRIGGER_FIRST": True, "WARPS": warps},
+                          "bfloat16", warps, 1, usage=True,
                           types={"O_PART": "*fp32", "LSE_PART": "*fp32", "O": "*bf16",
                                  "LSE": "*fp32", "H": "i32", "Nq": "i32", "num_splits": "i32",
                                  "stride_ob": "i32", "stride_om": "i32", "stride_oh": "i32"})
-        print(f"pad {pad} KiB", "smem", out["smem"], "regs", out.get("regs"), "spill",
+        print(f"pad {pad} KiB chunk {chunk}", "smem", out["smem"], "regs", out.get("regs"), "spill",
               out.get("spill_bytes"))
 
 
