@@ -71,27 +71,18 @@ def early_knobs(plan, pf: int = -1, tf: int = -1, pre: int = -1, steal: int = -1
     flight at most (0: all), ts 1 the partial kernel lets the combine launch at its programs'
     start (gluon). The label suffix naming those set."""
     label = ""
-    if pf >= 0:
-        plan.prefetch_bytes = pf << 20
-        label += f" pf{pf}"
-    if tf >= 0:
-        plan.trigger_first = bool(tf)
-        label += f" tf{tf}"
-    if pre >= 0:
-        plan.preload = pre
-        label += f" pre{pre}"
-    if steal >= 0:
-        plan.steal = bool(steal)
-        label += f" steal{steal}"
-    if own > 0:
-        plan.steal_own = own
-        label += f" own{own}"
-    if pace >= 0:
-        plan.pace = pace
-        label += f" pace{pace}"
-    if ts >= 0:
-        plan.trigger_start = bool(ts)
-        label += f" ts{ts}"
+    # (value, unset: the launch's own, the plan's attribute, the label's name, the value set)
+    for value, unset, attr, name, conv in (
+            (pf, -1, "prefetch_bytes", "pf", lambda v: v << 20),
+            (tf, -1, "trigger_first", "tf", bool),
+            (pre, -1, "preload", "pre", int),
+            (steal, -1, "steal", "steal", bool),
+            (own, 0, "steal_own", "own", int),
+            (pace, -1, "pace", "pace", int),
+            (ts, -1, "trigger_start", "ts", bool)):
+        if value > unset:
+            setattr(plan, attr, conv(value))
+            label += f" {name}{value}"
     return label
 
 
