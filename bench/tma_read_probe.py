@@ -48,8 +48,12 @@ MODES = {"plain": 0, "pre": 1, "pretf": 2, "early": 3}
 
 
 @gluon.jit
-def _tma_read(x_desc, y_desc, OUT, PREV, rows_per_prog, n_rows, STAGES: gl.constexpr,
-              READ: gl.constexpr, WARPS: gl.constexpr, MODE: gl.constexpr):
+def _tma_read(x_desc, y_desc, OUT, PREV, O_PART, LSE_PART, rows_per_prog, n_rows, n_parts,
+              STAGES: gl.constexpr, READ: gl.constexpr, WARPS: gl.constexpr,
+              MODE: gl.constexpr, PART: gl.constexpr):
+    # PART: each program also stores a split-KV partial as the MQA B=1 partial kernel does (8
+    # rows of D float32 at split = its id, O_PART (8, n_parts, D), and an LSE of 0 for each,
+    # LSE_PART (8, n_parts)), for the shipped combine to merge after it
     # program p streams rows [p * rows_per_prog, ...) of X and Y (n_rows x D), rows_per_prog a
     # multiple of BLOCK_R: STAGES tiles of each in flight, a tile's slot refilled once every
     # warp has read it (READ: into registers, summed, the check; else the ring alone)
@@ -99,6 +103,13 @@ def _tma_read(x_desc, y_desc, OUT, PREV, rows_per_prog, n_rows, STAGES: gl.const
     if MODE == 3:
         gdc_wait()
     gl.store(OUT + pid, gl.sum(gl.sum(acc, 1), 0))
+    if PART:
+        r8 = gl.arange(0, 8, layout=gl.SliceLayout(1, layout))
+        cd = gl.arange(0, D, layout=gl.SliceLayout(0, layout))
+        part = gl.expand_dims(gl.sum(acc, 0), 0) + gl.zeros([8, D], gl.float32, layout)
+        gl.store(O_PART + (gl.expand_dims(r8, 1) * n_parts + pid) * D + gl.expand_dims(cd, 0),
+                 part)
+        gl.store(LSE_PART + r8 * n_parts + pid, gl.zeros([8], gl.float32, r8.type.layout))
 
 
 def _layout(block_r: int, d: int):
@@ -106,11 +117,13 @@ def _layout(block_r: int, d: int):
 
 
 def tma_reader(x, y, programs: int, block_r: int, stages: int, read: bool = True,
-               warps: int = 4, mode: str = "plain", prev=None, out=None):
+               warps: int = 4, mode: str = "plain", prev=None, out=None, combine=None):
     """A callable streaming x and y ((N, D) contiguous bf16 views of one layer's K and V) with
     `programs` programs, returning per-program sums (float32). mode: a MODES name; prev: the
     float32 tensor whose first element a dependent mode reads after its wait (the layer
-    before's `out`); out: the tensor the sums go to (a fresh one each call if None)."""
+    before's `out`); out: the tensor the sums go to (a fresh one each call if None); combine:
+    (launch, o_part, lse_part, o, lse), the shipped combine's launcher and its buffers, run
+    after the read on partials the read stores (PART), its output `o` the next layer's prev."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     n, d = x.shape
     per = -(-n // programs)
@@ -124,35 +137,67 @@ def tma_reader(x, y, programs: int, block_r: int, stages: int, read: bool = True
 
     def read_():
         o = out if out is not None else torch.empty(progs, dtype=torch.float32, device=x.device)
-        _tma_read[(progs,)](xd, yd, o, prev if prev is not None else o, per, n, STAGES=stages,
-                            READ=read, WARPS=warps, MODE=MODES[mode], num_warps=warps, **extra)
+        parts = (combine[1], combine[2]) if combine else (o, o)
+        _tma_read[(progs,)](xd, yd, o, prev if prev is not None else o, *parts, per, n, progs,
+                            STAGES=stages, READ=read, WARPS=warps, MODE=MODES[mode],
+                            PART=combine is not None, num_warps=warps, **extra)
+        if combine:
+            launch, o_part, l_part, co, lse = combine
+            launch(progs, o_part, l_part, co, lse)
         return o
     return read_
 
 
+def combine_parts(nk: int, programs: int) -> tuple:
+    """The shipped combine (the gluon record's early render: it lets the next kernel launch
+    before its own wait) for MQA B=1 at nk keys, for a read of `programs` programs (its splits:
+    as many as the read has programs), with its buffers: (launch(splits, o_part, lse_part, o,
+    lse), o_part, lse_part, o, lse)."""
+    from flashtune.codegen import Variant
+    from flashtune.launch_splitkv import SplitKVPlan, combine_tile
+    q = torch.randn(1, 1, 8, 128, dtype=torch.bfloat16, device="cuda")
+    kc = torch.empty(1, nk, 1, 128, dtype=torch.bfloat16, device="cuda")
+    plan = SplitKVPlan(q, kc, False, None, Variant.parse("splitkv-m64-n128-w4-s2-gluon=true"))
+    o_part = torch.zeros(8, 2 * programs, 128, dtype=torch.float32, device="cuda")
+    l_part = torch.zeros(8, 2 * programs, dtype=torch.float32, device="cuda")
+    o = torch.zeros(1, 1, 8, 128, dtype=torch.bfloat16, device="cuda")
+    lse = torch.zeros(1, 8, 1, dtype=torch.float32, device="cuda")
+
+    def launch(splits, o_part, l_part, o, lse):
+        chunk = combine_tile(splits, 128)[1]
+        plan._launcher(("combine", splits, True, True))(
+            (8, 128 // chunk), o_part, l_part, o, lse, 8, 1, splits, o.stride(0), o.stride(1),
+            o.stride(2))
+    return launch, o_part, l_part, o, lse
+
+
 def parse(text: str) -> tuple:
-    """BLOCK_R/STAGES/programs-per-SM[/noread][/wN][/MODE]"""
+    """BLOCK_R/STAGES/programs-per-SM[/noread][/wN][/MODE][/comb]"""
     r, s, x, *rest = text.split("/")
-    read, warps, mode = "noread" not in rest, 4, "plain"
+    read, warps, mode, comb = "noread" not in rest, 4, "plain", False
     for t in rest:
         if t.startswith("w") and t[1:].isdigit():
             warps = int(t[1:])
         elif t in MODES:
             mode = t
+        elif t == "comb":
+            comb = True
         elif t != "noread":
-            raise SystemExit(f"--configs: {text!r}: {t!r} is not noread, wN or one of {list(MODES)}")
-    return int(r), int(s), int(x), read, warps, mode
+            raise SystemExit(f"--configs: {text!r}: {t!r} is not noread, comb, wN or one of "
+                             f"{list(MODES)}")
+    return int(r), int(s), int(x), read, warps, mode, comb
 
 
 def compile_only(configs) -> None:
     from codegen.aot import compile_for
     for text in configs:
-        r, s, _, read, warps, mode = parse(text)
+        r, s, _, read, warps, mode, comb = parse(text)
         ty = f"tensordesc<bf16[{r},128],{_layout(r, 128)!r}>"
         out = compile_for(_tma_read, {"STAGES": s, "READ": read, "WARPS": warps,
-                                      "MODE": MODES[mode]}, "bfloat16",
+                                      "MODE": MODES[mode], "PART": comb}, "bfloat16",
                           warps, 1, usage=True,
                           types={"x_desc": ty, "y_desc": ty, "OUT": "*fp32", "PREV": "*fp32",
+                                 "O_PART": "*fp32", "LSE_PART": "*fp32", "n_parts": "i32",
                                  "rows_per_prog": "i32", "n_rows": "i32"})
         print(text, "smem", out["smem"], "regs", out.get("regs"), "spill", out.get("spill_bytes"))
 
@@ -199,13 +244,16 @@ def main() -> None:
         runs["flashtune"] = lambda i: (lambda: flashtune.attention_with_kvcache(
             q, kcs[i].view(1, nk, 1, d), vcs[i].view(1, nk, 1, d), cache_seqlens=sl))
         for text in configs:
-            r, s, x, read, warps, mode = parse(text)
+            r, s, x, read, warps, mode, comb = parse(text)
             # each layer's sums in its own buffer; a dependent mode reads the layer before's
+            # (with comb: its combine's output)
             outs = [torch.zeros(2 * sms * x, dtype=torch.float32, device="cuda")
                     for _ in range(layers)]
-            runs[f"tma {text}"] = (lambda r, s, x, rd, w, m, outs: lambda i: tma_reader(
-                kcs[i], vcs[i], sms * x, r, s, rd, w, m, outs[i - 1], outs[i]))(
-                r, s, x, read, warps, mode, outs)
+            combs = [combine_parts(nk, sms * x) if comb else None for _ in range(layers)]
+            runs[f"tma {text}"] = (lambda r, s, x, rd, w, m, outs, combs: lambda i: tma_reader(
+                kcs[i], vcs[i], sms * x, r, s, rd, w, m,
+                combs[i - 1][3] if combs[i] else outs[i - 1], outs[i], combs[i]))(
+                r, s, x, read, warps, mode, outs, combs)
         want = kcs[0].double().sum().item() + vcs[0].double().sum().item()
         ok = sum_checked(write, runs, want, nk, {"Nk": nk},
                          lambda l: "noread" in l or l == "flashtune")

@@ -41,7 +41,8 @@ def test_overlap_reader_every_order_matches_float64(mode):
 
 
 @pytest.mark.parametrize("script,configs,per_config", [
-    ("tma_read_probe.py", "64/2/1,64/4/1,64/4/1/noread,64/4/1/pre,64/2/2/pretf,64/4/1/early", 1),
+    ("tma_read_probe.py",
+     "64/2/1,64/4/1,64/4/1/noread,64/4/1/pre,64/2/2/pretf,64/4/1/early,64/2/2/pretf/comb", 1),
     ("gluon_decode_probe.py", "64/2/1,64/3/1/kv,32/4/1/kv,128/2/1/kv,64/2/1/e", 1),
 ])
 def test_gluon_probes_compile_for_sm90(script, configs, per_config):
@@ -68,6 +69,25 @@ def test_tma_reader_matches_float64():
             for mode in tr.MODES:  # a dependent order reads prev and scales by 1
                 got = tr.tma_reader(x, y, 132, block_r, stages, mode=mode, prev=prev)()
                 _sums_match(got, x, y)
+
+
+@pytest.mark.gpu
+def test_tma_reader_partials_through_the_shipped_combine():
+    # each program stores its rows' column sums as a split's partial (LSE 0: equal weights), so
+    # the combine's output is the mean of those: the column sums of x + y over the programs
+    import tma_read_probe as tr
+    n = 8192 + 37
+    x = torch.randn(n, 128, dtype=torch.bfloat16, device="cuda")
+    y = torch.randn_like(x)
+    for programs, mode in ((132, "plain"), (264, "pretf")):
+        comb = tr.combine_parts(n, programs)
+        got = tr.tma_reader(x, y, programs, 64, 2, mode=mode, prev=comb[3], combine=comb)()
+        _sums_match(got, x, y)
+        per = -(-(-(-n // programs)) // 64) * 64
+        progs = -(-n // per)
+        want = (x.double() + y.double()).sum(0) / progs
+        o = comb[3][0, 0].double()  # (8 heads, 128)
+        assert torch.allclose(o, want.expand(8, -1), rtol=2e-2, atol=2e-2), (o - want).abs().max()
 
 
 @pytest.mark.gpu
