@@ -109,7 +109,8 @@ def _tma_read(x_desc, y_desc, OUT, PREV, O_PART, LSE_PART, rows_per_prog, n_rows
         part = gl.expand_dims(gl.sum(acc, 0), 0) + gl.zeros([8, D], gl.float32, layout)
         gl.store(O_PART + (gl.expand_dims(r8, 1) * n_parts + pid) * D + gl.expand_dims(cd, 0),
                  part)
-        gl.store(LSE_PART + r8 * n_parts + pid, gl.zeros([8], gl.float32, r8.type.layout))
+        gl.store(LSE_PART + r8 * n_parts + pid,
+                 gl.zeros([8], gl.float32, gl.SliceLayout(1, layout)))
 
 
 def _layout(block_r: int, d: int):
