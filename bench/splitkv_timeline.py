@@ -108,6 +108,8 @@ def summary(ts, cs) -> dict:
     for layer in range(t.shape[0]):
         x = t[layer]
         busy = x[:, 2] > 0
+        # the SMs the next layer's partial programs ran on
+        nxt = set(ts[layer + 1, :, 5].tolist()) if layer + 1 < ts.shape[0] else None
         rows.append({
             "start_min": x[:, 0].min().item(), "start_max": x[:, 0].max().item(),
             "wait_min": x[:, 1].min().item(), "wait_max": x[:, 1].max().item(),
@@ -118,8 +120,8 @@ def summary(ts, cs) -> dict:
             "comb_sms": len(set(cs[layer, :, 3].tolist())),
             # the combine's programs on an SM where the next layer's partial runs a program
             "comb_on_next_partial_sms": (
-                sum(sm in set(ts[layer + 1, :, 5].tolist()) for sm in cs[layer, :, 3].tolist())
-                / cs.shape[1]) if layer + 1 < ts.shape[0] else 0.0,
+                sum(sm in nxt for sm in cs[layer, :, 3].tolist()) / cs.shape[1]
+                if nxt is not None else 0.0),
             "comb_start_min": c[layer, :, 0].min().item(),
             "comb_wait_min": c[layer, :, 1].min().item(),
             "comb_wait_max": c[layer, :, 1].max().item(),

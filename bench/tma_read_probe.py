@@ -149,26 +149,31 @@ def tma_reader(x, y, programs: int, block_r: int, stages: int, read: bool = True
     return read_
 
 
-def combine_parts(nk: int, programs: int) -> tuple:
+def combine_launcher(nk: int):
     """The shipped combine (the gluon record's early render: it lets the next kernel launch
-    before its own wait) for MQA B=1 at nk keys, for a read of `programs` programs (its splits:
-    as many as the read has programs), with its buffers: (launch(splits, o_part, lse_part, o,
-    lse), o_part, lse_part, o, lse)."""
+    before its own wait) for MQA B=1 at nk keys: launch(splits, o_part, lse_part, o, lse)."""
     from flashtune.codegen import Variant
     from flashtune.launch_splitkv import SplitKVPlan, combine_tile
     q = torch.randn(1, 1, 8, 128, dtype=torch.bfloat16, device="cuda")
     kc = torch.empty(1, nk, 1, 128, dtype=torch.bfloat16, device="cuda")
     plan = SplitKVPlan(q, kc, False, None, Variant.parse("splitkv-m64-n128-w4-s2-gluon=true"))
-    o_part = torch.zeros(8, 2 * programs, 128, dtype=torch.float32, device="cuda")
-    l_part = torch.zeros(8, 2 * programs, dtype=torch.float32, device="cuda")
-    o = torch.zeros(1, 1, 8, 128, dtype=torch.bfloat16, device="cuda")
-    lse = torch.zeros(1, 8, 1, dtype=torch.float32, device="cuda")
 
     def launch(splits, o_part, l_part, o, lse):
         chunk = combine_tile(splits, 128)[1]
         plan._launcher(("combine", splits, True, True))(
             (8, 128 // chunk), o_part, l_part, o, lse, 8, 1, splits, o.stride(0), o.stride(1),
             o.stride(2))
+    return launch
+
+
+def combine_parts(launch, programs: int) -> tuple:
+    """A layer's combine (launch: combine_launcher's) with its buffers, for a read of at most
+    `programs` programs (its splits: as many as the read has programs): (launch, o_part,
+    lse_part, o, lse)."""
+    o_part = torch.zeros(8, programs, 128, dtype=torch.float32, device="cuda")
+    l_part = torch.zeros(8, programs, dtype=torch.float32, device="cuda")
+    o = torch.zeros(1, 1, 8, 128, dtype=torch.bfloat16, device="cuda")
+    lse = torch.zeros(1, 8, 1, dtype=torch.float32, device="cuda")
     return launch, o_part, l_part, o, lse
 
 
@@ -250,7 +255,8 @@ def main() -> None:
             # (with comb: its combine's output)
             outs = [torch.zeros(2 * sms * x, dtype=torch.float32, device="cuda")
                     for _ in range(layers)]
-            combs = [combine_parts(nk, sms * x) if comb else None for _ in range(layers)]
+            launch = combine_launcher(nk) if comb else None
+            combs = [combine_parts(launch, sms * x) if comb else None for _ in range(layers)]
             runs[f"tma {text}"] = (lambda r, s, x, rd, w, m, outs, combs: lambda i: tma_reader(
                 kcs[i], vcs[i], sms * x, r, s, rd, w, m,
                 combs[i - 1][3] if combs[i] else outs[i - 1], outs[i], combs[i]))(

@@ -80,7 +80,7 @@ def test_tma_reader_partials_through_the_shipped_combine():
     x = torch.randn(n, 128, dtype=torch.bfloat16, device="cuda")
     y = torch.randn_like(x)
     for programs, mode in ((132, "plain"), (264, "pretf")):
-        comb = tr.combine_parts(n, programs)
+        comb = tr.combine_parts(tr.combine_launcher(n), programs)
         got = tr.tma_reader(x, y, programs, 64, 2, mode=mode, prev=comb[3], combine=comb)()
         _sums_match(got, x, y)
         per = -(-(-(-n // programs)) // 64) * 64
