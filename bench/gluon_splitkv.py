@@ -45,8 +45,9 @@ def gpu(out: str, cells, configs, reps: int, page: int = 0) -> None:
         if base != var:
             plans[f"{base.name} default"] = SplitKVPlan(q, kcs[0], False, None, base)
         lens = {}  # a plan's lengths argument: the tensor, or None (every sequence nk keys)
-        for bn, st, splits, per_sm, pf_mib, tf, uniform, pre, steal, own, pace, ts, qc in configs:
-            gv = fit_pages(dataclasses.replace(var, block_m=64, block_n=bn, num_warps=4,
+        for (bn, st, splits, per_sm, pf_mib, tf, uniform, pre, steal, own, pace, ts, qc, nc,
+             bm) in configs:
+            gv = fit_pages(dataclasses.replace(var, block_m=bm, block_n=bn, num_warps=4,
                                                num_stages=st, loads="pointer", gluon=True),
                            page or None)
             if splits:  # an explicit split count, started early whatever the wave rule says
@@ -61,6 +62,9 @@ def gpu(out: str, cells, configs, reps: int, page: int = 0) -> None:
                 from quiet_combine import install  # QC KiB held; < 0: the shipped grid's chunks
                 install(plan, abs(qc), chunked=qc < 0)
                 label += f" qc{qc}"
+            if nc:  # the partial kernels alone: what the layer costs without its merge
+                plan.skip_combine = True
+                label += " nocomb"
             if uniform:  # no lengths tensor: the kernels read no length before their first load
                 label += " uniform"
                 lens[label] = None
@@ -74,7 +78,7 @@ def gpu(out: str, cells, configs, reps: int, page: int = 0) -> None:
                 diff = (got.float() - ref.float()).abs().max().item()
                 write({"cell": cell, "impl": label, "splits": plan.num_splits(nk),
                        "early": plan.early(plan.num_splits(nk)), "max_diff_vs_shipped": diff})
-                if diff < 2e-2:
+                if diff < 2e-2 or plan.skip_combine:  # (nocomb: unmerged, timed unchecked)
                     times[label] = []
             except Exception as e:  # noqa: BLE001 -- a config that cannot run is a row
                 write({"cell": cell, "impl": label, "error": f"{type(e).__name__}: {e}"[:400]})
@@ -87,7 +91,7 @@ def gpu(out: str, cells, configs, reps: int, page: int = 0) -> None:
 
 
 CONFIGS_HELP = (
-    "BLOCK_N/STAGES[/SPLITS[/PER_SM[/PF_MIB[/TF[/UNIFORM[/PRE[/STEAL[/OWN[/PACE[/TS[/QC]]]]]]]]]]],"
+    "BLOCK_N/STAGES[/SPLITS[/PER_SM[/PF_MIB[/TF[/UNIFORM[/PRE[/STEAL[/OWN[/PACE[/TS[/QC[/NC[/BM]]]]]]]]]]]]],"
     "... "
     "(SPLITS: an explicit count, early start forced, 0: the rule's; "
     "PER_SM: programs an SM holds at once, for the early trigger's one-wave rule; PF_MIB: the "
@@ -97,7 +101,9 @@ CONFIGS_HELP = (
     "stealing split owns first; PACE: the preload's K / V halves in flight at most (0: all); "
     "TS 1: the partial kernel lets the combine launch at its programs' start; QC: the combine "
     "as bench/quiet_combine.py's, holding |QC| KiB of shared memory, a program a row or, QC < 0, "
-    "the shipped grid's (row, D slice) programs (0: the shipped combine); "
+    "the shipped grid's (row, D slice) programs (0: the shipped combine); NC 1: the partial "
+    "kernels alone, no combine (timed unchecked); BM: block_m, 64 (the rows in wgmma's M) or 16 / 32 "
+    "(swap_ab: the rows in its N); "
     "-1: the launch's own choice)")
 
 
@@ -112,7 +118,7 @@ def main() -> None:
                     help="time over paged views of the caches, PAGE-key pages in shuffled order "
                     "(0: contiguous)")
     a = ap.parse_args()
-    unset = (0, 0, 0, 1, -1, -1, 0, -1, -1, 0, -1, -1, 0)  # SPLITS .. QC where a config stops
+    unset = (0, 0, 0, 1, -1, -1, 0, -1, -1, 0, -1, -1, 0, 0, 64)  # SPLITS .. BM where a config stops
     configs = []
     for c in a.configs.split(","):
         given = [int(x) for x in c.split("/")]

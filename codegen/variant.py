@@ -71,10 +71,11 @@ class Variant:
     # through a block table) instead of one (B, Ncache, Hk, D) tensor
     paged: bool = False
     # structural, splitkv only (sm_90, Gluon): the partial kernel streams K/V through a TMA ring
-    # and runs QK^T and PV on wgmma, one 64-row tile per (sequence, kv head); contiguous or paged
-    # caches, no masks beyond causal (launch_splitkv.gluon_blocker, kvcache.fit_pages; elsewhere
-    # the launch runs the same variant without it). Searched where the family takes it
-    # (search_spaces/splitkv.json's `when`)
+    # and runs QK^T and PV on wgmma, one tile per (sequence, kv head): block_m 64, the rows in
+    # wgmma's M; 16 or 32, S^T = K Q^T and O^T = V^T P^T with the rows in its N (no 64-row padding
+    # of a decode step's few rows); contiguous or paged caches, no masks beyond causal
+    # (launch_splitkv.gluon_blocker, kvcache.fit_pages; elsewhere the launch runs the same variant
+    # without it). Searched where the family takes it (search_spaces/splitkv.json's `when`)
     gluon: bool = False
     # hopper_fwd only (Gluon, sm_90): two consumer partitions with a Q tile each taking turns on
     # the tensor cores (structural); a persistent grid of one program per SM looping over tiles
@@ -226,6 +227,8 @@ class Variant:
                 "dq_loads": self.dq_loads,
                 "varlen": self.varlen, "bnhd": self.bnhd, "paged": self.paged,
                 "gluon": self.gluon,
+                # the gluon render's tile with rows in wgmma's N (block_m 16 or 32)
+                "swap_ab": self.gluon and self.block_m < 64,
                 "pingpong": self.pingpong, "three_consumers": self.three_consumers,
                 "loader": self.loader_regs > 0, "l2_order": self.l2_order,
                 "head_order": self.head_order,

@@ -225,10 +225,14 @@ def _splitkv_gluon(variant, bd: int, e: int) -> Resources:
     tile and one mbarrier per buffer in shared memory; S and O accumulate in one warpgroup's
     registers (wgmma), P stays there as the second MMA's A operand. sm_90 compiles (D=128 bf16,
     Triton 3.9, 2026-11-27): shared memory exact for n32-s4, n64-s2, n128-s2 and 8 B under for
-    n128-s3 (213,048 B); registers 117-202 against the model's 120-192."""
-    n, stages = variant.block_n, variant.num_stages
-    smem = 2 * stages * n * bd * e + 64 * bd * e + 16 * stages
-    words = 64 * n + 64 * n * e // 4 + 64 * bd  # S, P, O over the warpgroup's 128 threads
+    n128-s3 (213,048 B); registers 117-202 against the model's 120-192. block_m 16/32 (swap_ab):
+    a block_m-row Q tile and P^T (block_n x block_m) in shared memory, S^T and O^T of block_m
+    columns in registers."""
+    n, stages, rows = variant.block_n, variant.num_stages, variant.block_m
+    p_smem = n * rows * e if rows < 64 else 0
+    smem = 2 * stages * n * bd * e + rows * bd * e + p_smem + 16 * stages
+    # S, P (in registers only where rows are M), O over the warpgroup's 128 threads
+    words = rows * n + (rows * n * e // 4 if rows == 64 else 0) + rows * bd
     return Resources(smem, -(-words // 128) + _REG_OVERHEAD, 128)
 
 

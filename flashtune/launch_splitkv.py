@@ -175,13 +175,10 @@ def descriptor_ok(k_cache: torch.Tensor, v_cache: torch.Tensor, paged: bool) -> 
     return True
 
 
-GLUON_ROWS = 64  # the gluon render's tile: one 4-warp wgmma's M
-
-
 def gluon_blocker(q, k_cache, variant: Variant) -> str:
     """Why the gluon render cannot serve q (B, Nq, Hq, D) over k_cache ("" when it can): an
     sm_90 GPU with Gluon (meta tensors pass: compile-ahead), bf16/fp16, D 64 or 128, the tile's
-    GROUP x Nq rows within 64, a contiguous cache (the TMA view is (B * Ncache, Hk * D); paged,
+    GROUP x Nq rows within its block_m (one tile per (sequence, kv head)), a contiguous cache (the TMA view is (B * Ncache, Hk * D); paged,
     (num_pages * page size, Hk * D): the pages one block of memory)."""
     b, nq, h, d = q.shape
     hk = k_cache.shape[2]
@@ -196,8 +193,8 @@ def gluon_blocker(q, k_cache, variant: Variant) -> str:
         return "tensors are not on a GPU"
     if q.dtype not in (torch.bfloat16, torch.float16) or d not in (64, 128):
         return "bf16/fp16 with head dim 64 or 128 only"
-    if (h // hk) * nq > GLUON_ROWS:
-        return f"GROUP x Nq = {(h // hk) * nq} rows, more than one 64-row tile"
+    if (h // hk) * nq > variant.block_m:
+        return f"GROUP x Nq = {(h // hk) * nq} rows, more than one {variant.block_m}-row tile"
     if not _contiguous(k_cache):
         return "a cache that is not contiguous"
     return ""
@@ -213,6 +210,12 @@ def _gluon_layout(block_n: int, head_dim: int, dtype: torch.dtype):
     from triton.experimental.gluon import language as gl
     gdt = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
     return gl.NVMMASharedLayout.get_default_for([block_n, head_dim], gdt)
+
+
+def gluon_rows(plan) -> dict:
+    """The gluon render's ROWS constexpr where its tile's rows are wgmma's N (block_m 16/32,
+    swap_ab: the plan's row_block); its 64-row tile takes none."""
+    return {"ROWS": plan.block_m} if plan.variant.block_m < 64 else {}
 
 
 class GluonPartial:
@@ -235,6 +238,7 @@ class GluonPartial:
             extra["STEAL"] = self.steal
         if plan.paged:
             extra["PAGE"] = plan.kwargs["PAGE"]
+        extra.update(gluon_rows(plan))
         self.launch = Launcher(kernel, GROUP=plan.kwargs["GROUP"],
                                STAGES=plan.variant.num_stages,
                                IS_CAUSAL=plan.kwargs["IS_CAUSAL"], UNIFORM=uniform, num_warps=4,

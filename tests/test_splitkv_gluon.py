@@ -16,11 +16,13 @@ from flashtune.launch_splitkv import SplitKVPlan, gluon_blocker
 from test_splitkv import check, make
 
 GLUON = "splitkv-m64-n64-w4-s2-gluon=true"
+GLUON_T = "splitkv-m16-n64-w4-s2-gluon=true"  # swap_ab: the rows in wgmma's N
 
 
 @pytest.mark.parametrize("name,field", [
     ("splitkv-m64-n64-w8-s2-gluon=true", "num_warps"),
-    ("splitkv-m16-n64-w4-s2-gluon=true", "block_m"),
+    ("splitkv-m128-n64-w4-s2-gluon=true", "block_m"),
+    ("splitkv-m16-n32-w4-s2-gluon=true", "block_n"),   # swap_ab: keys in wgmma's 64-row M
     ("splitkv-m64-n64-w4-s2-gluon=true-window=true", "masks"),
     ("splitkv-m64-n64-w4-s2-gluon=true-loads=descriptor", "loads"),
     ("splitkv-m64-n16-w4-s2-gluon=true", "block_n"),
@@ -31,6 +33,8 @@ def test_gluon_variant_rules(name, field):
         Variant.parse(name)
     assert Variant.parse(GLUON).gluon and Variant.parse(GLUON).name == GLUON
     assert Variant.parse(GLUON + "-paged=true").paged  # a paged cache: the same render
+    assert Variant.parse(GLUON_T).structure()["swap_ab"]
+    assert not Variant.parse(GLUON).structure()["swap_ab"]
 
 
 def _meta(b, nq, hq, hk, d, cap, dtype=torch.bfloat16):
@@ -49,6 +53,12 @@ def test_gluon_blocker(shape, why):
     q, k = _meta(*shape)
     got = gluon_blocker(q, k, Variant.parse(GLUON))
     assert (got == "") if not why else (why in got), got
+
+
+def test_gluon_blocker_swapped_tile_rows():
+    # block_m 16: a step's GROUP x Nq rows within 16 (GQA 4 x 4 tokens), not 32 (8 x 4)
+    assert gluon_blocker(*_meta(2, 4, 16, 4, 128, 512), Variant.parse(GLUON_T)) == ""
+    assert "32 rows" in gluon_blocker(*_meta(2, 4, 32, 4, 128, 512), Variant.parse(GLUON_T))
 
 
 def test_gluon_blocker_strided_cache_and_cpu():
@@ -98,11 +108,12 @@ def test_gluon_render_compiles_for_sm90():
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     r = subprocess.run([sys.executable, "-m", "flashtune.cli", "kernels", "check", "--gpu",
                         "H100", "--head-dim", "64,128", GLUON,
-                        "splitkv-m64-n32-w4-s4-gluon=true-early_start=true"],
+                        "splitkv-m64-n32-w4-s4-gluon=true-early_start=true",
+                        "splitkv-m16-n128-w4-s2-gluon=true-early_start=true"],
                        capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     rows = [ln for ln in r.stdout.splitlines() if " partial " in ln]
-    assert len(rows) == 4 and all(" ok " in ln and "spills 0 B" in ln for ln in rows), r.stdout
+    assert len(rows) == 6 and all(" ok " in ln and "spills 0 B" in ln for ln in rows), r.stdout
 
 
 # (B, Hq, Hk, Nq, D, capacity, lengths (None: every sequence the capacity, an int), causal);
@@ -121,15 +132,16 @@ GPU_CASES = [
 @pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: "B{}-{}/{}-Nq{}-D{}-cap{}".format(
     *c[:6]) + ("-ragged" if c[6] else "-uniform") + ("-causal" if c[7] else ""))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_gluon_matches_float64(case, dtype):
+@pytest.mark.parametrize("name", [GLUON, GLUON_T])
+def test_gluon_matches_float64(case, dtype, name):
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the gluon render is sm_90's")
     b, hq, hk, nq, d, cap, lengths, causal = case
     q, kc, vc = make(b, nq, hq, hk, d, cap, dtype, "cuda")
     seqlens = cap if lengths is None else torch.tensor(lengths, dtype=torch.int32,
                                                        device="cuda")
-    assert SplitKVPlan(q, kc, causal, None, Variant.parse(GLUON)).variant.gluon
-    with flashtune.force(GLUON):
+    assert SplitKVPlan(q, kc, causal, None, Variant.parse(name)).variant.gluon
+    with flashtune.force(name):
         out, lse = flashtune.attention_with_kvcache(q, kc, vc, cache_seqlens=seqlens,
                                                     causal=causal, return_lse=True)
     check(q, kc, vc, lengths or [cap] * b, out, causal=causal, lse=lse)
@@ -163,7 +175,8 @@ PAGED_CASES = [
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", PAGED_CASES,
                          ids=lambda c: "B{}-{}/{}-Nq{}-D{}-cap{}-page{}".format(*c[:7]))
-def test_gluon_paged_matches_float64(case):
+@pytest.mark.parametrize("name", [GLUON, GLUON_T])
+def test_gluon_paged_matches_float64(case, name):
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the gluon render is sm_90's")
     b, hq, hk, nq, d, cap, page, lengths, causal = case
@@ -172,8 +185,8 @@ def test_gluon_paged_matches_float64(case):
     lengths = lengths or [cap] * b
     seqlens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
     from flashtune.kvcache import fit_pages
-    assert SplitKVPlan(q, kp, causal, None, fit_pages(Variant.parse(GLUON), page)).variant.gluon
-    with flashtune.force(GLUON):
+    assert SplitKVPlan(q, kp, causal, None, fit_pages(Variant.parse(name), page)).variant.gluon
+    with flashtune.force(name):
         out, lse = flashtune.attention_with_kvcache(q, kp, vp, cache_seqlens=seqlens,
                                                     block_table=bt, causal=causal,
                                                     return_lse=True)
@@ -252,7 +265,9 @@ STEAL_CASES = [
                                            ("splitkv-m64-n128-w4-s2-gluon=true", 2, 0),
                                            ("splitkv-m64-n128-w4-s2-gluon=true", 0, 256),
                                            (GLUON, 0, 128),
-                                           ("splitkv-m64-n128-w4-s2-gluon=true", 5, 256)])
+                                           ("splitkv-m64-n128-w4-s2-gluon=true", 5, 256),
+                                           ("splitkv-m16-n128-w4-s2-gluon=true", 0, 0),
+                                           ("splitkv-m16-n128-w4-s2-gluon=true", 0, 256)])
 def test_gluon_shared_tiles_match_float64(case, name, own, page):
     """STEAL (the early start's splits take the tiles past their own from a
     counter): against float64, launch after launch and in graph replays at other lengths, the

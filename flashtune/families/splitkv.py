@@ -43,16 +43,19 @@ FAMILY = Family(
 
 
 def check(variant) -> str:
-    """The gluon render's limits (its kernel: one 4-warp wgmma tile of 64 rows, pointer-free
+    """The gluon render's limits (its kernel: one warpgroup's wgmma tile, its rows in M (block_m
+    64) or in N (16, 32: swap_ab, the keys and D in M, so 64 or 128 keys a step), pointer-free
     TMA loads of a contiguous or paged cache)."""
     if not variant.gluon:
         return ""
     if variant.masks or variant.loads != "pointer":
         return "gluon renders no masks beyond causal, and its loads are TMA's: loads=pointer"
-    if variant.num_warps != 4 or variant.block_m != 64:
-        return "gluon's tile is one warpgroup's 64 rows: num_warps 4, block_m 64"
+    if variant.num_warps != 4 or variant.block_m not in (16, 32, 64):
+        return "gluon's tile is one warpgroup's (num_warps 4) of block_m 16, 32 or 64 rows"
     if variant.block_n not in (32, 64, 128) or not 2 <= variant.num_stages <= 4:
         return "gluon takes block_n 32, 64 or 128 and 2-4 stages"
+    if variant.block_m < 64 and variant.block_n == 32:
+        return "gluon's block_m 16/32 tile puts the keys in wgmma's 64-row M: block_n 64 or 128"
     return ""
 
 
@@ -169,7 +172,7 @@ def compile_check(variant, head_dim: int, dtype: str, causal: bool, tails: bool,
     from ..codegen import load
     from ..codegen.aot import compile_for
     from ..launch import block_d
-    from ..launch_splitkv import SplitKVPlan, combine_tile, early_consts
+    from ..launch_splitkv import SplitKVPlan, combine_tile, early_consts, gluon_rows
     from ..problem import torch_dtype
     dt = torch_dtype(dtype)
     nq, group = (3, 4) if tails else (1, 8)
@@ -197,6 +200,7 @@ def compile_check(variant, head_dim: int, dtype: str, causal: bool, tails: bool,
                   "IS_CAUSAL": causal, "UNIFORM": False}
         if variant.paged:
             consts["PAGE"] = plan.kwargs["PAGE"]
+        consts.update(gluon_rows(plan))
         if variant.early_start:  # the render that loads the ring's first tiles before its wait
             # and shares the rest (STEAL); one K / V half in flight at a time
             consts.update(PRELOAD=variant.num_stages, PACE=1, STEAL=True)
