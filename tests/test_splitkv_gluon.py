@@ -459,12 +459,18 @@ def test_the_search_space_has_gluon_where_it_can_run(target, problem, searched):
     space = Space.build("splitkv", get(target), problem)
     gluon = [v for v in space.feasible if v.gluon]
     assert bool(gluon) == searched
-    # every gluon point is one the family takes (Variant refuses the others) and fits sm_90
-    assert all(v.block_m == 64 and v.num_warps == 4 and v.loads == "pointer" for v in gluon)
+    # every gluon point is one the family takes (Variant refuses the others) and fits sm_90: its
+    # 64-row tile, or a 16-row one (swap_ab; 32 would run as 16 for these <= 16 rows) of 64- or
+    # 128-key steps
+    rows = problem.group * problem.seqlen_q
+    assert all(v.num_warps == 4 and v.loads == "pointer" for v in gluon)
+    assert all(v.block_m == 64 or (v.block_m == 16 and v.block_n >= 64) for v in gluon)
     if searched:  # both tile widths the H100 ran, 2 stages; 4 x 128 keys only under D=128
-        shapes = {(v.block_n, v.num_stages) for v in gluon}
+        shapes = {(v.block_n, v.num_stages) for v in gluon if v.block_m == 64}
         assert {(64, 2), (128, 2), (32, 4)} <= shapes
         assert ((128, 4) in shapes) == (problem.head_dim == 64)
+        swapped = {(v.block_n, v.num_stages) for v in gluon if v.block_m == 16}
+        assert {(64, 2), (128, 2)} <= swapped and rows <= 16
         # a gluon tile of 64 rows is allowed though the Triton render's is capped near the rows
         assert not any(v.block_m == 64 and not v.gluon for v in space.feasible)
 
@@ -475,7 +481,8 @@ def test_sm90_seeds_start_the_search_at_the_gluon_render():
     from flashtune.targets import get as target
     fam = get("splitkv")
     names = {v.name for v in fam.seed_variants(128, "bfloat16", arch="sm_90")}
-    assert {"splitkv-m64-n64-w4-s2-gluon=true", "splitkv-m64-n128-w4-s2-gluon=true"} <= names
+    assert {"splitkv-m64-n64-w4-s2-gluon=true", "splitkv-m64-n128-w4-s2-gluon=true",
+            "splitkv-m16-n128-w4-s2-gluon=true"} <= names
     for arch, dtype, d in (("sm_80", "bfloat16", 128), ("sm_90", "float32", 128),
                            ("sm_90", "bfloat16", 256)):
         assert not any(v.gluon for v in fam.seed_variants(d, dtype, arch=arch))

@@ -72,14 +72,17 @@ def seeds(head_dim: int, dtype: str, *, arch=None) -> list:
     rows (GROUP x Nq) are at most 16 on that grid, and the launch narrows wider tiles to that.
     Not the 64-key steps in float32: at D=128 they spill 32-44 B (sm_80 and sm_90, triton 3.9,
     tests/test_compile_defaults.py). On sm_90 the gluon render at 64 and 128 keys a step, 2
-    stages (session 36: +4.5-11% over the dispatched variant on MQA B=1 32k-128k steps); a
-    bucket it cannot serve leaves it out (its space's `when`)."""
+    stages (session 36: +4.5-11% over the dispatched variant on MQA B=1 32k-128k steps), and its
+    16-row tile (swap_ab, session 45: MQA B=1 32k 2,037 GB/s and GQA B=1 32k 3,002 where the
+    64-row one read 2,015 and 2,927); a bucket it cannot serve leaves it out (its space's
+    `when`)."""
     from ..codegen import Variant
     base = default(head_dim, dtype, arch=arch)
     names = ("splitkv-m16-n32-w4-s2", "splitkv-m16-n32-w4-s3") + (
         () if dtype == "float32" else ("splitkv-m16-n64-w4-s2",))
     if arch == "sm_90" and dtype != "float32" and head_dim in (64, 128):
-        names += ("splitkv-m64-n64-w4-s2-gluon=true", "splitkv-m64-n128-w4-s2-gluon=true")
+        names += ("splitkv-m64-n64-w4-s2-gluon=true", "splitkv-m64-n128-w4-s2-gluon=true",
+                  "splitkv-m16-n128-w4-s2-gluon=true")
     return [Variant.parse(n) for n in names if Variant.parse(n) != base]
 
 
