@@ -51,6 +51,7 @@ def stamped_source(variant) -> str:
     argument before the constexprs)."""
     from flashtune.codegen.render import render
     src = render(dataclasses.replace(variant, early_start=True))
+    axis = 0 if variant.structure()["swap_ab"] else 1
     edits = [
         ("                         CNT, steal_own,\n",
          "                         CNT, steal_own, TS,\n"),
@@ -67,8 +68,9 @@ def stamped_source(variant) -> str:
          "        while t_i < n_tiles:\n            mbarrier.wait(k_ready.index(st), ph)\n"
          "            if t_i == split:\n" + _stamp(2, "            ")),
         ("    seen = l_i > 0.0", _stamp(3) + "    seen = l_i > 0.0"),
-        ("             mask=gl.expand_dims(ro < GROUP * Nq, 1))\n",
-         "             mask=gl.expand_dims(ro < GROUP * Nq, 1))\n" + _stamp(4)),
+        # the exit: after O's store (the 16-row tile's, swap_ab, masks its rows on axis 0)
+        (f"             mask=gl.expand_dims(ro < GROUP * Nq, {axis}))\n",
+         f"             mask=gl.expand_dims(ro < GROUP * Nq, {axis}))\n" + _stamp(4)),
         ("    if USE_PDL:\n        # launched before the partial kernel ends",
          CSTAMP.format(slots=CSLOTS, k=0) + CSMID.format(slots=CSLOTS)
          + "    if USE_PDL:\n        # launched before the partial kernel ends"),
@@ -185,8 +187,8 @@ def gpu(out: str, cells, configs, reps: int, page: int = 0) -> None:
         bt = None
         if page:
             kcs, vcs, bt = paged_views(kcs, vcs, b, nk, page)
-        for bn, st, pre, tf, pf, steal, pace, splits in configs:
-            gv = fit_pages(dataclasses.replace(var, block_m=64, block_n=bn, num_warps=4,
+        for bn, st, pre, tf, pf, steal, pace, splits, bm in configs:
+            gv = fit_pages(dataclasses.replace(var, block_m=bm, block_n=bn, num_warps=4,
                                                num_stages=st, loads="pointer", gluon=True),
                            page or None)
             if splits > 0:  # an explicit split count, started early (as bench/gluon_splitkv.py)
@@ -264,10 +266,11 @@ def main() -> None:
     ap.add_argument("--out", default="splitkv_timeline.jsonl")
     ap.add_argument("--cells", default="1/8/1/131072,1/8/1/32768")
     ap.add_argument("--configs", default="128/2/1/-1/-1/0,128/2/1/-1/-1/1",
-                    help="BLOCK_N/STAGES/PRE/TF/PF_MIB[/STEAL[/PACE[/SPLITS]]],... (PRE, TF, "
+                    help="BLOCK_N/STAGES/PRE/TF/PF_MIB[/STEAL[/PACE[/SPLITS[/BM]]]],... (PRE, TF, "
                     "PF_MIB, STEAL, PACE -1: the launch's own; STEAL 1/0: the splits share the "
                     "tiles past their own or not; PACE: the preload's K / V halves in flight at "
-                    "most, 0: all; SPLITS: an explicit count, 0: the rule's)")
+                    "most, 0: all; SPLITS: an explicit count, 0: the rule's; BM: block_m, 64 or "
+                    "16 / 32, the rows in wgmma's N (swap_ab))")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--page", type=int, default=0,
                     help="stamp over paged views of the caches, PAGE-key pages in shuffled order "
@@ -278,8 +281,11 @@ def main() -> None:
     a = ap.parse_args()
     if a.combine:
         combine_shape(*(int(x) for x in a.combine.split("/")))
-    configs = [tuple([int(x) for x in c.split("/")] + [-1, -1, 0])[:8]
-               for c in a.configs.split(",")]
+    unset = (-1, -1, 0, 64)  # STEAL, PACE, SPLITS, BM where a config stops
+    configs = []
+    for c in a.configs.split(","):
+        given = [int(x) for x in c.split("/")]
+        configs.append(tuple(given + list(unset[max(0, len(given) - 5):])))
     gpu(a.out, a.cells.split(","), configs, a.reps, a.page)
 
 
