@@ -143,6 +143,10 @@ def _decode(d=128, group=4, nq=1, nk=32768, batch=1):
     ("splitkv-m64-n128-w4-s3-gluon=true", 128, 213048),
     ("splitkv-m64-n32-w4-s4-gluon=true", 128, 81984),
     ("splitkv-m64-n128-w4-s2-gluon=true", 128, 147488),
+    # its 16-row tile (swap_ab: P^T in shared memory; kernels check, Triton 3.9, 2026-11-28)
+    ("splitkv-m16-n128-w4-s2-gluon=true", 128, 139552),
+    ("splitkv-m16-n64-w4-s2-gluon=true", 128, 71968),
+    ("splitkv-m16-n128-w4-s2-gluon=true", 64, 71968),
 ])
 def test_splitkv_shared_memory_model_matches_triton(name, d, shared):
     r = feasibility.resources(Variant.parse(name), _decode(d), H100)
