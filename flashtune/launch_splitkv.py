@@ -178,8 +178,9 @@ def descriptor_ok(k_cache: torch.Tensor, v_cache: torch.Tensor, paged: bool) -> 
 def gluon_blocker(q, k_cache, variant: Variant) -> str:
     """Why the gluon render cannot serve q (B, Nq, Hq, D) over k_cache ("" when it can): an
     sm_90 GPU with Gluon (meta tensors pass: compile-ahead), bf16/fp16, D 64 or 128, the tile's
-    GROUP x Nq rows within its block_m (one tile per (sequence, kv head)), a contiguous cache (the TMA view is (B * Ncache, Hk * D); paged,
-    (num_pages * page size, Hk * D): the pages one block of memory)."""
+    GROUP x Nq rows within its block_m (one tile per (sequence, kv head)), a contiguous cache
+    (the TMA view is (B * Ncache, Hk * D); paged, (num_pages * page size, Hk * D): the pages one
+    block of memory)."""
     b, nq, h, d = q.shape
     hk = k_cache.shape[2]
     if q.device.type == "cuda":
