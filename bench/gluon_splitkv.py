@@ -102,9 +102,9 @@ CONFIGS_HELP = (
     "TS 1: the partial kernel lets the combine launch at its programs' start; QC: the combine "
     "as bench/quiet_combine.py's, holding |QC| KiB of shared memory, a program a row or, QC < 0, "
     "the shipped grid's (row, D slice) programs (0: the shipped combine); NC 1: the partial "
-    "kernels alone, no combine (timed unchecked); BM: block_m, 64 (the rows in wgmma's M) or 16 / 32 "
-    "(swap_ab: the rows in its N); "
-    "-1: the launch's own choice)")
+    "kernels alone, no combine (timed unchecked); BM: block_m, 64 (the rows in wgmma's M) or "
+    "16 / 32 (swap_ab: the rows in its N); -1: the launch's own choice). Fields may also follow "
+    "by name after colons, lower-case: 128/2:bm=16:nc=1")
 
 
 def main() -> None:
@@ -118,12 +118,33 @@ def main() -> None:
                     help="time over paged views of the caches, PAGE-key pages in shuffled order "
                     "(0: contiguous)")
     a = ap.parse_args()
-    unset = (0, 0, 0, 1, -1, -1, 0, -1, -1, 0, -1, -1, 0, 0, 64)  # SPLITS .. BM where a config stops
+    gpu(a.out, a.cells.split(","), parse_configs(a.configs), a.reps, a.page)
+
+
+# a config's fields in order, and each one's value where a config leaves it out
+FIELDS = ("block_n", "stages", "splits", "per_sm", "pf_mib", "tf", "uniform", "pre", "steal",
+          "own", "pace", "ts", "qc", "nc", "bm")
+UNSET = (0, 0, 0, 1, -1, -1, 0, -1, -1, 0, -1, -1, 0, 0, 64)
+
+
+def parse_configs(text: str) -> list:
+    """--configs: "BLOCK_N/STAGES[/...]" positional (CONFIGS_HELP's order), then any fields by
+    name after colons ("128/2:bm=16:nc=1"), which override the positional ones."""
     configs = []
-    for c in a.configs.split(","):
-        given = [int(x) for x in c.split("/")]
-        configs.append(tuple(given + list(unset[len(given):])))
-    gpu(a.out, a.cells.split(","), configs, a.reps, a.page)
+    for c in text.split(","):
+        head, *named = c.split(":")
+        values = [int(x) for x in head.split("/")]
+        if len(values) < 2 or len(values) > len(FIELDS):
+            raise ValueError(f"config {c!r}: BLOCK_N/STAGES and at most {len(FIELDS)} fields")
+        values += UNSET[len(values):]
+        for kv in named:
+            name, _, v = kv.partition("=")
+            if name not in FIELDS[2:] or not v:
+                raise ValueError(f"config {c!r}: {kv!r} is not one of "
+                                 f"{', '.join(FIELDS[2:])} = an integer")
+            values[FIELDS.index(name)] = int(v)
+        configs.append(tuple(values))
+    return configs
 
 
 if __name__ == "__main__":
