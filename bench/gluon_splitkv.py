@@ -18,6 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 from probe_rows import Rows, decode_cell, early_knobs, paged_views, time_steps  # noqa: E402
+from probe_rows import parse_configs as probe_configs  # noqa: E402
 
 from flashtune.launch_splitkv import SplitKVPlan, default_variant  # noqa: E402
 
@@ -130,21 +131,7 @@ UNSET = (0, 0, 0, 1, -1, -1, 0, -1, -1, 0, -1, -1, 0, 0, 64)
 def parse_configs(text: str) -> list:
     """--configs: "BLOCK_N/STAGES[/...]" positional (CONFIGS_HELP's order), then any fields by
     name after colons ("128/2:bm=16:nc=1"), which override the positional ones."""
-    configs = []
-    for c in text.split(","):
-        head, *named = c.split(":")
-        values = [int(x) for x in head.split("/")]
-        if len(values) < 2 or len(values) > len(FIELDS):
-            raise ValueError(f"config {c!r}: BLOCK_N/STAGES and at most {len(FIELDS)} fields")
-        values += UNSET[len(values):]
-        for kv in named:
-            name, _, v = kv.partition("=")
-            if name not in FIELDS[2:] or not v:
-                raise ValueError(f"config {c!r}: {kv!r} is not one of "
-                                 f"{', '.join(FIELDS[2:])} = an integer")
-            values[FIELDS.index(name)] = int(v)
-        configs.append(tuple(values))
-    return configs
+    return probe_configs(text, FIELDS, UNSET)
 
 
 if __name__ == "__main__":

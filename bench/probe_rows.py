@@ -62,6 +62,29 @@ def sum_checked(write, runs: dict, want: float, slack: float, where: dict,
     return ok
 
 
+def parse_configs(text: str, fields: tuple, unset: tuple, required: int = 2) -> list:
+    """A probe's --configs: comma-separated configs, each its first fields positional
+    ("128/2/..", at least `required` of them), then any of the others by name after colons
+    ("128/2:bm=16:nc=1", overriding the positional ones); a field left out takes its `unset`
+    value. A tuple of ints per config, in `fields`' order."""
+    configs = []
+    for c in text.split(","):
+        head, *named = c.split(":")
+        values = [int(x) for x in head.split("/")]
+        if len(values) < required or len(values) > len(fields):
+            raise ValueError(f"config {c!r}: {'/'.join(f.upper() for f in fields[:required])} "
+                             f"and at most {len(fields)} fields")
+        values += unset[len(values):]
+        for kv in named:
+            name, _, v = kv.partition("=")
+            if name not in fields[required:] or not v:
+                raise ValueError(f"config {c!r}: {kv!r} is not one of "
+                                 f"{', '.join(fields[required:])} = an integer")
+            values[fields.index(name)] = int(v)
+        configs.append(tuple(values))
+    return configs
+
+
 def early_knobs(plan, pf: int = -1, tf: int = -1, pre: int = -1, steal: int = -1, own: int = 0,
                 pace: int = -1, ts: int = -1) -> str:
     """Set the split-KV early start's launch choices a probe overrides on `plan` (a SplitKVPlan;

@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
-from probe_rows import Rows, decode_cell, early_knobs, paged_views  # noqa: E402
+from probe_rows import Rows, decode_cell, early_knobs, paged_views, parse_configs  # noqa: E402
 
 SLOTS = 8  # stamps a program: entry, wait, first tile, loop end, exit, SM
 CSLOTS = 4  # the combine's: entry, wait, exit, SM
@@ -270,7 +270,8 @@ def main() -> None:
                     "PF_MIB, STEAL, PACE -1: the launch's own; STEAL 1/0: the splits share the "
                     "tiles past their own or not; PACE: the preload's K / V halves in flight at "
                     "most, 0: all; SPLITS: an explicit count, 0: the rule's; BM: block_m, 64 or "
-                    "16 / 32, the rows in wgmma's N (swap_ab))")
+                    "16 / 32, the rows in wgmma's N (swap_ab); fields after the fifth may follow by name: "
+                    "128/2/1/-1/-1:bm=16)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--page", type=int, default=0,
                     help="stamp over paged views of the caches, PAGE-key pages in shuffled order "
@@ -281,11 +282,8 @@ def main() -> None:
     a = ap.parse_args()
     if a.combine:
         combine_shape(*(int(x) for x in a.combine.split("/")))
-    unset = (-1, -1, 0, 64)  # STEAL, PACE, SPLITS, BM where a config stops
-    configs = []
-    for c in a.configs.split(","):
-        given = [int(x) for x in c.split("/")]
-        configs.append(tuple(given + list(unset[max(0, len(given) - 5):])))
+    configs = parse_configs(a.configs, ("block_n", "stages", "pre", "tf", "pf_mib", "steal",
+                                        "pace", "splits", "bm"), (0,) * 5 + (-1, -1, 0, 64), 5)
     gpu(a.out, a.cells.split(","), configs, a.reps, a.page)
 
 

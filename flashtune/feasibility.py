@@ -229,10 +229,11 @@ def _splitkv_gluon(variant, bd: int, e: int) -> Resources:
     a block_m-row Q tile and P^T (block_n x block_m) in shared memory, S^T and O^T of block_m
     columns in registers."""
     n, stages, rows = variant.block_n, variant.num_stages, variant.block_m
-    p_smem = n * rows * e if rows < 64 else 0
+    swap = variant.structure()["swap_ab"]
+    p_smem = n * rows * e if swap else 0  # P^T through shared memory (wgmma's B)
     smem = 2 * stages * n * bd * e + rows * bd * e + p_smem + 16 * stages
     # S, P (in registers only where rows are M), O over the warpgroup's 128 threads
-    words = rows * n + (rows * n * e // 4 if rows == 64 else 0) + rows * bd
+    words = rows * n + (0 if swap else rows * n * e // 4) + rows * bd
     return Resources(smem, -(-words // 128) + _REG_OVERHEAD, 128)
 
 

@@ -216,7 +216,7 @@ def _gluon_layout(block_n: int, head_dim: int, dtype: torch.dtype):
 def gluon_rows(plan) -> dict:
     """The gluon render's ROWS constexpr where its tile's rows are wgmma's N (block_m 16/32,
     swap_ab: the plan's row_block); its 64-row tile takes none."""
-    return {"ROWS": plan.block_m} if plan.variant.block_m < 64 else {}
+    return {"ROWS": plan.block_m} if plan.variant.structure()["swap_ab"] else {}
 
 
 class GluonPartial:
