@@ -47,7 +47,7 @@ def gpu(out: str, cells, configs, reps: int, page: int = 0) -> None:
             plans[f"{base.name} default"] = SplitKVPlan(q, kcs[0], False, None, base)
         lens = {}  # a plan's lengths argument: the tensor, or None (every sequence nk keys)
         for (bn, st, splits, per_sm, pf_mib, tf, uniform, pre, steal, own, pace, ts, qc, nc,
-             bm, gate, gns) in configs:
+             bm) in configs:
             gv = fit_pages(dataclasses.replace(var, block_m=bm, block_n=bn, num_warps=4,
                                                num_stages=st, loads="pointer", gluon=True),
                            page or None)
@@ -58,7 +58,7 @@ def gpu(out: str, cells, configs, reps: int, page: int = 0) -> None:
             if per_sm > 1:  # grids up to per_sm programs an SM count as one wave (early
                 plan.sms *= per_sm  # trigger): what a residency-aware rule would say
                 label += f" wave{per_sm}"
-            label += early_knobs(plan, pf_mib, tf, pre, steal, own, pace, ts, gate, gns)
+            label += early_knobs(plan, pf_mib, tf, pre, steal, own, pace, ts)
             if qc:  # the combine on SMs no partial program holds (bench/quiet_combine.py):
                 from quiet_combine import install  # QC KiB held; < 0: the shipped grid's chunks
                 install(plan, abs(qc), chunked=qc < 0)
@@ -104,9 +104,8 @@ CONFIGS_HELP = (
     "as bench/quiet_combine.py's, holding |QC| KiB of shared memory, a program a row or, QC < 0, "
     "the shipped grid's (row, D slice) programs (0: the shipped combine); NC 1: the partial "
     "kernels alone, no combine (timed unchecked); BM: block_m, 64 (the rows in wgmma's M) or "
-    "16 / 32 (swap_ab: the rows in its N); -1: the launch's own choice). By name only: GATE "
-    "(the preloaded tiles from this one on wait for the combine's reads) and GNS (that wait's "
-    "limit, ns). Fields may also follow by name after colons, lower-case: 128/2:bm=16:nc=1")
+    "16 / 32 (swap_ab: the rows in its N); -1: the launch's own choice). Fields may also follow "
+    "by name after colons, lower-case: 128/2:bm=16:nc=1")
 
 
 def main() -> None:
@@ -125,8 +124,8 @@ def main() -> None:
 
 # a config's fields in order, and each one's value where a config leaves it out
 FIELDS = ("block_n", "stages", "splits", "per_sm", "pf_mib", "tf", "uniform", "pre", "steal",
-          "own", "pace", "ts", "qc", "nc", "bm", "gate", "gns")
-UNSET = (0, 0, 0, 1, -1, -1, 0, -1, -1, 0, -1, -1, 0, 0, 64, -1, -1)
+          "own", "pace", "ts", "qc", "nc", "bm")
+UNSET = (0, 0, 0, 1, -1, -1, 0, -1, -1, 0, -1, -1, 0, 0, 64)
 
 
 def parse_configs(text: str) -> list:

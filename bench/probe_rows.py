@@ -86,14 +86,13 @@ def parse_configs(text: str, fields: tuple, unset: tuple, required: int = 2) -> 
 
 
 def early_knobs(plan, pf: int = -1, tf: int = -1, pre: int = -1, steal: int = -1, own: int = 0,
-                pace: int = -1, ts: int = -1, gate: int = -1, gate_ns: int = -1) -> str:
+                pace: int = -1, ts: int = -1) -> str:
     """Set the split-KV early start's launch choices a probe overrides on `plan` (a SplitKVPlan;
     -1, own 0: the launch's own): pf MiB of L2 prefetch over all programs, tf 1/0 the combine
     lets the next kernel in before/after its wait, pre tiles loaded before the wait, steal 1/0
     the splits share their tiles past their own (own each), pace K / V halves of the preload in
     flight at most (0: all), ts 1 the partial kernel lets the combine launch at its programs'
-    start (gluon), gate: the preloaded tiles from this one on wait for the combine's reads, at
-    most gate_ns ns (gluon). The label suffix naming those set."""
+    start (gluon). The label suffix naming those set."""
     label = ""
     # (value, unset: the launch's own, the plan's attribute, the label's name, the value set)
     for value, unset, attr, name, conv in (
@@ -103,9 +102,7 @@ def early_knobs(plan, pf: int = -1, tf: int = -1, pre: int = -1, steal: int = -1
             (steal, -1, "steal", "steal", bool),
             (own, 0, "steal_own", "own", int),
             (pace, -1, "pace", "pace", int),
-            (ts, -1, "trigger_start", "ts", bool),
-            (gate, -1, "gate", "gate", int),
-            (gate_ns, -1, "gate_ns", "gns", int)):
+            (ts, -1, "trigger_start", "ts", bool)):
         if value > unset:
             setattr(plan, attr, conv(value))
             label += f" {name}{value}"

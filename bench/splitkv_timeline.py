@@ -187,7 +187,7 @@ def gpu(out: str, cells, configs, reps: int, page: int = 0) -> None:
         bt = None
         if page:
             kcs, vcs, bt = paged_views(kcs, vcs, b, nk, page)
-        for bn, st, pre, tf, pf, steal, pace, splits, bm, gate, gns in configs:
+        for bn, st, pre, tf, pf, steal, pace, splits, bm in configs:
             gv = fit_pages(dataclasses.replace(var, block_m=bm, block_n=bn, num_warps=4,
                                                num_stages=st, loads="pointer", gluon=True),
                            page or None)
@@ -198,8 +198,7 @@ def gpu(out: str, cells, configs, reps: int, page: int = 0) -> None:
                 plain = SplitKVPlan(q, kcs[0], False, None, gv)
                 stamped = SplitKVPlan(q, kcs[0], False, None, gv)
                 for p in (plain, stamped):
-                    knobs = early_knobs(p, pf, tf, pre, steal, pace=pace, gate=gate,
-                                        gate_ns=gns)
+                    knobs = early_knobs(p, pf, tf, pre, steal, pace=pace)
                 label += knobs
                 s = plain.num_splits(nk)
                 if not plain.early(s):
@@ -216,7 +215,7 @@ def gpu(out: str, cells, configs, reps: int, page: int = 0) -> None:
                 gp = stamped._launcher(stamped.partial_key(False, True, nk, s))
                 orig = gp.launch
                 gp.launch = lambda grid, *a, **k: orig(grid, *a, cur[0], **k)
-                ckey = stamped.combine_key(s, True, nk)
+                ckey = ("combine", s, True, stamped.first_trigger(nk))
                 corig = stamped._launcher(ckey)
                 stamped._launchers[ckey] = lambda grid, *a, **k: corig(grid, *a, cur[1], **k)
                 ref = plain.run(q, kcs[0], vcs[0], sl, bt, nk)[0]
@@ -284,8 +283,7 @@ def main() -> None:
     if a.combine:
         combine_shape(*(int(x) for x in a.combine.split("/")))
     configs = parse_configs(a.configs, ("block_n", "stages", "pre", "tf", "pf_mib", "steal",
-                                        "pace", "splits", "bm", "gate", "gns"),
-                            (0,) * 5 + (-1, -1, 0, 64, -1, -1), 5)
+                                        "pace", "splits", "bm"), (0,) * 5 + (-1, -1, 0, 64), 5)
     gpu(a.out, a.cells.split(","), configs, a.reps, a.page)
 
 

@@ -57,10 +57,6 @@ PRELOAD_TILES = 1
 # tile paced 2,459-2,468); 128k 2,650 -> 2,773-2,778; GQA B=1 8k (4) 2,148 -> 2,465; two halves
 # in flight, or 64-key halves, were slower everywhere
 PRELOAD_PACE = 1
-# ... and the ring's tiles from GATE_TILES on (0: none) wait, before the wait, until no combine
-# reads its splits (a device-wide count the combines keep: readers) or GATE_NS have passed
-GATE_TILES = 0
-GATE_NS = 3000
 # ... and, where a split's share of the longest sequence is at least STEAL_MIN_TILES tiles, its
 # splits share the tiles past their own (STEAL_OWN each; a counter per (sequence, kv head)
 # hands them out one at a time), so an SM that streams faster takes more of them: with fixed
@@ -102,31 +98,6 @@ DEFAULTS_F32 = {
     128: Variant("splitkv", block_m=16, block_n=32, num_warps=4, num_stages=2),
     256: Variant("splitkv", block_m=16, block_n=16, num_warps=4, num_stages=1),
 }
-
-
-_READERS: dict = {}
-
-
-def readers(device) -> torch.Tensor:
-    """The device's count of combine programs still reading their splits (the gluon partial's
-    GATE): one int32, 0 between launches (each program adds 1 and takes it back). A hint: a
-    count off by a stray program only costs the gate's time limit."""
-    got = _READERS.get(device.index)
-    if got is None:
-        got = _READERS[device.index] = torch.zeros(32, dtype=torch.int32, device=device)
-    return got
-
-
-class _CombineLaunch:
-    """The early render's combine launch: the Launcher's, with the device's readers count put
-    after num_splits (run passes the combine's arguments as the plain render takes them)."""
-    __slots__ = ("launch", "readers")
-
-    def __init__(self, launch, readers_):
-        self.launch, self.readers = launch, readers_
-
-    def __call__(self, grid, *args):
-        self.launch(grid, *args[:7], self.readers, *args[7:])
 
 
 def early_consts(block_d_: int, elsize: int) -> dict:
@@ -257,17 +228,14 @@ class GluonPartial:
     takes the same grid and arguments."""
     __slots__ = ("plan", "launch", "uniform", "early", "steal", "fallback")
 
-    def __init__(self, plan, kernel, uniform: bool, early: bool, steal: bool, pre: int,
-                 gate: int = 0):
+    def __init__(self, plan, kernel, uniform: bool, early: bool, steal: bool, pre: int):
         # steal: the early render's splits share their tiles; pre: the tiles it loads before
-        # its wait; gate: those from it on wait for the combine's reads (run decides them:
-        # steals, preload_tiles, gate_tiles)
+        # its wait (run decides both: steals, preload_tiles)
         self.plan, self.uniform, self.early, self.steal = plan, uniform, early, steal
         extra = {"launch_pdl": True} if early and plan.pdl else {}
         if early:
             extra["PRELOAD"] = pre
             extra["PACE"] = plan.preload_pace()
-            extra["GATE"] = gate
             extra["STEAL"] = self.steal
         if plan.paged:
             extra["PAGE"] = plan.kwargs["PAGE"]
@@ -301,8 +269,8 @@ class GluonPartial:
         hint, rows, trigger = early_args if self.early else (0, 0, 0)
         tail = ()
         if self.early:  # CNT: the STEAL counters (unread without STEAL: any pointer will do)
-            tail = (fresh, readers(q.device), self.plan.gate_limit(),
-                    self.plan.counters(q.device) if self.steal else o, self.plan.steal_rounds())
+            tail = (fresh, self.plan.counters(q.device) if self.steal else o,
+                    self.plan.steal_rounds())
         # uniform: SEQLENS is never read (any pointer will do)
         self.launch(grid, q, k, v, kd, vd, seqlens if seqlens is not None else o, o, lse, scale,
                     *paged, sqb, sqm, sqh, skb, skn, skh, sob, som, soh, sos, slb, slm, slh, sls,
@@ -340,7 +308,6 @@ class SplitKVPlan:
         num_m = -(-(group * nq) // self.block_m)
         self.programs = b * hk * num_m
         self.sms = sm_count(q.device)
-        self._device = q.device
         self.shape = (b, nq, h, d)
         self.scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
         # the combine starts while the partial kernel's last programs finish (its launch latency
@@ -359,10 +326,6 @@ class SplitKVPlan:
         # at most this many of those K / V halves in flight before the wait (None: PRELOAD_PACE;
         # 0: all at once); the probe sets it
         self.pace: int | None = None
-        # the preloaded tiles from this one on wait for the combine before's reads (None:
-        # GATE_TILES), at most this long (ns; None: GATE_NS); the probe sets them
-        self.gate: int | None = None
-        self.gate_ns: int | None = None
         # whether the gluon render's early start shares tiles between its splits (None: the rule
         # in steals); the probe sets it. Its counters: one per (sequence, kv head) and CUDA stream
         self.steal: bool | None = None
@@ -397,11 +360,10 @@ class SplitKVPlan:
         return mod
 
     def _launcher(self, key):
-        """key: ("partial", UNIFORM, early, steal, pre, gate) or ("combine", num_splits, early,
+        """key: ("partial", UNIFORM, early, steal, pre) or ("combine", num_splits, early,
         first); early: the early_start render (its combine lets the next kernel start: before
         its wait where first); steal: its splits share their tiles (steals); pre: the gluon
-        render's tiles loaded before its wait (preload_tiles), those from gate on after the
-        combine's reads (gate_tiles)."""
+        render's tiles loaded before its wait (preload_tiles)."""
         got = self._launchers.get(key)
         if got is None:
             if len(self._launchers) > 64:
@@ -413,15 +375,12 @@ class SplitKVPlan:
                 got = self._triton_partial(key[1], key[2], mod)
             else:
                 block_s, chunk_d = combine_tile(key[1], self.kwargs["BLOCK_D"])
-                # early: its programs count as readers (GATE) where this plan's partials gate
-                extra = {"TRIGGER_FIRST": key[3], "GATE": self.gate_tiles() > 0} if key[2] else {}
+                extra = {"TRIGGER_FIRST": key[3]} if key[2] else {}
                 if self.pdl:
                     extra["launch_pdl"] = True
                 got = Launcher(mod.attn_splitkv_combine, HEAD_DIM=self.shape[3],
                                BLOCK_S=block_s, CHUNK_D=chunk_d, USE_PDL=self.pdl, num_warps=4,
                                **extra)
-                if key[2]:
-                    got = _CombineLaunch(got, readers(self._device))
             self._launchers[key] = got
         return got
 
@@ -480,17 +439,6 @@ class SplitKVPlan:
             pre = PRELOAD_TILES
         return max(0, min(int(pre), stages))
 
-    def gate_tiles(self) -> int:
-        """The gluon early start's preloaded tiles from this one on wait for the combine before
-        to finish its reads (0: none; the probe's `gate`, else GATE_TILES)."""
-        if not self.variant.gluon:
-            return 0
-        return max(0, int(GATE_TILES if self.gate is None else self.gate))
-
-    def gate_limit(self) -> int:
-        """gate_tiles' wait at most (ns; the probe's `gate_ns`, else GATE_NS)."""
-        return int(GATE_NS if self.gate_ns is None else self.gate_ns)
-
     def preload_pace(self) -> int:
         """The early start's preload: at most this many K / V halves in flight (0: no limit;
         the probe's `pace`, else PRELOAD_PACE)."""
@@ -543,18 +491,12 @@ class SplitKVPlan:
             trigger = 2  # the template's early_trigger 2
         return keys, rows, trigger
 
-    def combine_key(self, num_splits: int, early: bool, keys: int) -> tuple:
-        """The combine's launcher key (_launcher) after a partial launch of num_splits splits
-        placed by `keys`."""
-        return ("combine", num_splits, early, early and self.first_trigger(keys))
-
     def partial_key(self, uniform: bool, early: bool, keys: int, num_splits: int) -> tuple:
         """The partial kernel's launcher key (_launcher) for a launch of num_splits splits placed
         by `keys`: whether they share tiles (steals) and the tiles preloaded (preload_tiles)."""
         steal = early and self.steals(keys, num_splits)
         pre = self.preload_tiles(keys, num_splits) if early and self.variant.gluon else 0
-        gate = self.gate_tiles() if 0 < self.gate_tiles() < pre else 0
-        return ("partial", uniform, early, steal, pre, gate)
+        return ("partial", uniform, early, steal, pre)
 
     def num_splits(self, max_seqlen: int) -> int:
         s = self._splits.get(max_seqlen)
@@ -603,6 +545,7 @@ class SplitKVPlan:
         capacity = bt.shape[1] * k_cache.shape[1] if self.paged else k_cache.shape[1]
         early = self.early(s)
         keys = min(max_seqlen, capacity)
+        first = early and self.first_trigger(keys)
         self._launcher(self.partial_key(uniform, early, keys, s))(
             (self.programs, s),
             q, k_cache, v_cache, bt, seqlens, o_dst, l_dst, self.scale, *self.mask_args,
@@ -614,11 +557,11 @@ class SplitKVPlan:
             hk, nq, s, k_cache.shape[0] if self.paged else 0,
             keys if uniform else capacity,
             *(self._split_args(keys, s) if self.paged else ()),
-            *(self._early_args(keys, s, early and self.first_trigger(keys)) if early else ()),
+            *(self._early_args(keys, s, first) if early else ()),
             **({"fresh": max(nq, appended)} if self.variant.gluon else {}))
         if s > 1 and not self.skip_combine:
             chunk_d = combine_tile(s, self.kwargs["BLOCK_D"])[1]
-            self._launcher(self.combine_key(s, early, keys))(
+            self._launcher(("combine", s, early, first))(
                 (b * h * nq, triton.cdiv(d, chunk_d)),
                 o_dst, l_dst, o, lse, h, nq, s, o.stride(0), o.stride(1), o.stride(2))
         return o, lse

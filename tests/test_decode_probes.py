@@ -116,17 +116,12 @@ def test_gluon_partial_matches_float64(n, splits, config):
 def test_gluon_splitkv_configs_positional_and_by_name():
     import gluon_splitkv as gs
     base = gs.parse_configs("128/2")[0]
-    bm, nc = gs.FIELDS.index("bm"), gs.FIELDS.index("nc")
-    assert base == (128, 2) + gs.UNSET[2:] and base[bm] == 64
+    assert base == (128, 2) + gs.UNSET[2:] and base[-1] == 64
     # session 45's positional spelling and its named one are the same config
     pos = "64/2/256/2/0/1/0/2/-1/0/1/1/0/0/16"
     named = "64/2:splits=256:per_sm=2:pf_mib=0:tf=1:pre=2:pace=1:ts=1:bm=16"
     assert gs.parse_configs(pos) == gs.parse_configs(named)
-    assert [(c[nc], c[bm]) for c in gs.parse_configs("128/2:nc=1,128/2/0/1:bm=16")] == [
-        (1, 64), (0, 16)]
-    # the gate's fields by name only (past the positional ones)
-    gate = gs.parse_configs("128/2:bm=16:gate=1:gns=2500")[0]
-    assert gate[gs.FIELDS.index("gate")] == 1 and gate[gs.FIELDS.index("gns")] == 2500
-    for bad in ("128", "128/2:bn=4", "128/2:bm", "128/2/" + "/".join(["0"] * 16)):
+    assert [c[-2:] for c in gs.parse_configs("128/2:nc=1,128/2/0/1:bm=16")] == [(1, 64), (0, 16)]
+    for bad in ("128", "128/2:bn=4", "128/2:bm", "128/2/" + "/".join(["0"] * 14)):
         with pytest.raises(ValueError, match="config"):
             gs.parse_configs(bad)

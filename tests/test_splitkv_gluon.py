@@ -11,7 +11,7 @@ import torch
 
 import flashtune
 from flashtune.codegen import Variant
-from flashtune.launch_splitkv import SplitKVPlan, gluon_blocker, readers
+from flashtune.launch_splitkv import SplitKVPlan, gluon_blocker
 
 from test_splitkv import check, make
 
@@ -304,7 +304,7 @@ def test_gluon_shared_tiles_match_float64(case, name, own, page):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("paged", [False, True])
-@pytest.mark.parametrize("early", [False, True, "preload", "paced", "alone", "gated"])
+@pytest.mark.parametrize("early", [False, True, "preload", "paced", "alone"])
 def test_gluon_graph_replay_with_longer_sequences(paged, early):
     """A step captured at one length and replayed at others (a serving loop's graph), with and
     without the early start (and its tiles loaded before the wait, placed by the captured
@@ -320,13 +320,11 @@ def test_gluon_graph_replay_with_longer_sequences(paged, early):
     name = GLUON.replace("-n64-", "-n128-") if early == "alone" else GLUON
     plan = SplitKVPlan(q, kp, False, None, Variant.parse(name + ("-paged=true" if paged else "")))
     if early != "alone":
-        plan.preload = 2 if early in ("preload", "paced", "gated") else 0
-    # "preload": both tiles before the wait at once; "paced": one K / V half in flight (PACE);
-    # "gated": the second after the combine before has read its splits (GATE)
-    plan.pace = {"preload": 0, "paced": 1, "gated": 1}.get(early)
-    plan.gate = 1 if early == "gated" else None
+        plan.preload = 2 if early in ("preload", "paced") else 0
+    # "preload": both tiles before the wait at once; "paced": one K / V half in flight (PACE)
+    plan.pace = {"preload": 0, "paced": 1}.get(early)
     assert plan.preload_tiles(1000, plan.num_splits(1000)) == {
-        False: 0, True: 0, "preload": 2, "paced": 2, "alone": 1, "gated": 2}[early]
+        False: 0, True: 0, "preload": 2, "paced": 2, "alone": 1}[early]
     early = bool(early)
     plan.allow_early = early  # a one-wave grid: the launch takes the early start unless told
     assert plan.variant.gluon and plan.early(plan.num_splits(1000)) == early
@@ -379,13 +377,12 @@ def test_gluon_preloaded_tiles_never_hold_the_appended_keys(paged, nq, n_new, ca
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("paged", [False, True])
-@pytest.mark.parametrize("pre,pace,gate", [(1, 1, 0), (2, 1, 0), (2, 0, 0), (2, 1, 1)])
-def test_gluon_tiles_loaded_before_the_wait_with_keys_written_just_before(paged, pre, pace, gate):
+@pytest.mark.parametrize("pre,pace", [(1, 1), (2, 1), (2, 0)])
+def test_gluon_tiles_loaded_before_the_wait_with_keys_written_just_before(paged, pre, pace):
     """The early start's loads before its wait: `pre` tiles, `pace` K / V halves in flight (0:
-    all), those from `gate` on after the combine before has read its splits. Keys written just
-    before the launch (appended=2) sit in the last split's second tile, which is loaded again
-    after the wait; then a graph replayed at other lengths moves every split (the tiles the hint
-    placed are all loaded again)."""
+    all). Keys written just before the launch (appended=2) sit in the last split's second tile,
+    which is loaded again after the wait; then a graph replayed at other lengths moves every
+    split (the tiles the hint placed are all loaded again)."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the gluon render is sm_90's")
     name = "splitkv-m64-n128-w4-s2-sp3-gluon=true"
@@ -393,8 +390,7 @@ def test_gluon_tiles_loaded_before_the_wait_with_keys_written_just_before(paged,
     kp, vp, bt = _paged(kc, vc, 256) if paged else (kc, vc, None)
     from flashtune.kvcache import fit_pages
     plan = SplitKVPlan(q, kp, False, None, fit_pages(Variant.parse(name), 256 if paged else None))
-    plan.preload, plan.pace, plan.gate = pre, pace, gate
-    assert plan.partial_key(False, True, 1000, plan.num_splits(1000))[-1] == gate
+    plan.preload, plan.pace = pre, pace
     lengths = [1000, 500]
     seqlens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
     assert plan.early(plan.num_splits(1000))
@@ -418,41 +414,6 @@ def test_gluon_tiles_loaded_before_the_wait_with_keys_written_just_before(paged,
         graph.replay()
         torch.cuda.synchronize()
         check(q, kc, vc, lengths, out, lse=lse)
-    # every combine program took back what it added
-    assert not readers(q.device).any()
-
-
-@pytest.mark.gpu
-def test_a_gate_whose_readers_never_drain_waits_its_limit_and_stays_exact():
-    """The gate is a hint: with the readers count held above 0 (a combine of another stream, a
-    stray count) a gated launch waits gate_ns and goes on, its output exact; graph-replayed
-    steps of gated layers, each after the one before's combine, likewise."""
-    if torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("the gluon render is sm_90's")
-    q, kc, vc = make(1, 1, 8, 1, 128, 8192, torch.bfloat16, "cuda")
-    plan = SplitKVPlan(q, kc, False, None,
-                       Variant.parse("splitkv-m16-n128-w4-s2-gluon=true"))
-    plan.preload, plan.gate, plan.gate_ns = 2, 1, 20000
-    lengths = [8192 - 300]
-    seqlens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
-    assert plan.early(plan.num_splits(8192))
-    count = readers(q.device)
-    count.fill_(5)
-    out, lse = plan.run(q, kc, vc, seqlens, None, 8192)
-    torch.cuda.synchronize()
-    check(q, kc, vc, lengths, out, lse=lse)
-    assert count[0].item() == 5 and not count[1:].any()  # the combine took back its own
-    count.zero_()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(4):
-            out, lse = plan.run(q, kc, vc, seqlens, None, 8192)
-    for n in (8192, 129, 5000):
-        seqlens.fill_(n)
-        graph.replay()
-        torch.cuda.synchronize()
-        check(q, kc, vc, [n], out, lse=lse)
-    assert not count.any()
 
 
 @pytest.mark.gpu

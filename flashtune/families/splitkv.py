@@ -206,8 +206,8 @@ def compile_check(variant, head_dim: int, dtype: str, causal: bool, tails: bool,
         consts.update(gluon_rows(plan))
         if variant.early_start:  # the render that loads the ring's first tiles before its wait
             # and shares the rest (STEAL); one K / V half in flight at a time
-            consts.update(PRELOAD=variant.num_stages, PACE=1, STEAL=True, GATE=1)
-            ints["CNT"] = ints["READERS"] = "*i32"
+            consts.update(PRELOAD=variant.num_stages, PACE=1, STEAL=True)
+            ints["CNT"] = "*i32"
         ints.update(k_desc=desc, v_desc=desc)
     out = {"partial": compile_for(mod.attn_splitkv_partial, consts, dtype, variant.num_warps,
                                   variant.num_stages, capability=cap, usage=usage, types=ints)}
@@ -215,9 +215,9 @@ def compile_check(variant, head_dim: int, dtype: str, causal: bool, tails: bool,
     out["combine"] = compile_for(mod.attn_splitkv_combine,
                                  dict(HEAD_DIM=head_dim, BLOCK_S=block_s, CHUNK_D=chunk_d,
                                       USE_PDL=cap >= 90,
-                                      **({"TRIGGER_FIRST": False, "GATE": True}
-                                         if variant.early_start else {})),
+                                      **({"TRIGGER_FIRST": False} if variant.early_start
+                                         else {})),
                                  dtype, 4, 3, capability=cap,
                                  usage=usage, types={"O_PART": "*fp32", "LSE_PART": "*fp32",
-                                                     "H": "i32", "READERS": "*i32"})
+                                                     "H": "i32"})
     return out
