@@ -46,8 +46,9 @@ def gpu(out: str, cells, configs, reps: int, page: int = 0) -> None:
         if base != var:
             plans[f"{base.name} default"] = SplitKVPlan(q, kcs[0], False, None, base)
         lens = {}  # a plan's lengths argument: the tensor, or None (every sequence nk keys)
+        unchecked = set()  # labels timed without their output checked (nc, nw)
         for (bn, st, splits, per_sm, pf_mib, tf, uniform, pre, steal, own, pace, ts, qc, nc,
-             bm) in configs:
+             bm, nw) in configs:
             gv = fit_pages(dataclasses.replace(var, block_m=bm, block_n=bn, num_warps=4,
                                                num_stages=st, loads="pointer", gluon=True),
                            page or None)
@@ -66,6 +67,11 @@ def gpu(out: str, cells, configs, reps: int, page: int = 0) -> None:
             if nc:  # the partial kernels alone: what the layer costs without its merge
                 plan.skip_combine = True
                 label += " nocomb"
+                unchecked.add(label)
+            if nw:  # the early combine without its wait for the partial grid (its reads race
+                plan._mods[True] = no_wait_module(gv)  # the partials' stores): the layer if
+                label += " nowait"  # the merge had no grid hand-off
+                unchecked.add(label)
             if uniform:  # no lengths tensor: the kernels read no length before their first load
                 label += " uniform"
                 lens[label] = None
@@ -79,7 +85,7 @@ def gpu(out: str, cells, configs, reps: int, page: int = 0) -> None:
                 diff = (got.float() - ref.float()).abs().max().item()
                 write({"cell": cell, "impl": label, "splits": plan.num_splits(nk),
                        "early": plan.early(plan.num_splits(nk)), "max_diff_vs_shipped": diff})
-                if diff < 2e-2 or plan.skip_combine:  # (nocomb: unmerged, timed unchecked)
+                if diff < 2e-2 or label in unchecked:  # (nocomb, nowait: timed unchecked)
                     times[label] = []
             except Exception as e:  # noqa: BLE001 -- a config that cannot run is a row
                 write({"cell": cell, "impl": label, "error": f"{type(e).__name__}: {e}"[:400]})
@@ -104,8 +110,28 @@ CONFIGS_HELP = (
     "as bench/quiet_combine.py's, holding |QC| KiB of shared memory, a program a row or, QC < 0, "
     "the shipped grid's (row, D slice) programs (0: the shipped combine); NC 1: the partial "
     "kernels alone, no combine (timed unchecked); BM: block_m, 64 (the rows in wgmma's M) or "
-    "16 / 32 (swap_ab: the rows in its N); -1: the launch's own choice). Fields may also follow "
-    "by name after colons, lower-case: 128/2:bm=16:nc=1")
+    "16 / 32 (swap_ab: the rows in its N); -1: the launch's own choice). By name only: NW 1: "
+    "the early combine without its wait for the partial grid (timed unchecked: the layer if the "
+    "merge had no grid hand-off). Fields may also follow by name after colons, lower-case: "
+    "128/2:bm=16:nc=1")
+
+
+def no_wait_module(variant):
+    """The early render of `variant` with its combine's griddepcontrol.wait taken out (a probe:
+    the combine then starts once every partial program has let it launch, after their stores,
+    and its reads race their landing)."""
+    import splitkv_timeline
+    from flashtune.codegen.render import render
+    src = render(dataclasses.replace(variant, early_start=True))
+    wait = "        tl.extra.cuda.gdc_wait()\n"
+    if src.count(wait) != 1:
+        raise RuntimeError(f"the render changed: {wait.strip()!r} found {src.count(wait)}x")
+    no_wait_module.made += 1
+    return splitkv_timeline.load_source(src.replace(wait, "        pass\n"),
+                                        f"gluon_splitkv_nowait_{no_wait_module.made}")
+
+
+no_wait_module.made = 0
 
 
 def main() -> None:
@@ -124,8 +150,8 @@ def main() -> None:
 
 # a config's fields in order, and each one's value where a config leaves it out
 FIELDS = ("block_n", "stages", "splits", "per_sm", "pf_mib", "tf", "uniform", "pre", "steal",
-          "own", "pace", "ts", "qc", "nc", "bm")
-UNSET = (0, 0, 0, 1, -1, -1, 0, -1, -1, 0, -1, -1, 0, 0, 64)
+          "own", "pace", "ts", "qc", "nc", "bm", "nw")
+UNSET = (0, 0, 0, 1, -1, -1, 0, -1, -1, 0, -1, -1, 0, 0, 64, 0)
 
 
 def parse_configs(text: str) -> list:

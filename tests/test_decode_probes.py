@@ -116,12 +116,28 @@ def test_gluon_partial_matches_float64(n, splits, config):
 def test_gluon_splitkv_configs_positional_and_by_name():
     import gluon_splitkv as gs
     base = gs.parse_configs("128/2")[0]
-    assert base == (128, 2) + gs.UNSET[2:] and base[-1] == 64
+    bm, nc = gs.FIELDS.index("bm"), gs.FIELDS.index("nc")
+    assert base == (128, 2) + gs.UNSET[2:] and base[bm] == 64
     # session 45's positional spelling and its named one are the same config
     pos = "64/2/256/2/0/1/0/2/-1/0/1/1/0/0/16"
     named = "64/2:splits=256:per_sm=2:pf_mib=0:tf=1:pre=2:pace=1:ts=1:bm=16"
     assert gs.parse_configs(pos) == gs.parse_configs(named)
-    assert [c[-2:] for c in gs.parse_configs("128/2:nc=1,128/2/0/1:bm=16")] == [(1, 64), (0, 16)]
-    for bad in ("128", "128/2:bn=4", "128/2:bm", "128/2/" + "/".join(["0"] * 14)):
+    assert [(c[nc], c[bm]) for c in gs.parse_configs("128/2:nc=1,128/2/0/1:bm=16")] == [
+        (1, 64), (0, 16)]
+    assert gs.parse_configs("128/2:nw=1")[0][gs.FIELDS.index("nw")] == 1  # by name only
+    for bad in ("128", "128/2:bn=4", "128/2:bm", "128/2/" + "/".join(["0"] * 15)):
         with pytest.raises(ValueError, match="config"):
             gs.parse_configs(bad)
+
+
+def test_gluon_splitkv_no_wait_combine_renders_without_its_wait():
+    # NW's module: the early render whose combine no longer waits for the partial grid (the
+    # partial kernel's own wait kept)
+    import inspect
+
+    import gluon_splitkv as gs
+    from flashtune.codegen import Variant
+    mod = gs.no_wait_module(Variant.parse("splitkv-m16-n128-w4-s2-gluon=true"))
+    combine = inspect.getsource(mod.attn_splitkv_combine.fn)
+    assert "gdc_wait" not in combine and "gdc_launch_dependents" in combine
+    assert "gdc_wait()" in inspect.getsource(mod.attn_splitkv_partial.fn)
