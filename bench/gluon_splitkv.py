@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import sys
 from pathlib import Path
 
@@ -120,18 +121,15 @@ def no_wait_module(variant):
     """The early render of `variant` with its combine's griddepcontrol.wait taken out (a probe:
     the combine then starts once every partial program has let it launch, after their stores,
     and its reads race their landing)."""
-    import splitkv_timeline
+    from splitkv_timeline import edited, load_source
+
     from flashtune.codegen.render import render
-    src = render(dataclasses.replace(variant, early_start=True))
-    wait = "        tl.extra.cuda.gdc_wait()\n"
-    if src.count(wait) != 1:
-        raise RuntimeError(f"the render changed: {wait.strip()!r} found {src.count(wait)}x")
-    no_wait_module.made += 1
-    return splitkv_timeline.load_source(src.replace(wait, "        pass\n"),
-                                        f"gluon_splitkv_nowait_{no_wait_module.made}")
+    src = edited(render(dataclasses.replace(variant, early_start=True)),
+                 [("        tl.extra.cuda.gdc_wait()\n", "        pass\n")])
+    return load_source(src, f"gluon_splitkv_nowait_{next(_NO_WAIT_MODULES)}")
 
 
-no_wait_module.made = 0
+_NO_WAIT_MODULES = itertools.count()
 
 
 def main() -> None:

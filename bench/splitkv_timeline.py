@@ -82,6 +82,12 @@ def stamped_source(variant) -> str:
          "             acc.to(O.dtype.element_ty), mask=d_ok)\n"
          + CSTAMP.format(slots=CSLOTS, k=2)),
     ]
+    return edited(src, edits)
+
+
+def edited(src: str, edits) -> str:
+    """src with each (old, new) of `edits` replaced, each old found exactly once (else the
+    render changed under the probe: an error, not a silently unedited kernel)."""
     for old, new in edits:
         if src.count(old) != 1:
             raise RuntimeError(f"the render changed: {old.strip()!r} found {src.count(old)}x")
