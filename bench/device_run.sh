@@ -282,6 +282,10 @@ print('torch', torch.cuda.get_device_name(0), targets.detect(0).slug)" 2>&1 | te
                 timeout ${TL_TIMEOUT:-240} python3 bench/splitkv_timeline.py --out "$OUT/$name.jsonl" \
                   ${TL_ARGS:-} $extra 2>&1 | tee -a "$OUT/timeline.log" | grep -v "leaked\|nanobind" | tail -30
               done ;;
+    pagedtiming) # issue 9 (session 47): paged against contiguous decode steps under flashtune bench's timer
+              # and the probes' (do_bench), through the bench's, the probes' and sequential block tables
+              timeout ${PT_TIMEOUT:-240} python3 bench/paged_timing_probe.py --out "$OUT/paged_timing.jsonl" \
+                ${PT_ARGS:-} 2>&1 | tee "$OUT/paged_timing.log" | grep -v "leaked\|nanobind" | tail -40 ;;
     dsweep)   timeout ${DSWEEP_TIMEOUT:-330} python3 bench/decode_sweep.py --out "$OUT/decode_sweep.jsonl" ${DSWEEP_ARGS:-} \
                 --budget ${DSWEEP_BUDGET:-300} 2>&1 | tee "$OUT/decode_sweep.log" | tail -20 ;;
     hopperncu) # issue 10: one launch of each worst-bucket kernel (and a good bucket) under Nsight Compute,

@@ -1,0 +1,99 @@
+"""Why two timers disagree on paged decoding (issue 9, session 47). `flashtune bench` puts the
+paged step within 5% of contiguous at MQA B=1 32k (1.03-1.05 in sessions 40-47), while the probes'
+timer (decode_bench.bench_ms: Triton's do_bench over CUDA-graph replays, as gluon_splitkv and
+decode_bench use it) read 1.08-1.15 in the same device calls. This times the same 16-layer steps
+-- contiguous, and paged through three block tables: the bench's (each sequence's pages shuffled
+by a CPU generator seeded 0), the probes' (torch.randperm on the device) and sequential pages --
+under both timers in one process, so the difference is either the table or the timer.
+
+    python3 bench/paged_timing_probe.py --out paged_timing.jsonl [--cells 1/8/1/32768,...]
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+from probe_rows import Rows, decode_cell, time_steps  # noqa: E402
+
+
+def tables(b: int, per: int, device) -> dict:
+    """The block tables (b, per) int32 timed: name -> table; every one maps sequence i to its
+    own pages i * per .. (i + 1) * per - 1, in three orders."""
+    gen = torch.Generator(device="cpu").manual_seed(0)  # flashtune.bench.peers.Paged's
+    bench = torch.stack([i * per + torch.randperm(per, generator=gen) for i in range(b)])
+    probes = torch.stack([i * per + torch.randperm(per, device=device) for i in range(b)])
+    seq = torch.arange(b * per, device=device).view(b, per)
+    return {name: t.to(device=device, dtype=torch.int32)
+            for name, t in (("bench", bench), ("probes", probes), ("sequential", seq))}
+
+
+def steps(q, kcs, vcs, sl, page: int, b: int, nk: int) -> dict:
+    """label -> make(i): layer i's call, contiguous and through each table."""
+    import flashtune
+    per = nk // page
+    kp = [t.view(b * per, page, *t.shape[2:]) for t in kcs]
+    vp = [t.view(b * per, page, *t.shape[2:]) for t in vcs]
+    makes = {"contiguous": lambda i: lambda: flashtune.attention_with_kvcache(
+        q, kcs[i], vcs[i], cache_seqlens=sl)}
+    for name, bt in tables(b, per, q.device).items():
+        makes[f"paged{page} {name}"] = (lambda bt: lambda i: lambda: flashtune.attention_with_kvcache(
+            q, kp[i], vp[i], cache_seqlens=sl, block_table=bt))(bt)
+    return makes
+
+
+def bench_timer(write, makes: dict, layers: int, rounds: int, kv_bytes: int, where: dict):
+    """flashtune bench's timer: every step in one set of rounds, there and back (measure_together),
+    each captured as one CUDA graph of its layers."""
+    from flashtune.bench.timing import measure_together, timed_form
+    labels = list(makes)
+    fns = []
+    for label in labels:
+        calls = [makes[label](i) for i in range(layers)]
+        fns.append(timed_form(lambda calls=calls: [c() for c in calls], "cuda", True)[0])
+    for label, got in zip(labels, measure_together(fns, "cuda", rounds=rounds)):
+        if isinstance(got, Exception):
+            write({**where, "timer": "bench", "impl": label, "error": repr(got)[:300]})
+            continue
+        ms, spread = got[0] / layers, got[1]
+        write({**where, "timer": "bench", "impl": label, "ms": ms, "spread": spread,
+               "gbps": kv_bytes / ms / 1e6})
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default="paged_timing.jsonl")
+    ap.add_argument("--cells", default="1/8/1/32768,8/8/1/8192", help="B/Hq/Hk/Nk,...")
+    ap.add_argument("--page", type=int, default=256)
+    ap.add_argument("--reps", type=int, default=3, help="rounds of the probes' timer")
+    ap.add_argument("--rounds", type=int, default=4, help="rounds of the bench's timer")
+    a = ap.parse_args()
+    import decode_bench as db
+    db.GRAPH, db.DEVICE = True, "cuda"
+    layers = 16
+    write = Rows(a.out)
+    for cell in a.cells.split(","):
+        b, nk = int(cell.split("/")[0]), int(cell.split("/")[3])
+        q, kcs, vcs, sl, kv_bytes, _ = decode_cell(cell, layers)
+        makes = steps(q, kcs, vcs, sl, a.page, b, nk)
+        ref = makes["contiguous"](0)()
+        for label, make in makes.items():  # every table computes the contiguous step's output
+            diff = (make(0)().float() - ref.float()).abs().max().item()
+            write({"cell": cell, "impl": label, "max_diff_vs_contiguous": diff})
+            if diff > 2e-2:
+                raise SystemExit(f"{cell} {label}: differs from contiguous by {diff}")
+        where = {"cell": cell}
+        time_steps(write, makes, layers, a.reps, kv_bytes, {**where, "timer": "probes"})
+        bench_timer(write, makes, layers, a.rounds, kv_bytes, where)
+        time_steps(write, makes, layers, a.reps, kv_bytes, {**where, "timer": "probes again"})
+        q = kcs = vcs = makes = ref = None
+        torch.cuda.empty_cache()
+    write.close()
+
+
+if __name__ == "__main__":
+    main()
