@@ -4,7 +4,9 @@ timer (decode_bench.bench_ms: Triton's do_bench over CUDA-graph replays, as gluo
 decode_bench use it) read 1.08-1.15 in the same device calls. This times the same 16-layer steps
 -- contiguous, and paged through three block tables: the bench's (each sequence's pages shuffled
 by a CPU generator seeded 0), the probes' (torch.randperm on the device) and sequential pages --
-under both timers in one process, so the difference is either the table or the timer.
+under both timers in one process (call 4 of session 47: both timers agree, every table alike,
+1.07-1.12) -- and (--alloc) over the probes' allocation of the 16 layers' inputs (every layer's K,
+then every layer's V) or the bench's (each layer's q, K, V and lengths in turn).
 
     python3 bench/paged_timing_probe.py --out paged_timing.jsonl [--cells 1/8/1/32768,...]
 """
@@ -32,18 +34,43 @@ def tables(b: int, per: int, device) -> dict:
             for name, t in (("bench", bench), ("probes", probes), ("sequential", seq))}
 
 
-def steps(q, kcs, vcs, sl, page: int, b: int, nk: int) -> dict:
-    """label -> make(i): layer i's call, contiguous and through each table."""
+def steps(qs, kcs, vcs, sls, page: int, b: int, nk: int, which=("bench", "probes",
+                                                                  "sequential")) -> dict:
+    """label -> make(i): layer i's call (its own q, caches and lengths), contiguous and through
+    each table of `which` -- one tensor every layer reads, and (" per layer") the bench's table
+    as one tensor a layer, as flashtune bench's paged peer builds it."""
     import flashtune
     per = nk // page
     kp = [t.view(b * per, page, *t.shape[2:]) for t in kcs]
     vp = [t.view(b * per, page, *t.shape[2:]) for t in vcs]
+
+    def paged(bts):
+        return lambda i: lambda: flashtune.attention_with_kvcache(
+            qs[i], kp[i], vp[i], cache_seqlens=sls[i], block_table=bts[i])
     makes = {"contiguous": lambda i: lambda: flashtune.attention_with_kvcache(
-        q, kcs[i], vcs[i], cache_seqlens=sl)}
-    for name, bt in tables(b, per, q.device).items():
-        makes[f"paged{page} {name}"] = (lambda bt: lambda i: lambda: flashtune.attention_with_kvcache(
-            q, kp[i], vp[i], cache_seqlens=sl, block_table=bt))(bt)
+        qs[i], kcs[i], vcs[i], cache_seqlens=sls[i])}
+    for name, bt in tables(b, per, qs[0].device).items():
+        if name in which:
+            makes[f"paged{page} {name}"] = paged([bt] * len(kcs))
+    makes[f"paged{page} bench per layer"] = paged(
+        [tables(b, per, qs[0].device)["bench"] for _ in kcs])
     return makes
+
+
+def layer_inputs(cell: str, layers: int, alloc: str) -> tuple:
+    """(qs, kcs, vcs, sls, kv_bytes) of a 16-layer step. alloc "probes": decode_cell's (every
+    layer's K, then every layer's V; one q and lengths tensor); "bench": flashtune bench's
+    (make_inputs per layer, seeds 0..: its q, K, V and lengths allocated in turn)."""
+    if alloc == "probes":
+        q, kcs, vcs, sl, kv_bytes, _ = decode_cell(cell, layers)
+        return [q] * layers, kcs, vcs, [sl] * layers, kv_bytes
+    from flashtune.bench.grid import Case
+    from flashtune.bench.peers import make_inputs
+    b, hq, hk, nk = (int(x) for x in cell.split("/"))
+    case = Case("decode", "fwd", b, hq, hk, 1, nk, 128, False)
+    inps = [make_inputs(case, "cuda", seed=i) for i in range(layers)]
+    qs, kcs, vcs = ([inp.tensors[j] for inp in inps] for j in range(3))
+    return qs, kcs, vcs, [inp.extra["cache_seqlens"] for inp in inps], int(case.work())
 
 
 def bench_timer(write, makes: dict, layers: int, rounds: int, kv_bytes: int, where: dict):
@@ -70,27 +97,31 @@ def main() -> None:
     ap.add_argument("--cells", default="1/8/1/32768,8/8/1/8192", help="B/Hq/Hk/Nk,...")
     ap.add_argument("--page", type=int, default=256)
     ap.add_argument("--reps", type=int, default=3, help="rounds of the probes' timer")
-    ap.add_argument("--rounds", type=int, default=4, help="rounds of the bench's timer")
+    ap.add_argument("--rounds", type=int, default=4, help="rounds of the bench's timer (0: "
+                    "the probes' timer alone)")
+    ap.add_argument("--alloc", default="probes", help="probes,bench: whose allocation of the "
+                    "layers' inputs (layer_inputs)")
+    ap.add_argument("--tables", default="bench,probes,sequential", help="the shared tables timed")
     a = ap.parse_args()
     import decode_bench as db
     db.GRAPH, db.DEVICE = True, "cuda"
     layers = 16
     write = Rows(a.out)
-    for cell in a.cells.split(","):
+    for cell, alloc in ((c, al) for c in a.cells.split(",") for al in a.alloc.split(",")):
         b, nk = int(cell.split("/")[0]), int(cell.split("/")[3])
-        q, kcs, vcs, sl, kv_bytes, _ = decode_cell(cell, layers)
-        makes = steps(q, kcs, vcs, sl, a.page, b, nk)
+        qs, kcs, vcs, sls, kv_bytes = layer_inputs(cell, layers, alloc)
+        makes = steps(qs, kcs, vcs, sls, a.page, b, nk, a.tables.split(","))
         ref = makes["contiguous"](0)()
+        where = {"cell": cell, "alloc": alloc}
         for label, make in makes.items():  # every table computes the contiguous step's output
             diff = (make(0)().float() - ref.float()).abs().max().item()
-            write({"cell": cell, "impl": label, "max_diff_vs_contiguous": diff})
+            write({**where, "impl": label, "max_diff_vs_contiguous": diff})
             if diff > 2e-2:
                 raise SystemExit(f"{cell} {label}: differs from contiguous by {diff}")
-        where = {"cell": cell}
         time_steps(write, makes, layers, a.reps, kv_bytes, {**where, "timer": "probes"})
-        bench_timer(write, makes, layers, a.rounds, kv_bytes, where)
-        time_steps(write, makes, layers, a.reps, kv_bytes, {**where, "timer": "probes again"})
-        q = kcs = vcs = makes = ref = None
+        if a.rounds:
+            bench_timer(write, makes, layers, a.rounds, kv_bytes, where)
+        qs = kcs = vcs = sls = makes = ref = None
         torch.cuda.empty_cache()
     write.close()
 
