@@ -61,8 +61,16 @@ def layer_inputs(cell: str, layers: int, alloc: str) -> tuple:
     """(qs, kcs, vcs, sls, kv_bytes) of a 16-layer step. alloc "probes": decode_cell's (every
     layer's K, then every layer's V; one q and lengths tensor); "bench": flashtune bench's
     (make_inputs per layer, seeds 0..: its q, K, V and lengths allocated in turn)."""
-    if alloc == "probes":
+    if alloc in ("probes", "pairs"):
         q, kcs, vcs, sl, kv_bytes, _ = decode_cell(cell, layers)
+        if alloc == "pairs":  # each layer's K and V allocated together, q and lengths shared
+            kcs = vcs = None
+            torch.cuda.empty_cache()
+            b, hq, hk, nk = (int(x) for x in cell.split("/"))
+            pairs = [(torch.randn(b, nk, hk, 128, dtype=torch.bfloat16, device="cuda"),
+                      torch.randn(b, nk, hk, 128, dtype=torch.bfloat16, device="cuda"))
+                     for _ in range(layers)]
+            kcs, vcs = [k for k, _ in pairs], [v for _, v in pairs]
         return [q] * layers, kcs, vcs, [sl] * layers, kv_bytes
     from flashtune.bench.grid import Case
     from flashtune.bench.peers import make_inputs
@@ -99,7 +107,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3, help="rounds of the probes' timer")
     ap.add_argument("--rounds", type=int, default=4, help="rounds of the bench's timer (0: "
                     "the probes' timer alone)")
-    ap.add_argument("--alloc", default="probes", help="probes,bench: whose allocation of the "
+    ap.add_argument("--alloc", default="probes", help="probes,pairs,bench: whose allocation of the "
                     "layers' inputs (layer_inputs)")
     ap.add_argument("--tables", default="bench,probes,sequential", help="the shared tables timed")
     a = ap.parse_args()
