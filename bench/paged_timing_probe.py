@@ -61,9 +61,12 @@ def layer_inputs(cell: str, layers: int, alloc: str) -> tuple:
     """(qs, kcs, vcs, sls, kv_bytes) of a 16-layer step. alloc "probes": decode_cell's (every
     layer's K, then every layer's V; one q and lengths tensor); "bench": flashtune bench's
     (make_inputs per layer, seeds 0..: its q, K, V and lengths allocated in turn)."""
-    if alloc in ("probes", "pairs"):
+    base, _, own = alloc.partition("+")  # "+q", "+sl": that tensor one a layer (a copy)
+    if base in ("probes", "pairs"):
         q, kcs, vcs, sl, kv_bytes, _ = decode_cell(cell, layers)
-        if alloc == "pairs":  # each layer's K and V allocated together, q and lengths shared
+        qs = [q.clone() for _ in range(layers)] if "q" in own.split("+") else [q] * layers
+        sls = [sl.clone() for _ in range(layers)] if "sl" in own.split("+") else [sl] * layers
+        if base == "pairs":  # each layer's K and V allocated together, q and lengths shared
             kcs = vcs = None
             torch.cuda.empty_cache()
             b, hq, hk, nk = (int(x) for x in cell.split("/"))
@@ -71,7 +74,7 @@ def layer_inputs(cell: str, layers: int, alloc: str) -> tuple:
                       torch.randn(b, nk, hk, 128, dtype=torch.bfloat16, device="cuda"))
                      for _ in range(layers)]
             kcs, vcs = [k for k, _ in pairs], [v for _, v in pairs]
-        return [q] * layers, kcs, vcs, [sl] * layers, kv_bytes
+        return qs, kcs, vcs, sls, kv_bytes
     from flashtune.bench.grid import Case
     from flashtune.bench.peers import make_inputs
     b, hq, hk, nk = (int(x) for x in cell.split("/"))
