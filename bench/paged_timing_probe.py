@@ -1,12 +1,13 @@
-"""Why two timers disagree on paged decoding (issue 9, session 47). `flashtune bench` puts the
-paged step within 5% of contiguous at MQA B=1 32k (1.03-1.05 in sessions 40-47), while the probes'
-timer (decode_bench.bench_ms: Triton's do_bench over CUDA-graph replays, as gluon_splitkv and
-decode_bench use it) read 1.08-1.15 in the same device calls. This times the same 16-layer steps
--- contiguous, and paged through three block tables: the bench's (each sequence's pages shuffled
-by a CPU generator seeded 0), the probes' (torch.randperm on the device) and sequential pages --
-under both timers in one process (call 4 of session 47: both timers agree, every table alike,
-1.07-1.12) -- and (--alloc) over the probes' allocation of the 16 layers' inputs (every layer's K,
-then every layer's V) or the bench's (each layer's q, K, V and lengths in turn).
+"""Paged against contiguous decode steps, as the 16 layers' inputs are laid out (issue 9,
+session 47). `flashtune bench` put paged MQA B=1 32k within 5% of contiguous (1.03-1.05 in
+sessions 40-47) where the probes (gluon_splitkv, decode_bench) read 1.08-1.15 in the same device
+calls. This times the same steps -- contiguous, and paged through block tables: the bench's (each
+sequence's pages shuffled by a CPU generator seeded 0), the probes' (torch.randperm on the
+device), sequential pages, and the bench's as one tensor a layer -- under both timers (the
+probes': decode_bench.bench_ms; the bench's: measure_together), over the probes' layout of the
+layers' inputs or the bench's (--alloc). On the H100 (session 47, calls 4-8) the timers and the
+tables agree; the layout decides: one q and one lengths tensor for every layer (the probes') read
+1.06-1.16x contiguous, a q and lengths tensor a layer (the bench's) 1.02-1.06.
 
     python3 bench/paged_timing_probe.py --out paged_timing.jsonl [--cells 1/8/1/32768,...]
 """
@@ -59,8 +60,10 @@ def steps(qs, kcs, vcs, sls, page: int, b: int, nk: int, which=("bench", "probes
 
 def layer_inputs(cell: str, layers: int, alloc: str) -> tuple:
     """(qs, kcs, vcs, sls, kv_bytes) of a 16-layer step. alloc "probes": decode_cell's (every
-    layer's K, then every layer's V; one q and lengths tensor); "bench": flashtune bench's
-    (make_inputs per layer, seeds 0..: its q, K, V and lengths allocated in turn)."""
+    layer's K, then every layer's V; one q and lengths tensor); "pairs": the same with each
+    layer's K and V allocated together; either + "+q" / "+sl" / "+q+sl": a q / lengths tensor
+    of its own a layer (copies); "bench": flashtune bench's (make_inputs per layer, seeds 0..:
+    its q, K, V and lengths allocated in turn)."""
     base, _, own = alloc.partition("+")  # "+q", "+sl": that tensor one a layer (a copy)
     if base in ("probes", "pairs"):
         q, kcs, vcs, sl, kv_bytes, _ = decode_cell(cell, layers)

@@ -141,3 +141,34 @@ def test_gluon_splitkv_no_wait_combine_renders_without_its_wait():
     combine = inspect.getsource(mod.attn_splitkv_combine.fn)
     assert "gdc_wait" not in combine and "gdc_launch_dependents" in combine
     assert "gdc_wait()" in inspect.getsource(mod.attn_splitkv_partial.fn)
+
+
+def test_paged_timing_probe_tables_and_steps_match_contiguous():
+    """bench/paged_timing_probe.py: every table maps each sequence to its own pages, once each,
+    and every paged step (shared tables and one a layer) computes the contiguous step's output
+    (float16 in the interpreter against a float64 reference): full caches, so a shuffled table
+    reorders the keys one query token sees, all of them, as the probe times it."""
+    import paged_timing_probe as pt
+
+    from flashtune.reference import reference
+    b, per, page, d = 2, 4, 16, 64
+    for name, t in pt.tables(b, per, "cpu").items():
+        assert t.dtype == torch.int32 and t.shape == (b, per), name
+        for i in range(b):
+            assert sorted(t[i].tolist()) == list(range(i * per, (i + 1) * per)), name
+    if not os.environ.get("TRITON_INTERPRET"):
+        pytest.skip("the kernels need TRITON_INTERPRET=1 on the CPU")
+    nk = per * page
+    q = torch.randn(b, 1, 8, d, dtype=torch.float16)
+    kcs = [torch.randn(b, nk, 1, d, dtype=torch.float16) for _ in range(2)]
+    vcs = [torch.randn_like(k) for k in kcs]
+    sl = torch.full((b,), nk, dtype=torch.int32)
+    makes = pt.steps([q, q], kcs, vcs, [sl, sl], page, b, nk)
+    assert set(makes) == {"contiguous", "paged16 bench", "paged16 probes", "paged16 sequential",
+                          "paged16 bench per layer"}
+    for i in range(2):
+        want = reference(q.transpose(1, 2).double(), kcs[i].transpose(1, 2).double(),
+                         vcs[i].transpose(1, 2).double()).transpose(1, 2)
+        for label, make in makes.items():
+            got = make(i)().double()
+            assert (got - want).abs().max().item() < 2e-3, (label, i)
