@@ -426,3 +426,30 @@ def test_decode_cells_time_a_step_of_layers_per_layer():
     few = runner.run(shapes, ("decode",), by_names(["flashtune-defaults"]), "cpu",
                      progress="none", decode_layers=3, decode_max_gib=1e-9)
     assert few["rows"] and all("layers" not in r and r["ms"] > 0 for r in few["rows"])
+
+
+def test_decode_layers_share_one_lengths_tensor_and_one_block_table():
+    # a server's step: each layer its own q and caches, one lengths tensor and (paged) one block
+    # table for all of them -- the layout the paged render is slower in (session 47)
+    from flashtune.bench import grid, runner
+    from flashtune.bench.peers import Paged, make_inputs
+    case = grid.Case("decode", "fwd", 2, 4, 2, 1, 64, 64, False, "float16")
+    inp = make_inputs(case, "cpu")
+    more = runner._layers(case, inp, "cpu", 3, 1e12)
+    assert len(more) == 2
+    for m in more:
+        assert m.extra["cache_seqlens"] is inp.extra["cache_seqlens"]
+        assert all(a.data_ptr() != b.data_ptr() for a, b in zip(m.tensors, inp.tensors))
+    peer = Paged()
+    first = peer.prepare(case, inp)
+    table = peer._tables[case]
+    assert sorted(table.flatten().tolist()) == list(range(table.numel()))  # every page once
+    rest = [peer.prepare(case, m) for m in more]
+    assert peer._tables[case] is table
+    # every layer's paged step gives its own contiguous result (float64 reference)
+    from flashtune.reference import reference
+    for m, fn in zip((inp,) + more, [first] + rest):
+        q, kc, vc = m.tensors
+        want = reference(q.transpose(1, 2).double(), kc.transpose(1, 2).double(),
+                         vc.transpose(1, 2).double()).transpose(1, 2)
+        assert (fn(q, kc, vc).double() - want).abs().max().item() < 2e-3

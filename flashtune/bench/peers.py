@@ -127,11 +127,12 @@ class Flashtune(Peer):
 class Paged(Flashtune):
     """flashtune's decoding over the same cache cut into pages: each sequence's pages in a
     shuffled order through the block table (same bytes, same result -- one query token sees
-    every key -- scattered reads)."""
+    every key -- scattered reads), one table for every layer of a step."""
 
     def __init__(self, page: int = 256):
         super().__init__(True)
         self.page = page
+        self._tables: dict = {}  # case -> its block table: one for every layer, as a server has
         self.name = f"flashtune-paged{page}"
         self.doc = (f"flashtune decoding a paged cache ({page}-token pages, each sequence's "
                     "pages shuffled)")
@@ -146,9 +147,12 @@ class Paged(Flashtune):
             raise Unavailable(f"Nk={n} is not a multiple of the page size {page}")
         per = n // page
         dev = inp.tensors[0].device
-        gen = torch.Generator(device="cpu").manual_seed(0)
-        table = torch.stack([b * per + torch.randperm(per, generator=gen)
-                             for b in range(case.batch)]).to(device=dev, dtype=torch.int32)
+        table = self._tables.get(case)
+        if table is None or table.device != dev:
+            gen = torch.Generator(device="cpu").manual_seed(0)
+            table = torch.stack([b * per + torch.randperm(per, generator=gen)
+                                 for b in range(case.batch)]).to(device=dev, dtype=torch.int32)
+            self._tables = {case: table}
         seqlens = inp.extra["cache_seqlens"]
 
         def paged(t):  # (B, N, Hk, D) -> (B * N / page, page, Hk, D), no copy
