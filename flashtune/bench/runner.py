@@ -248,9 +248,9 @@ def _layers(case: Case, inp: Inputs, device: str, layers: int, max_bytes: float)
     """The inputs of layers 2..L of a decode step (seeds 1..L-1), as many as fit max_bytes of
     caches in all and the device's memory; () for other sections. As a server lays a step out:
     each layer its own q and caches, one lengths tensor (layer 1's) for all of them (the paged
-    peer's block table too: Paged). The paged render read 1.06-1.14x contiguous at MQA B=1 32k
-    with the lengths shared this way, 1.02-1.03x with one a layer (H100, docs/benchmarks.md
-    session 47), so the layout a server has is the one timed."""
+    peer's block table too: Paged). The paged render read 1.03-1.14x contiguous at MQA B=1 32k
+    with the lengths shared this way, 1.02-1.05x with one a layer (H100, docs/benchmarks.md
+    session 47, a probe's steps), so the layout a server has is the one timed."""
     if case.section != "decode" or layers <= 1:
         return ()
     each = sum(t.numel() * t.element_size() for t in inp.tensors[1:])
