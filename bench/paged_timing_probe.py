@@ -23,12 +23,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 from probe_rows import Rows, decode_cell, time_steps  # noqa: E402
 
+from flashtune.bench.peers import shuffled_table  # noqa: E402 -- flashtune bench's paged table
+
 
 def tables(b: int, per: int, device) -> dict:
     """The block tables (b, per) int32 timed: name -> table; every one maps sequence i to its
     own pages i * per .. (i + 1) * per - 1, in three orders."""
-    gen = torch.Generator(device="cpu").manual_seed(0)  # flashtune.bench.peers.Paged's
-    bench = torch.stack([i * per + torch.randperm(per, generator=gen) for i in range(b)])
+    bench = shuffled_table(b, per, device)
     probes = torch.stack([i * per + torch.randperm(per, device=device) for i in range(b)])
     seq = torch.arange(b * per, device=device).view(b, per)
     return {name: t.to(device=device, dtype=torch.int32)
@@ -54,7 +55,7 @@ def steps(qs, kcs, vcs, sls, page: int, b: int, nk: int, which=("bench", "probes
         if name in which:
             makes[f"paged{page} {name}"] = paged([bt] * len(kcs))
     makes[f"paged{page} bench per layer"] = paged(
-        [tables(b, per, qs[0].device)["bench"] for _ in kcs])
+        [shuffled_table(b, per, qs[0].device) for _ in kcs])
     return makes
 
 

@@ -124,6 +124,14 @@ class Flashtune(Peer):
         return lambda q, k, v: flashtune.attention(q, k, v, causal=c, **kw)
 
 
+def shuffled_table(batch: int, per: int, device) -> torch.Tensor:
+    """A (batch, per) int32 block table: sequence b's pages b * per .. (b + 1) * per - 1 in an
+    order shuffled by a CPU generator seeded 0 (the same table every run)."""
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    return torch.stack([b * per + torch.randperm(per, generator=gen)
+                        for b in range(batch)]).to(device=device, dtype=torch.int32)
+
+
 class Paged(Flashtune):
     """flashtune's decoding over the same cache cut into pages: each sequence's pages in a
     shuffled order through the block table (same bytes, same result -- one query token sees
@@ -149,9 +157,7 @@ class Paged(Flashtune):
         dev = inp.tensors[0].device
         table = self._tables.get(case)
         if table is None or table.device != dev:
-            gen = torch.Generator(device="cpu").manual_seed(0)
-            table = torch.stack([b * per + torch.randperm(per, generator=gen)
-                                 for b in range(case.batch)]).to(device=dev, dtype=torch.int32)
+            table = shuffled_table(case.batch, per, dev)
             self._tables = {case: table}
         seqlens = inp.extra["cache_seqlens"]
 
